@@ -1,0 +1,1 @@
+"""pytest checks/: read only; every step only verifies."""

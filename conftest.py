@@ -1,0 +1,3 @@
+"""Registers the llmgw fixtures plugin: the one place it is loaded."""
+
+pytest_plugins = ["fixtures.plugin"]

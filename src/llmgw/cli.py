@@ -1,0 +1,54 @@
+"""The `llmgw` command: every service of a host, and `down` to stop a local one."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from llmgw.errors import Error
+
+
+def _server(args: argparse.Namespace) -> int:
+    from llmgw.config import load_server
+    from llmgw.control.server import serve
+
+    asyncio.run(serve(load_server(args.config)))
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from llmgw.down import down
+
+    for line in down(args.state_dir):
+        print(line)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmgw", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    server = sub.add_parser("server", help="run the control plane")
+    server.add_argument("--config", required=True, help="path to server.yaml")
+    server.set_defaults(run=_server)
+
+    down = sub.add_parser("down", help="stop everything a local-mode host runs")
+    down.add_argument("--state-dir", required=True, help="the host's state dir")
+    down.set_defaults(run=_down)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.run(args)
+    except Error as e:
+        print(f"llmgw {args.command}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,1 @@
+"""The control plane: catalog, nodes and replicas in SQLite, the admin and agent APIs."""

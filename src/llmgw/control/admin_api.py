@@ -1,0 +1,70 @@
+"""The admin API (loopback): nodes, the catalog and replicas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Response
+from fastapi.responses import JSONResponse
+
+from llmgw.control.catalog import Model
+from llmgw.control.nodes import node_view
+from llmgw.control.store import Store
+
+_PUBLIC_REPLICA_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint")
+
+
+def public_replica(replica: dict[str, Any]) -> dict[str, Any]:
+    """A replica as the admin API shows it: never its api_key."""
+    return {k: replica[k] for k in _PUBLIC_REPLICA_FIELDS}
+
+
+def make_admin_app(store: Store, *, node_timeout_s: float) -> FastAPI:
+    app = FastAPI(title="llmgw admin API", version="1")
+
+    @app.get("/healthz")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/api/v1/nodes")
+    def nodes() -> list[dict[str, Any]]:
+        now = store.clock()
+        return [node_view(n, now, node_timeout_s) for n in store.nodes()]
+
+    @app.get("/api/v1/models")
+    def models() -> list[dict[str, Any]]:
+        return store.models()
+
+    @app.post("/api/v1/models", status_code=201)
+    def add_model(model: Model) -> dict[str, Any]:
+        taken = {n for m in store.models() for n in [m["name"], *m.get("aliases", [])]}
+        clash = [n for n in model.names() if n in taken]
+        if clash:
+            raise HTTPException(
+                409,
+                f"{', '.join(clash)} already names a model in the catalog; "
+                f"DELETE /api/v1/models/{model.name} first to replace it",
+            )
+        spec = model.model_dump()
+        if not store.add_model(spec):
+            raise HTTPException(409, f"{model.name} is already in the catalog")
+        return spec
+
+    @app.get("/api/v1/models/{name}")
+    def get_model(name: str) -> dict[str, Any]:
+        spec = store.model(name)
+        if spec is None:
+            raise HTTPException(404, f"no model {name!r} in the catalog")
+        return spec
+
+    @app.delete("/api/v1/models/{name}", status_code=204)
+    def delete_model(name: str) -> Response:
+        if not store.delete_model(name):
+            raise HTTPException(404, f"no model {name!r} in the catalog")
+        return Response(status_code=204)
+
+    @app.get("/api/v1/replicas")
+    def replicas(model: str | None = None) -> JSONResponse:
+        return JSONResponse([public_replica(r) for r in store.replicas(model)])
+
+    return app

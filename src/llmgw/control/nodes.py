@@ -1,0 +1,36 @@
+"""A node's state, derived from its last heartbeat and how long ago that was."""
+
+from __future__ import annotations
+
+from typing import Any
+
+STATES = ("registering", "provisioning", "ready", "not_ready")
+
+
+def reported_state(inventory: dict[str, Any]) -> str:
+    """What the heartbeat says: ready with an engine, provisioning one, or just registered."""
+    if inventory.get("engines"):
+        return "ready"
+    if inventory.get("provision"):
+        return "provisioning"
+    return "registering"
+
+
+def node_view(node: dict[str, Any], now: float, timeout_s: float) -> dict[str, Any]:
+    """The admin API's view of a stored node (DESIGN.md wire contract)."""
+    inv = node["inventory"]
+    silent = now - node["last_seen"] > timeout_s
+    return {
+        "id": node["id"],
+        "state": "not_ready" if silent else reported_state(inv),
+        "engines": list(inv.get("engines", [])),
+        "provision": list(inv.get("provision", [])),
+        "gpus": list(inv.get("gpus", [])),
+        "labels": dict(inv.get("labels", {})),
+        "addr": inv.get("addr", ""),
+        "interface": inv.get("interface", ""),
+        "cpus": inv.get("cpus", 0),
+        "memory_mb": inv.get("memory_mb", 0),
+        "warnings": list(inv.get("warnings", [])),
+        "last_seen": node["last_seen"],
+    }

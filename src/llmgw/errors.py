@@ -1,0 +1,15 @@
+"""The base error of llmgw.
+
+Error
+ ├── pki.PKIError
+ ├── config.ConfigError
+ ├── services.ServiceError
+ └── control.client.ControlPlaneError
+      └── control.client.NotFound
+"""
+
+from __future__ import annotations
+
+
+class Error(Exception):
+    """Something llmgw found wrong; the message says what, why and what to do."""

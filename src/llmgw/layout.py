@@ -1,0 +1,79 @@
+"""Where a host's files live: system mode (root with systemd) or local mode (one state dir)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmgw.errors import Error
+
+MODES = ("auto", "system", "local")
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "llmgw"
+
+
+def systemd_is_init() -> bool:
+    """Whether systemd is PID 1 (its runtime dir exists only then)."""
+    return Path("/run/systemd/system").is_dir()
+
+
+def resolve_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise Error(f"--mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode != "auto":
+        return mode
+    return "system" if os.geteuid() == 0 and systemd_is_init() else "local"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The paths of one host."""
+
+    mode: str
+    etc: Path
+    models: Path
+    server_state: Path
+    agent_state: Path
+    # Local mode only: supervisord's config, socket and logs.
+    root: Path | None = None
+
+    @property
+    def pki(self) -> Path:
+        return self.etc / "pki"
+
+    @property
+    def server_yaml(self) -> Path:
+        return self.etc / "server.yaml"
+
+    @property
+    def agent_yaml(self) -> Path:
+        return self.etc / "agent.yaml"
+
+    @property
+    def logs(self) -> Path:
+        return (self.root / "logs") if self.root else Path("/var/log/llmgw")
+
+    @classmethod
+    def for_mode(cls, mode: str, state_dir: str | os.PathLike[str] | None = None) -> Layout:
+        mode = resolve_mode(mode)
+        if mode == "system":
+            return cls(
+                mode="system",
+                etc=Path("/etc/llmgw"),
+                models=Path("/srv/models"),
+                server_state=Path("/var/lib/llmgw"),
+                agent_state=Path("/var/lib/llmgw-agent"),
+            )
+        root = Path(state_dir).absolute() if state_dir else default_state_dir()
+        return cls(
+            mode="local",
+            etc=root / "etc",
+            models=root / "models",
+            server_state=root / "lib" / "llmgw",
+            agent_state=root / "lib" / "llmgw-agent",
+            root=root,
+        )

@@ -1,0 +1,77 @@
+"""Service managers behind one small interface: systemd in system mode, supervisord in local."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from llmgw.errors import Error
+from llmgw.layout import Layout
+
+__all__ = [
+    "ServiceError",
+    "ServiceManager",
+    "ServiceSpec",
+    "llmgw_command",
+    "manager_for",
+]
+
+
+class ServiceError(Error):
+    """A service could not be defined, started or read back."""
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One long-running process: what runs it and, under systemd, how it is confined."""
+
+    name: str
+    description: str
+    command: list[str]
+    # Lines for the [Service] section of a systemd unit, in order; local mode ignores them.
+    systemd_service: list[str] = field(default_factory=list)
+    environment: dict[str, str] = field(default_factory=dict)
+
+
+class ServiceManager(Protocol):
+    def definition_path(self, name: str) -> Path:
+        """Where the service's definition (unit or program section) lives."""
+
+    def ensure(self, spec: ServiceSpec) -> bool:
+        """Define, enable and start the service; restart it when its definition changed.
+
+        Returns whether anything changed.
+        """
+
+    def is_running(self, name: str) -> bool: ...
+
+    def describe(self, name: str) -> str:
+        """A line on the service's state, for messages."""
+
+    def start_hint(self, name: str) -> str:
+        """The command a person runs to start the service."""
+
+
+def llmgw_command(*args: str) -> list[str]:
+    """The argv that runs `llmgw ARGS` with this very installation."""
+    script = Path(sys.executable).parent / "llmgw"
+    if script.exists():
+        return [str(script), *args]
+    found = shutil.which("llmgw")
+    if found:
+        return [found, *args]
+    return [sys.executable, "-m", "llmgw", *args]
+
+
+def manager_for(layout: Layout) -> ServiceManager:
+    if layout.mode == "system":
+        from llmgw.services._systemd import Systemd
+
+        return Systemd()
+    from llmgw.services._supervisor import Supervisor
+
+    assert layout.root is not None
+    return Supervisor(layout.root)

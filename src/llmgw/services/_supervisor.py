@@ -1,0 +1,238 @@
+"""supervisord for local mode: its config in the state dir, driven over its XML-RPC socket."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import xmlrpc.client
+from pathlib import Path
+from typing import Any
+
+from supervisor.xmlrpc import SupervisorTransport
+
+from llmgw._files import atomic_write
+from llmgw.services import ServiceError, ServiceSpec
+
+_START_TIMEOUT_S = 15.0
+
+
+def _quote_env(env: dict[str, str]) -> str:
+    return ",".join(f'{k}="{v}"' for k, v in sorted(env.items()))
+
+
+class Supervisor:
+    """Programs under one supervisord whose files all live in root."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.conf = self.root / "supervisord.conf"
+        self.programs = self.root / "supervisor.d"
+        self.socket = self.root / "supervisor.sock"
+        self.pidfile = self.root / "supervisord.pid"
+        self.logs = self.root / "logs"
+
+    # --- files ---
+
+    def definition_path(self, name: str) -> Path:
+        return self.programs / f"{name}.conf"
+
+    def _main_conf(self) -> str:
+        return "\n".join(
+            [
+                "; supervisord for an llmgw host in local mode; written by llmgw.",
+                "[unix_http_server]",
+                f"file={self.socket}",
+                "chmod=0700",
+                "",
+                "[supervisord]",
+                f"logfile={self.logs / 'supervisord.log'}",
+                f"pidfile={self.pidfile}",
+                f"directory={self.root}",
+                "childlogdir=" + str(self.logs),
+                "",
+                "[rpcinterface:supervisor]",
+                "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
+                "",
+                "[supervisorctl]",
+                f"serverurl=unix://{self.socket}",
+                "",
+                "[include]",
+                f"files={self.programs}/*.conf",
+                "",
+            ]
+        )
+
+    def render_program(self, spec: ServiceSpec) -> str:
+        lines = [
+            f"; {spec.description}; written by llmgw.",
+            f"[program:{spec.name}]",
+            f"command={shlex.join(spec.command)}",
+            "autostart=true",
+            "autorestart=true",
+            "startsecs=1",
+            "startretries=100",
+            "stopsignal=TERM",
+            "stopwaitsecs=15",
+            "redirect_stderr=true",
+            f"stdout_logfile={self.logs / (spec.name + '.log')}",
+            "stdout_logfile_maxbytes=10MB",
+            "stdout_logfile_backups=2",
+        ]
+        if spec.environment:
+            lines.append(f"environment={_quote_env(spec.environment)}")
+        return "\n".join(lines) + "\n"
+
+    def _write_if_differs(self, path: Path, text: str) -> bool:
+        try:
+            if path.read_text() == text:
+                return False
+        except FileNotFoundError:
+            pass
+        atomic_write(path, text)
+        return True
+
+    # --- the daemon ---
+
+    def _rpc(self) -> Any:
+        transport = SupervisorTransport(None, None, f"unix://{self.socket}")
+        return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=transport).supervisor
+
+    def daemon_running(self) -> bool:
+        if not self.socket.exists():
+            return False
+        try:
+            return self._rpc().getState()["statename"] == "RUNNING"
+        except (OSError, socket.error, xmlrpc.client.Fault, xmlrpc.client.ProtocolError):
+            return False
+
+    def _start_daemon(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.programs.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        if proc.returncode != 0:
+            raise ServiceError(
+                f"supervisord did not start ({proc.returncode}): {proc.stderr.strip()}; "
+                f"its log is {self.logs / 'supervisord.log'}"
+            )
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not self.daemon_running():
+            if time.monotonic() > deadline:
+                raise ServiceError(
+                    f"supervisord started but its socket {self.socket} did not answer within "
+                    f"{_START_TIMEOUT_S:.0f}s; see {self.logs / 'supervisord.log'}"
+                )
+            time.sleep(0.1)
+
+    def ensure_daemon(self) -> bool:
+        changed = self._write_if_differs(self.conf, self._main_conf())
+        if self.daemon_running():
+            return changed
+        self._start_daemon()
+        return True
+
+    # --- programs ---
+
+    def ensure(self, spec: ServiceSpec) -> bool:
+        daemon_started = self.ensure_daemon()
+        changed = self._write_if_differs(self.definition_path(spec.name), self.render_program(spec))
+        rpc = self._rpc()
+        added, modified, _removed = rpc.reloadConfig()[0]
+        if spec.name in modified:
+            rpc.stopProcessGroup(spec.name)
+            rpc.removeProcessGroup(spec.name)
+            rpc.addProcessGroup(spec.name)
+        elif spec.name in added:
+            rpc.addProcessGroup(spec.name)
+        started = False
+        if not self.is_running(spec.name):
+            try:
+                rpc.startProcess(spec.name)
+            except xmlrpc.client.Fault as e:
+                if "ALREADY_STARTED" not in e.faultString:
+                    raise ServiceError(
+                        f"supervisord could not start {spec.name}: {e.faultString}; "
+                        f"its log is {self.logs / (spec.name + '.log')}"
+                    ) from e
+            started = True
+        return changed or started or daemon_started
+
+    def _info(self, name: str) -> dict[str, Any] | None:
+        if not self.daemon_running():
+            return None
+        try:
+            return self._rpc().getProcessInfo(name)
+        except xmlrpc.client.Fault:
+            return None
+
+    def is_running(self, name: str) -> bool:
+        info = self._info(name)
+        return info is not None and info["statename"] == "RUNNING"
+
+    def pid(self, name: str) -> int | None:
+        info = self._info(name)
+        return int(info["pid"]) if info and info["pid"] else None
+
+    def describe(self, name: str) -> str:
+        if not self.daemon_running():
+            return f"supervisord is not running for {self.root}"
+        info = self._info(name)
+        if info is None:
+            return f"{name} is not defined in supervisord ({self.programs})"
+        line = f"{name} is {info['statename']} under supervisord"
+        if info["description"]:
+            line += f" ({info['description']})"
+        if info["statename"] != "RUNNING":
+            tail = _last_lines(self.logs / f"{name}.log", 3)
+            if tail:
+                line += f"; the end of its log: {tail}"
+        return line
+
+    def start_hint(self, name: str) -> str:
+        return (
+            f"run `pytest provision/ --state-dir {self.root}` to start it, or "
+            f"`python -m supervisor.supervisorctl -c {self.conf} start {name}`; "
+            f"its log: {self.logs / (name + '.log')}"
+        )
+
+    def stop_daemon(self, timeout_s: float = 30.0) -> bool:
+        """Stop every program and supervisord itself; returns whether it was running."""
+        if not self.daemon_running():
+            return False
+        pid = int(self.pidfile.read_text().strip()) if self.pidfile.exists() else None
+        self._rpc().shutdown()
+        deadline = time.monotonic() + timeout_s
+        while pid is not None and _alive(pid):
+            if time.monotonic() > deadline:
+                raise ServiceError(
+                    f"supervisord (pid {pid}) was asked to shut down and is still running after "
+                    f"{timeout_s:.0f}s; see {self.logs / 'supervisord.log'} or kill {pid}"
+                )
+            time.sleep(0.1)
+        return True
+
+
+def _last_lines(path: Path, n: int) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in lines[-n:] if line.strip())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
