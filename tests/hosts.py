@@ -1,0 +1,82 @@
+"""Throwaway hosts for the project's own tests: `pytest provision/` and `pytest checks/`
+run for real, in subprocesses, against a temporary state dir on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTENERS = ("admin", "agent", "gateway", "mirror", "mirror-api")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    steps: list[dict[str, Any]]
+
+    def statuses(self) -> list[str]:
+        return [s["status"] for s in self.steps]
+
+    def lines(self, status: str) -> list[str]:
+        return [f"{s['step']}: {s['message']}" for s in self.steps if s["status"] == status]
+
+
+@dataclass
+class ThrowawayHost:
+    """A whole host in state_dir, listening on its own free loopback ports."""
+
+    state_dir: Path
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in LISTENERS:
+            self.ports.setdefault(name, free_port())
+
+    def listen_args(self) -> list[str]:
+        return [f"--{name}-listen=127.0.0.1:{port}" for name, port in self.ports.items()]
+
+    def pytest(self, suite: str, *args: str, timeout: float = 1800) -> RunResult:
+        steps_json = self.state_dir.parent / f"{self.state_dir.name}-{suite}-steps.json"
+        steps_json.unlink(missing_ok=True)
+        cmd = [
+            sys.executable, "-m", "pytest", suite, "-q", "-p", "no:randomly",
+            "--mode=local", f"--state-dir={self.state_dir}", f"--steps-json={steps_json}",
+            "--advertise=127.0.0.1", *self.listen_args(), *args,
+        ]
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+        )
+        steps = json.loads(steps_json.read_text()) if steps_json.exists() else []
+        return RunResult(proc.returncode, proc.stdout + proc.stderr, steps)
+
+    def provision(self, *args: str, timeout: float = 1800) -> RunResult:
+        return self.pytest("provision/", *args, timeout=timeout)
+
+    def checks(self, *args: str, timeout: float = 600) -> RunResult:
+        return self.pytest("checks/", *args, timeout=timeout)
+
+    def down(self) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "llmgw", "down", f"--state-dir={self.state_dir}"],
+            capture_output=True, text=True, timeout=120,
+        )
+        return proc.stdout + proc.stderr
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['admin']}"
