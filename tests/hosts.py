@@ -50,7 +50,7 @@ class ThrowawayHost:
         return [f"--{name}-listen=127.0.0.1:{port}" for name, port in self.ports.items()]
 
     def pytest(self, suite: str, *args: str, timeout: float = 1800) -> RunResult:
-        steps_json = self.state_dir.parent / f"{self.state_dir.name}-{suite}-steps.json"
+        steps_json = self.state_dir.parent / f"{self.state_dir.name}-{suite.strip('/')}-steps.json"
         steps_json.unlink(missing_ok=True)
         cmd = [
             sys.executable, "-m", "pytest", suite, "-q", "-p", "no:randomly",
