@@ -163,7 +163,19 @@ class Supervisor:
                         f"its log is {self.logs / (spec.name + '.log')}"
                     ) from e
             started = True
+        self._wait_running(spec.name)
         return changed or started or daemon_started
+
+    def _wait_running(self, name: str) -> None:
+        # A program counts as started only after startsecs; say so only then.
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not self.is_running(name):
+            if time.monotonic() > deadline:
+                raise ServiceError(
+                    f"{name} did not reach RUNNING within {_START_TIMEOUT_S:.0f}s: "
+                    f"{self.describe(name)}"
+                )
+            time.sleep(0.1)
 
     def _info(self, name: str) -> dict[str, Any] | None:
         if not self.daemon_running():

@@ -1,0 +1,49 @@
+"""A real control plane in-process: its store, admin app and mTLS agent API on free ports."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from llmgw import pki
+from llmgw.control.admin_api import make_admin_app
+from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.control.store import Store
+
+
+@dataclass
+class ControlPlane:
+    store: Store
+    admin: TestClient
+    agent_port: int
+    ca: pki.KeyPair
+    pki_dir: Path
+
+    def client_cert(self, cn: str, ca: pki.KeyPair | None = None) -> tuple[str, str]:
+        """Write a client certificate for cn (from ca, the cluster CA by default)."""
+        stem = f"client-{cn}-{id(ca)}"
+        cert, key = pki.issue_client(ca or self.ca, cn).write(self.pki_dir, stem)
+        return str(cert), str(key)
+
+
+@pytest.fixture
+def live_control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
+    """Function: a control plane on a temp SQLite db; admin app via TestClient, agent API live."""
+    ca = pki.create_ca()
+    ca.write(tmp_path, "ca")
+    pki.issue_server(ca, ["127.0.0.1", "localhost"]).write(tmp_path, "server")
+    store = Store(tmp_path / "control.db")
+    ctx = mtls_context(str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
+                       str(tmp_path / "server-key.pem"))
+    agent_api = AgentAPIServer("127.0.0.1", 0, ctx, AgentAPI(store))
+    agent_api.start()
+    admin = TestClient(make_admin_app(store, node_timeout_s=30.0))
+    try:
+        yield ControlPlane(store, admin, agent_api.port, ca, tmp_path)
+    finally:
+        agent_api.stop()
+        store.close()

@@ -1,0 +1,70 @@
+"""The admin API's catalog: validation answers 422 with the reason, duplicates 409."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+MODEL = {
+    "name": "tiny",
+    "aliases": ["tiny-chat"],
+    "source": "file:///srv/models/tiny.gguf",
+    "profiles": [{"name": "cpu", "engine": "llamacpp", "priority": 100}],
+}
+
+
+def _with(**changes: object) -> dict:
+    model = copy.deepcopy(MODEL)
+    model.update(changes)
+    return model
+
+
+def test_add_list_get_delete(live_control_plane) -> None:
+    admin = live_control_plane.admin
+    r = admin.post("/api/v1/models", json=MODEL)
+    assert r.status_code == 201, r.text
+    assert r.json()["scaling"] == {"min": 1, "max": 1}
+    assert [m["name"] for m in admin.get("/api/v1/models").json()] == ["tiny"]
+    assert admin.get("/api/v1/models/tiny").json()["aliases"] == ["tiny-chat"]
+    assert admin.delete("/api/v1/models/tiny").status_code == 204
+    assert admin.get("/api/v1/models/tiny").status_code == 404
+    assert admin.delete("/api/v1/models/tiny").status_code == 404
+
+
+def test_duplicate_name_or_alias_is_409(live_control_plane) -> None:
+    admin = live_control_plane.admin
+    assert admin.post("/api/v1/models", json=MODEL).status_code == 201
+    again = admin.post("/api/v1/models", json=MODEL)
+    assert again.status_code == 409 and "tiny" in again.json()["detail"]
+    alias_clash = admin.post("/api/v1/models", json=_with(name="other", aliases=["tiny-chat"]))
+    assert alias_clash.status_code == 409
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (_with(name="Bad Name"), "lower-case"),
+        (_with(source="ftp://x/y.gguf"), "source"),
+        (_with(profiles=[]), "profiles"),
+        (_with(profiles=[{"name": "x", "engine": "vllm"}]), "engine 'vllm' is unknown"),
+        (_with(scaling={"min": 3, "max": 1}), "scaling.min (3) is above scaling.max (1)"),
+        (_with(sha256="abc"), "64 lower-case hex"),
+        (_with(unknown_field=1), "unknown_field"),
+        ({k: v for k, v in MODEL.items() if k != "source"}, "source"),
+    ],
+)
+def test_invalid_body_is_422_with_the_reason(live_control_plane, body, reason) -> None:
+    r = live_control_plane.admin.post("/api/v1/models", json=body)
+    assert r.status_code == 422
+    assert reason in r.text, r.text
+    assert live_control_plane.admin.get("/api/v1/models").json() == []
+
+
+def test_replicas_never_show_their_api_key(live_control_plane) -> None:
+    cp = live_control_plane
+    cp.store.put_replica({"id": "r1", "model": "tiny", "node": "n", "profile": "cpu",
+                          "state": "ready", "endpoint": "http://127.0.0.1:1", "api_key": "s3cret"})
+    shown = cp.admin.get("/api/v1/replicas", params={"model": "tiny"}).json()
+    assert shown[0]["id"] == "r1" and "api_key" not in shown[0]
+    assert "s3cret" not in cp.admin.get("/api/v1/replicas").text

@@ -1,0 +1,90 @@
+"""The agent API: mutual TLS, and a node is the CN of the certificate it proved."""
+
+from __future__ import annotations
+
+import ssl
+
+import httpx
+import pytest
+
+from fixtures.control_plane import anonymous_request
+from llmgw import pki
+from llmgw.control.agent_api import HEARTBEAT_PATH
+
+
+def _client(cp, cert: tuple[str, str]) -> httpx.Client:
+    ctx = ssl.create_default_context(cafile=str(cp.pki_dir / "ca.pem"))
+    ctx.load_cert_chain(*cert)
+    return httpx.Client(verify=ctx, timeout=5)
+
+
+def _heartbeat(cp, cert: tuple[str, str], body: dict) -> httpx.Response:
+    with _client(cp, cert) as client:
+        return client.post(f"https://127.0.0.1:{cp.agent_port}{HEARTBEAT_PATH}", json=body)
+
+
+def test_heartbeat_is_recorded_under_the_certificate_cn(live_control_plane) -> None:
+    """The body claims another node; the certificate decides."""
+    cp = live_control_plane
+    r = _heartbeat(cp, cp.client_cert("node-a"), {"node_id": "node-b", "cpus": 4})
+    assert r.status_code == 200 and r.json()["node_id"] == "node-a"
+    nodes = cp.admin.get("/api/v1/nodes").json()
+    assert [n["id"] for n in nodes] == ["node-a"]
+    assert nodes[0]["state"] == "registering" and nodes[0]["cpus"] == 4
+
+
+def test_client_from_another_ca_is_refused(live_control_plane) -> None:
+    cp = live_control_plane
+    with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+        _heartbeat(cp, cp.client_cert("intruder", ca=pki.create_ca()), {})
+    assert cp.admin.get("/api/v1/nodes").json() == []
+
+
+def test_client_without_certificate_is_refused(live_control_plane) -> None:
+    cp = live_control_plane
+    assert anonymous_request("127.0.0.1", cp.agent_port, str(cp.pki_dir / "ca.pem")) is None
+
+
+def test_negative_control_anonymous_probe_sees_an_open_server(tmp_path) -> None:
+    """The refusal probe reports an answer when the server does not ask for a certificate."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    ca = pki.create_ca()
+    ca.write(tmp_path, "ca")
+    pki.issue_server(ca, ["127.0.0.1"]).write(tmp_path, "server")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(tmp_path / "server.pem", tmp_path / "server-key.pem")
+
+    class Open(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Open)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        answer = anonymous_request("127.0.0.1", server.server_address[1], str(tmp_path / "ca.pem"))
+    finally:
+        server.shutdown()
+    assert answer is not None and answer.startswith(b"HTTP/1.")
+
+
+def test_node_turns_not_ready_when_silent(live_control_plane) -> None:
+    cp = live_control_plane
+    _heartbeat(cp, cp.client_cert("node-a"), {"engines": ["llamacpp"]})
+    assert cp.admin.get("/api/v1/nodes").json()[0]["state"] == "ready"
+    real_clock = cp.store.clock
+    cp.store.clock = lambda: real_clock() + 31
+    assert cp.admin.get("/api/v1/nodes").json()[0]["state"] == "not_ready"
+
+
+def test_bad_json_is_400(live_control_plane) -> None:
+    cp = live_control_plane
+    with _client(cp, cp.client_cert("n")) as c:
+        r = c.post(f"https://127.0.0.1:{cp.agent_port}{HEARTBEAT_PATH}", content=b"[1,")
+    assert r.status_code == 400 and "JSON" in r.json()["detail"]

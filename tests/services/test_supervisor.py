@@ -1,0 +1,52 @@
+"""supervisord in local mode: programs defined, started, updated, read back, stopped."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.services import ServiceSpec
+from llmgw.services._supervisor import Supervisor
+
+
+def _sleeper(name: str, seconds: int) -> ServiceSpec:
+    return ServiceSpec(name=name, description="a sleeper",
+                       command=[sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+
+@pytest.fixture
+def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
+    sup = Supervisor(tmp_path / "host")
+    yield sup
+    sup.stop_daemon()
+
+
+def test_ensure_starts_then_keeps_then_restarts_on_change(supervisor: Supervisor) -> None:
+    assert not supervisor.daemon_running()
+    assert supervisor.ensure(_sleeper("sleeper", 300))
+    assert supervisor.is_running("sleeper")
+    pid = supervisor.pid("sleeper")
+    assert not supervisor.ensure(_sleeper("sleeper", 300)), "nothing differed, nothing changed"
+    assert supervisor.pid("sleeper") == pid
+    assert supervisor.ensure(_sleeper("sleeper", 301))
+    assert supervisor.is_running("sleeper") and supervisor.pid("sleeper") != pid
+
+
+def test_describe_names_the_state_and_the_log(supervisor: Supervisor) -> None:
+    assert "not running" in supervisor.describe("sleeper")
+    supervisor.ensure(_sleeper("sleeper", 300))
+    assert "RUNNING" in supervisor.describe("sleeper")
+    assert "not defined" in supervisor.describe("other")
+    assert "sleeper.log" in supervisor.start_hint("sleeper")
+
+
+def test_stop_daemon_stops_programs(supervisor: Supervisor) -> None:
+    supervisor.ensure(_sleeper("sleeper", 300))
+    pid = supervisor.pid("sleeper")
+    assert supervisor.stop_daemon()
+    assert not supervisor.daemon_running()
+    assert not Path(f"/proc/{pid}").exists()
+    assert not supervisor.stop_daemon(), "a second stop finds nothing running"

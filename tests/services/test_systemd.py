@@ -1,0 +1,57 @@
+"""systemd units: their text, their validity, and rewriting only what differs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from llmgw.services import ServiceSpec
+from llmgw.services._systemd import Systemd, render_unit
+
+SPEC = ServiceSpec(
+    name="llmgw-test",
+    description="llmgw test unit",
+    command=[sys.executable, "-m", "llmgw", "server", "--config", "/etc/llmgw/server.yaml"],
+    systemd_service=["Restart=on-failure", "KillMode=process"],
+    environment={"A": "1 2"},
+)
+
+
+def test_unit_text_holds_command_and_service_lines() -> None:
+    text = render_unit(SPEC)
+    assert f"ExecStart={sys.executable} -m llmgw server --config /etc/llmgw/server.yaml" in text
+    assert "KillMode=process\n" in text and "Restart=on-failure\n" in text
+    assert "Environment='A=1 2'" in text
+    assert text.index("[Service]") < text.index("ExecStart") < text.index("[Install]")
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="no systemd-analyze here")
+def test_systemd_analyze_verify_passes(tmp_path) -> None:
+    unit = tmp_path / "llmgw-test.service"
+    unit.write_text(render_unit(SPEC))
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="no systemd-analyze here")
+def test_negative_control_systemd_analyze_rejects_a_broken_unit(tmp_path) -> None:
+    unit = tmp_path / "llmgw-test.service"
+    unit.write_text(render_unit(SPEC).replace(f"ExecStart={sys.executable}", "ExecStart=nothere"))
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
+    assert proc.returncode != 0
+
+
+def test_unit_is_written_only_when_it_differs_and_the_old_kept(tmp_path) -> None:
+    systemd = Systemd(unit_dir=tmp_path)
+    assert systemd.write_unit(SPEC)
+    path = tmp_path / "llmgw-test.service"
+    mtime = path.stat().st_mtime_ns
+    assert not systemd.write_unit(SPEC)
+    assert path.stat().st_mtime_ns == mtime
+    path.write_text(path.read_text() + "# edited by a person\n")
+    assert systemd.write_unit(SPEC)
+    assert (tmp_path / "llmgw-test.service.bak").read_text().endswith("# edited by a person\n")
+    assert path.read_text() == render_unit(SPEC)
