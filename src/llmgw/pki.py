@@ -51,7 +51,7 @@ def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _name(cn: str) -> x509.Name:

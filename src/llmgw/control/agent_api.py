@@ -12,7 +12,6 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -24,8 +23,8 @@ HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
 _MAX_BODY = 4 * 1024 * 1024
 _HANDSHAKE_TIMEOUT_S = 10.0
 
-# Given a node id and its heartbeat body, the replicas the node should run.
-Assigner = Callable[[str, dict[str, Any]], list[dict[str, Any]]]
+REPORTED_FIELDS = ("state", "err", "endpoint", "api_key")
+REPORTED_STATES = ("downloading", "starting", "ready", "failed")
 
 
 def mtls_context(ca: str, cert: str, key: str) -> ssl.SSLContext:
@@ -49,16 +48,49 @@ def peer_common_name(peercert: dict[str, Any] | None) -> str:
 class AgentAPI:
     """What the agent API does, apart from how it is served."""
 
-    def __init__(self, store: Store, assign: Assigner | None = None) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
-        self.assign = assign or (lambda node_id, body: [])
 
     def heartbeat(self, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        inventory = {k: v for k, v in body.items() if k != "node_id"}
+        """Record the node's inventory and replica states; answer with what it should run."""
+        inventory = {k: v for k, v in body.items() if k not in ("node_id", "replicas")}
         # A body may say which node it is; the certificate decides.
         inventory["claimed_id"] = body.get("node_id", "")
         self.store.record_heartbeat(node_id, inventory)
-        return {"node_id": node_id, "replicas": self.assign(node_id, body)}
+        self._apply_reports(node_id, body.get("replicas") or [])
+        return {"node_id": node_id, "replicas": self.assignments(node_id)}
+
+    def _apply_reports(self, node_id: str, reports: list[dict[str, Any]]) -> None:
+        mine = {r["id"]: r for r in self.store.replicas() if r["node"] == node_id}
+        for report in reports:
+            current = mine.get(str(report.get("id")))
+            # A node reports only on its own replicas, and a stopped one stays stopped.
+            if current is None or current["state"] == "stopped":
+                continue
+            if report.get("state") not in REPORTED_STATES:
+                continue
+            fields = {k: str(report.get(k) or "") for k in REPORTED_FIELDS}
+            if any(current[k] != v for k, v in fields.items()):
+                self.store.update_replica(current["id"], **fields)
+
+    def assignments(self, node_id: str) -> list[dict[str, Any]]:
+        """The replicas this node should run, with what it needs to start each."""
+        models = {m["name"]: m for m in self.store.models()}
+        result = []
+        for r in self.store.replicas():
+            model = models.get(r["model"])
+            if r["node"] != node_id or r["state"] == "stopped" or model is None:
+                continue
+            profile = next((p for p in model["profiles"] if p["name"] == r["profile"]), None)
+            if profile is None:
+                continue
+            result.append({
+                "id": r["id"], "model": model["name"], "profile": profile["name"],
+                "engine": profile["engine"], "gpu_class": profile["gpu_class"],
+                "source": model["source"], "sha256": model["sha256"],
+                "args": list(profile["args"]),
+            })
+        return result
 
 
 class _Handler(BaseHTTPRequestHandler):

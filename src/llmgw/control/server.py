@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from llmgw.config import ServerConfig, parse_listen
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.control.gateway import make_gateway_app, upstream_client
+from llmgw.control.scheduler import Scheduler
 from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.server")
@@ -33,6 +35,19 @@ def _uvicorn(app: FastAPI, listen: str) -> _QuietServer:
     return _QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning"))
 
 
+async def _schedule(scheduler: Scheduler, stopping: asyncio.Event) -> None:
+    """Reconcile replicas with the catalog and the nodes every second until stopped."""
+    while not stopping.is_set():
+        try:
+            await asyncio.to_thread(scheduler.tick)
+        except Exception:  # one bad tick must not take the control plane down
+            log.exception("scheduling failed; trying again in a second")
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=1.0)
+        except TimeoutError:
+            pass
+
+
 async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT, then stop every listener and close the database."""
     store = Store(Path(config.state_dir) / "control.db")
@@ -43,13 +58,19 @@ async def serve(config: ServerConfig) -> None:
         mtls_context(config.tls.ca, config.tls.cert, config.tls.key),
         AgentAPI(store),
     )
+    upstream = upstream_client()
     servers = [
-        _uvicorn(make_admin_app(store, node_timeout_s=config.node_timeout_s), config.admin_listen)
+        _uvicorn(make_admin_app(store, node_timeout_s=config.node_timeout_s), config.admin_listen),
+        _uvicorn(make_gateway_app(store, tokens=config.tokens, upstream=upstream),
+                 config.gateway_listen),
     ]
+    scheduler = Scheduler(store, config.node_timeout_s)
+    stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def stop(sig: signal.Signals) -> None:
         log.info("received %s; shutting down", sig.name)
+        stopping.set()
         for s in servers:
             s.should_exit = True
 
@@ -57,12 +78,13 @@ async def serve(config: ServerConfig) -> None:
         loop.add_signal_handler(sig, stop, sig)
     agent_api.start()
     log.info(
-        "control plane: admin %s, agent API %s (mTLS), state %s",
-        config.admin_listen, config.agent_listen, config.state_dir,
+        "control plane: admin %s, agent API %s (mTLS), gateway %s, state %s",
+        config.admin_listen, config.agent_listen, config.gateway_listen, config.state_dir,
     )
     try:
-        await asyncio.gather(*(s.serve() for s in servers))
+        await asyncio.gather(*(s.serve() for s in servers), _schedule(scheduler, stopping))
     finally:
         agent_api.stop()
+        await upstream.aclose()
         store.close()
         log.info("control plane stopped")

@@ -143,6 +143,15 @@ class Store:
             rows = db.execute(query + " ORDER BY model, id", args).fetchall()
         return [dict(r) for r in rows]
 
+    def update_replica(self, replica_id: str, **fields: str) -> None:
+        allowed = {"node", "profile", "state", "err", "endpoint", "api_key"}
+        if not fields or set(fields) - allowed:
+            raise ValueError(f"replica fields to update must be among {sorted(allowed)}")
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        with self._tx() as db:
+            db.execute(f"UPDATE replicas SET {sets}, updated = ? WHERE id = ?",
+                       (*fields.values(), self.clock(), replica_id))
+
     def delete_replica(self, replica_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -106,7 +105,7 @@ class Supervisor:
             return False
         try:
             return self._rpc().getState()["statename"] == "RUNNING"
-        except (OSError, socket.error, xmlrpc.client.Fault, xmlrpc.client.ProtocolError):
+        except (OSError, xmlrpc.client.Fault, xmlrpc.client.ProtocolError):
             return False
 
     def _start_daemon(self) -> None:

@@ -1,0 +1,150 @@
+"""The OpenAI-compatible gateway: models by name or alias, spread over ready replicas."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from llmgw.control.store import Store
+
+log = logging.getLogger("llmgw.gateway")
+
+_FORWARDED = ("/v1/chat/completions", "/v1/completions")
+_UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
+
+
+def openai_error(status: int, message: str, type_: str, code: str, param: str | None = None,
+                 **extra: Any) -> JSONResponse:
+    """An error in the shape OpenAI clients parse."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code, **extra}}
+    return JSONResponse(body, status_code=status)
+
+
+class Router:
+    """Resolves a requested model to the catalog and picks a ready replica, round robin."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._turns = itertools.count()
+
+    def resolve(self, requested: str) -> dict[str, Any] | None:
+        for model in self.store.models():
+            if requested == model["name"] or requested in model.get("aliases", []):
+                return model
+        return None
+
+    def ready(self, model: str) -> list[dict[str, Any]]:
+        return [r for r in self.store.replicas(model) if r["state"] == "ready" and r["endpoint"]]
+
+    def order(self, model: str) -> list[dict[str, Any]]:
+        """Ready replicas, starting from the next one's turn."""
+        ready = self.ready(model)
+        if not ready:
+            return []
+        start = next(self._turns) % len(ready)
+        return ready[start:] + ready[:start]
+
+    def states(self, model: str) -> str:
+        reps = [r for r in self.store.replicas(model) if r["state"] != "stopped"]
+        if not reps:
+            return "no replica is scheduled"
+        return "; ".join(
+            f"{r['id']} on {r['node'] or '(no node)'}: {r['state']}"
+            + (f" ({r['err']})" if r["err"] else "")
+            for r in reps
+        )
+
+
+def upstream_client(transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The client the gateway reaches replicas with; its owner closes it."""
+    return httpx.AsyncClient(timeout=_UPSTREAM_TIMEOUT, transport=transport)
+
+
+def make_gateway_app(store: Store, *, tokens: list[str], upstream: httpx.AsyncClient) -> FastAPI:
+    app = FastAPI(title="llmgw gateway", version="1")
+    router = Router(store)
+
+    @app.middleware("http")
+    async def bearer_tokens(request: Request, call_next: Any) -> Response:
+        if tokens and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not any(secrets.compare_digest(given, t) for t in tokens):
+                return openai_error(401, "a valid API key is required: send "
+                                    "'Authorization: Bearer TOKEN' with a token from server.yaml",
+                                    "invalid_request_error", "invalid_api_key")
+        return await call_next(request)
+
+    @app.get("/healthz")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        data = []
+        for m in store.models():
+            for name in [m["name"], *m.get("aliases", [])]:
+                data.append({"id": name, "object": "model", "created": 0,
+                             "owned_by": "llmgw", "root": m["name"]})
+        return {"object": "list", "data": data}
+
+    async def forward(request: Request) -> Response:
+        try:
+            body = json.loads(await request.body() or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+        except ValueError as e:
+            return openai_error(400, f"the request body is not valid JSON: {e}",
+                                "invalid_request_error", "invalid_json")
+        requested = str(body.get("model") or "")
+        model = router.resolve(requested)
+        if model is None:
+            return openai_error(404, f"The model '{requested}' does not exist; GET /v1/models "
+                                "lists what this gateway serves", "invalid_request_error",
+                                "model_not_found", "model")
+        for replica in router.order(model["name"]):
+            try:
+                return await _relay(upstream, replica, request.url.path, body, requested)
+            except httpx.TransportError as e:
+                log.warning("replica %s at %s failed: %s", replica["id"], replica["endpoint"], e)
+        return openai_error(503, f"no replica of {model['name']} is ready: "
+                            f"{router.states(model['name'])}; try again shortly",
+                            "service_unavailable", "no_ready_replica")
+
+    for path in _FORWARDED:
+        app.add_api_route(path, forward, methods=["POST"])
+    return app
+
+
+async def _relay(upstream: httpx.AsyncClient, replica: dict[str, Any], path: str,
+                 body: dict[str, Any], requested: str) -> Response:
+    """Send body to a replica with its own key; stream the answer back when asked to."""
+    headers = {"Authorization": f"Bearer {replica['api_key']}"}
+    url = replica["endpoint"].rstrip("/") + path
+    request = upstream.build_request("POST", url, json=body, headers=headers)
+    response = await upstream.send(request, stream=True)
+    kept = {k: v for k, v in response.headers.items()
+            if k.lower() in ("content-type", "cache-control")}
+    if body.get("stream"):
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                await response.aclose()
+
+        return StreamingResponse(chunks(), status_code=response.status_code, headers=kept)
+    data = await response.aread()
+    await response.aclose()
+    if response.status_code == 200 and "json" in kept.get("content-type", ""):
+        answer = json.loads(data)
+        answer["model"] = requested
+        data = json.dumps(answer).encode()
+    return Response(data, status_code=response.status_code, headers=kept)
