@@ -1,0 +1,340 @@
+"""The replica supervisor: weights downloaded and checked, llama-server started, watched,
+restarted with backoff, and adopted again after the agent itself restarts.
+
+Each replica's pid, port and key live in STATE/replicas/ID.json, written before the
+engine is considered started, so an agent that comes back (kill -9, upgrade) finds its
+engines still serving and adopts them instead of starting second copies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import httpx
+
+from llmgw._files import atomic_write
+
+log = logging.getLogger("llmgw.replicas")
+
+ENGINE_NAME = "llama-server"
+MAX_BACKOFF_S = 30.0
+STOP_GRACE_S = 10.0
+_LOG_TAIL = 8
+
+
+@dataclass
+class Record:
+    """What survives the agent: enough to find, check and stop a running engine."""
+
+    id: str
+    model: str
+    profile: str
+    source: str
+    sha256: str
+    args: list[str]
+    weights: str = ""
+    pid: int = 0
+    port: int = 0
+    api_key: str = ""
+
+
+@dataclass
+class Replica:
+    record: Record
+    state: str = "downloading"
+    err: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    worker: threading.Thread | None = field(default=None, repr=False)
+
+
+def free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def pid_is_engine(pid: int, port: int) -> bool:
+    """Whether pid is alive (not a zombie) and is a llama-server on port."""
+    if pid <= 0:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+        return False
+    words = [a.decode(errors="replace") for a in argv]
+    return any(w.endswith(ENGINE_NAME) for w in words[:1]) and str(port) in words
+
+
+def log_tail(path: Path, n: int = _LOG_TAIL) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in lines[-n:] if line.strip())
+
+
+class ReplicaSupervisor:
+    """Runs this node's replicas; the agent calls report() and reconcile() every heartbeat."""
+
+    def __init__(
+        self,
+        *,
+        state_dir: Path,
+        weights_dir: Path,
+        engine: Callable[[], str | None],
+        bind_host: str,
+        interface: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        http: httpx.Client | None = None,
+    ) -> None:
+        self.dir = Path(state_dir) / "replicas"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.weights_dir = Path(weights_dir)
+        self.engine = engine
+        self.bind_host = bind_host
+        self.interface = interface
+        self.clock = clock
+        self.http = http or httpx.Client(timeout=httpx.Timeout(30.0, read=300.0))
+        self.replicas: dict[str, Replica] = {}
+        self._lock = threading.RLock()
+        self.adopt()
+
+    # --- the seam the agent uses ---
+
+    def report(self) -> list[dict[str, Any]]:
+        self.watch()
+        with self._lock:
+            return [
+                {
+                    "id": r.record.id,
+                    "state": r.state,
+                    "err": r.err,
+                    "endpoint": self.endpoint(r.record) if r.record.port else "",
+                    "api_key": r.record.api_key,
+                    "pid": r.record.pid,
+                }
+                for r in self.replicas.values()
+            ]
+
+    def reconcile(self, assignments: list[dict[str, Any]]) -> None:
+        wanted = {a["id"]: a for a in assignments}
+        with self._lock:
+            for rid in [rid for rid in self.replicas if rid not in wanted]:
+                self.stop(rid)
+            for rid, a in wanted.items():
+                if rid not in self.replicas:
+                    record = Record(id=rid, model=a["model"], profile=a["profile"],
+                                    source=a["source"], sha256=a.get("sha256", ""),
+                                    args=list(a.get("args", [])))
+                    self.replicas[rid] = Replica(record)
+                    self._launch(self.replicas[rid])
+
+    # --- adoption ---
+
+    def adopt(self) -> None:
+        """Take over engines a previous agent started; forget records whose engine is gone."""
+        for path in sorted(self.dir.glob("*.json")):
+            try:
+                record = Record(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as e:
+                log.warning("ignoring unreadable replica record %s: %s", path, e)
+                continue
+            replica = Replica(record, state="starting")
+            if pid_is_engine(record.pid, record.port):
+                log.info("adopted replica %s: llama-server pid %d on port %d",
+                         record.id, record.pid, record.port)
+            else:
+                # Its engine died while no agent watched; start it again.
+                replica.state, replica.err = "failed", "the engine was gone when the agent started"
+                replica.retry_at = self.clock()
+            self.replicas[record.id] = replica
+
+    # --- lifecycle ---
+
+    def endpoint(self, record: Record) -> str:
+        host = f"[{self.bind_host}]" if ":" in self.bind_host else self.bind_host
+        return f"http://{host}:{record.port}"
+
+    def _launch(self, replica: Replica) -> None:
+        replica.worker = threading.Thread(
+            target=self._prepare_and_start, args=(replica,), name=f"replica-{replica.record.id}",
+            daemon=True,
+        )
+        replica.worker.start()
+
+    def _prepare_and_start(self, replica: Replica) -> None:
+        try:
+            if not replica.record.weights or not Path(replica.record.weights).exists():
+                replica.state = "downloading"
+                replica.record.weights = str(self.fetch_weights(replica.record))
+            self.start_engine(replica)
+        except Exception as e:  # reported to the control plane, retried with backoff
+            log.warning("replica %s failed: %s", replica.record.id, e)
+            self._failed(replica, str(e))
+
+    def fetch_weights(self, record: Record) -> Path:
+        """The model file, downloaded once into the weights cache and checked."""
+        url = urlparse(record.source)
+        if url.scheme == "file":
+            path = Path(unquote(url.path))
+            if not path.exists():
+                raise FileNotFoundError(f"the model source {record.source} does not exist")
+            self._check_digest(path, record)
+            return path
+        if url.scheme not in ("http", "https"):
+            raise ValueError(f"the agent cannot download {record.source}: only http(s) and "
+                             "file:/// sources; serve it from the mirror")
+        name = Path(unquote(url.path)).name or "model.gguf"
+        target = self.weights_dir / (record.sha256 or record.model) / name
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{name}.part")
+        digest = hashlib.sha256()
+        with self.http.stream("GET", record.source) as response:
+            response.raise_for_status()
+            with open(tmp, "wb") as f:
+                for chunk in response.iter_bytes(1 << 20):
+                    digest.update(chunk)
+                    f.write(chunk)
+        if record.sha256 and digest.hexdigest() != record.sha256:
+            tmp.unlink(missing_ok=True)
+            raise ValueError(f"{record.source} has sha256 {digest.hexdigest()}, the catalog "
+                             f"says {record.sha256}; the mirror's copy is wrong or was replaced")
+        os.replace(tmp, target)
+        return target
+
+    def _check_digest(self, path: Path, record: Record) -> None:
+        if not record.sha256:
+            return
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        if digest.hexdigest() != record.sha256:
+            raise ValueError(f"{path} has sha256 {digest.hexdigest()}, the catalog says "
+                             f"{record.sha256}")
+
+    def start_engine(self, replica: Replica) -> None:
+        engine = self.engine()
+        if not engine:
+            raise RuntimeError("llama.cpp is not ready on this node yet; see the node's "
+                               "provision state")
+        record = replica.record
+        record.port = free_port(self.bind_host)
+        record.api_key = secrets.token_urlsafe(24)
+        argv = [engine, "-m", record.weights, "--host", self.bind_host, "--port",
+                str(record.port), "--api-key", record.api_key, *record.args]
+        env = dict(os.environ)
+        if self.interface:
+            env["NCCL_SOCKET_IFNAME"] = self.interface
+            env["GLOO_SOCKET_IFNAME"] = self.interface
+        with open(self.dir / f"{record.id}.log", "ab") as out:
+            # Its own session: the engine outlives the agent and is adopted again.
+            replica.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env,
+                                            start_new_session=True)
+        record.pid = replica.proc.pid
+        atomic_write(self.dir / f"{record.id}.json", json.dumps(asdict(record)), mode=0o600)
+        replica.state, replica.err = "starting", ""
+        log.info("replica %s: started llama-server pid %d on port %d", record.id, record.pid,
+                 record.port)
+
+    def _failed(self, replica: Replica, why: str) -> None:
+        replica.state, replica.err = "failed", why
+        replica.failures += 1
+        replica.retry_at = self.clock() + min(MAX_BACKOFF_S, 2.0 ** (replica.failures - 1))
+
+    def _alive(self, replica: Replica) -> bool:
+        if replica.proc is not None:
+            return replica.proc.poll() is None
+        return pid_is_engine(replica.record.pid, replica.record.port)
+
+    def watch(self) -> None:
+        """Health of every replica: ready on 200, starting on 503, failed when it died."""
+        with self._lock:
+            replicas = list(self.replicas.values())
+        for r in replicas:
+            if r.worker is not None and r.worker.is_alive():
+                continue
+            if r.state == "failed":
+                if self.clock() >= r.retry_at:
+                    self._launch(r)
+                continue
+            if not self._alive(r):
+                code = r.proc.returncode if r.proc is not None else "unknown"
+                tail = log_tail(self.dir / f"{r.record.id}.log")
+                log.warning("replica %s: llama-server exited (%s)", r.record.id, code)
+                self._failed(r, f"llama-server exited with code {code}; its last lines: {tail}")
+                continue
+            r.state = self._health(r.record)
+            if r.state == "ready":
+                r.failures = 0
+
+    def _health(self, record: Record) -> str:
+        try:
+            response = self.http.get(f"{self.endpoint(record)}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return "starting"
+        return "ready" if response.status_code == 200 else "starting"
+
+    def stop(self, rid: str) -> None:
+        with self._lock:
+            replica = self.replicas.pop(rid, None)
+        if replica is None:
+            return
+        terminate(replica.record.pid, replica.record.port, replica.proc)
+        for suffix in (".json", ".log"):
+            (self.dir / f"{rid}{suffix}").unlink(missing_ok=True)
+        log.info("replica %s stopped", rid)
+
+
+def terminate(pid: int, port: int, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """SIGTERM the engine, SIGKILL it after a grace period."""
+    if not pid_is_engine(pid, port):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while pid_is_engine(pid, port) and time.monotonic() < deadline:
+        if proc is not None:
+            proc.poll()
+        time.sleep(0.1)
+    if pid_is_engine(pid, port):
+        os.kill(pid, signal.SIGKILL)
+    if proc is not None:
+        proc.wait(timeout=5)
+
+
+def stop_engines(state_dir: Path) -> list[str]:
+    """Stop every engine recorded under state_dir (used by `llmgw down`)."""
+    stopped = []
+    for path in sorted((Path(state_dir) / "replicas").glob("*.json")):
+        try:
+            record = Record(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        if pid_is_engine(record.pid, record.port):
+            terminate(record.pid, record.port)
+            stopped.append(f"{record.id} (pid {record.pid})")
+        path.unlink(missing_ok=True)
+    return stopped
