@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.hosts import ThrowawayHost
+from tests.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture
@@ -23,3 +24,10 @@ def make_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[],
     yield make
     for host in made:
         host.down()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """Session: a tiny llama GGUF made at test time, and its sha256."""
+    path = tmp_path_factory.mktemp("models") / "tiny.gguf"
+    return path, write_tiny_gguf(path)

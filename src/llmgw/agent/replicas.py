@@ -161,8 +161,10 @@ class ReplicaSupervisor:
                 continue
             replica = Replica(record, state="starting")
             if pid_is_engine(record.pid, record.port):
-                log.info("adopted replica %s: llama-server pid %d on port %d",
-                         record.id, record.pid, record.port)
+                # Asked now, so a serving replica is reported ready from the first heartbeat.
+                replica.state = self._health(record)
+                log.info("adopted replica %s: llama-server pid %d on port %d, %s",
+                         record.id, record.pid, record.port, replica.state)
             else:
                 # Its engine died while no agent watched; start it again.
                 replica.state, replica.err = "failed", "the engine was gone when the agent started"

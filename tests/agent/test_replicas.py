@@ -1,0 +1,117 @@
+"""The replica supervisor against the real llama-server and a tiny GGUF."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmgw.agent.replicas import ReplicaSupervisor, pid_is_engine, stop_engines
+
+pytestmark = pytest.mark.slow
+
+
+def assignment(gguf: Path, sha256: str = "", rid: str = "r-1") -> dict:
+    return {"id": rid, "model": "tiny", "profile": "cpu", "engine": "llamacpp",
+            "gpu_class": "", "source": gguf.as_uri(), "sha256": sha256,
+            "args": ["--ctx-size", "512", "--threads", "1"]}
+
+
+def until(what: str, predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def state_of(sup: ReplicaSupervisor, rid: str = "r-1") -> dict:
+    return next(r for r in sup.report() if r["id"] == rid)
+
+
+@pytest.fixture
+def supervisor(tmp_path, llama_server):
+    made: list[ReplicaSupervisor] = []
+
+    def make() -> ReplicaSupervisor:
+        sup = ReplicaSupervisor(state_dir=tmp_path / "agent", weights_dir=tmp_path / "weights",
+                                engine=lambda: llama_server, bind_host="127.0.0.1",
+                                interface="lo")
+        made.append(sup)
+        return sup
+
+    yield make
+    stop_engines(tmp_path / "agent")
+
+
+def engines_on(port: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and pid_is_engine(int(proc.name), port):
+            found.append(int(proc.name))
+    return found
+
+
+def test_starts_serves_with_its_key_and_sets_nccl_interface(supervisor, tiny_gguf) -> None:
+    sup = supervisor()
+    path, digest = tiny_gguf
+    sup.reconcile([assignment(path, digest)])
+    until("ready", lambda: state_of(sup)["state"] == "ready")
+    r = state_of(sup)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    url = f"{r['endpoint']}/v1/chat/completions"
+    assert httpx.post(url, json=body, timeout=30).status_code == 401
+    ok = httpx.post(url, json=body, headers={"Authorization": f"Bearer {r['api_key']}"},
+                    timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] > 0
+    env = Path(f"/proc/{r['pid']}/environ").read_bytes().split(b"\0")
+    assert b"NCCL_SOCKET_IFNAME=lo" in env and b"GLOO_SOCKET_IFNAME=lo" in env
+
+
+def test_a_new_supervisor_adopts_the_running_engine_ready_at_once(supervisor, tiny_gguf) -> None:
+    first = supervisor()
+    first.reconcile([assignment(*tiny_gguf)])
+    until("ready", lambda: state_of(first)["state"] == "ready")
+    before = state_of(first)
+    port = int(before["endpoint"].rsplit(":", 1)[1])
+    second = supervisor()  # as after the agent was killed and restarted
+    assert state_of(second)["state"] == "ready", "ready from the first report"
+    second.reconcile([assignment(*tiny_gguf)])
+    assert state_of(second)["pid"] == before["pid"]
+    assert engines_on(port) == [before["pid"]], "no second llama-server"
+
+
+def test_a_killed_engine_comes_back_by_itself(supervisor, tiny_gguf) -> None:
+    sup = supervisor()
+    sup.reconcile([assignment(*tiny_gguf)])
+    until("ready", lambda: state_of(sup)["state"] == "ready")
+    pid = state_of(sup)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    until("failed", lambda: state_of(sup)["state"] in ("failed", "starting"), 10)
+    until("ready again", lambda: state_of(sup)["state"] == "ready"
+          and state_of(sup)["pid"] != pid, 60)
+
+
+def test_a_removed_assignment_stops_its_engine(supervisor, tiny_gguf, tmp_path) -> None:
+    sup = supervisor()
+    sup.reconcile([assignment(*tiny_gguf)])
+    until("started", lambda: state_of(sup)["pid"] > 0)
+    pid = state_of(sup)["pid"]
+    sup.reconcile([])
+    assert sup.report() == []
+    assert not Path(f"/proc/{pid}").exists() or not pid_is_engine(pid, 0)
+    assert not list((tmp_path / "agent" / "replicas").glob("*.json"))
+
+
+def test_wrong_digest_fails_naming_both(supervisor, tiny_gguf) -> None:
+    sup = supervisor()
+    path, digest = tiny_gguf
+    wrong = hashlib.sha256(b"other").hexdigest()
+    sup.reconcile([assignment(path, wrong)])
+    until("failed", lambda: state_of(sup)["state"] == "failed", 10)
+    err = state_of(sup)["err"]
+    assert digest in err and wrong in err
