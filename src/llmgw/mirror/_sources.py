@@ -149,7 +149,7 @@ def _open_http(url: str, offset: int, validator: str | None, client: httpx.Clien
             raise Changed(f"{url} answered a range other than the one asked for")
         start, total = offset, None if found[3] == "*" else int(found[3])
     new_validator = response.headers.get("etag") or response.headers.get("last-modified")
-    chunks = response.iter_raw(CHUNK)
+    chunks = response.iter_raw()
     return Opened(start, total, _digest_in(response), new_validator, chunks, closer)
 
 
