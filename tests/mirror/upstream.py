@@ -7,7 +7,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 _RANGE = re.compile(r"^bytes=(\d+)-$")
 CHUNK = 64 * 1024
@@ -42,7 +42,7 @@ class Upstream:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_port}/files/{self.name}"
 
-    def __enter__(self) -> Upstream:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -76,7 +76,7 @@ class Upstream:
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            def do_GET(self) -> None:
                 if self.path != f"/files/{upstream.name}":
                     self.send_error(404)
                     return
