@@ -156,3 +156,22 @@ def test_concurrent_fetches_start_one_download(start_mirror, data):
             t.join()
         mirror.wait_for("m", "v1", PRESENT)
         assert len(up.requests) == 1, up.requests
+
+
+def test_a_source_busy_for_a_while_is_retried(start_mirror, data):
+    """503 twice, then the file: the mirror retries and ends present."""
+    mirror = start_mirror()
+    with Upstream(data, unavailable_first=2) as up, mirror.client() as api:
+        api.fetch(source=up.url, model="m", version="v1", sha256=sha(data))
+        assert mirror.wait_for("m", "v1", PRESENT).status.sha256 == sha(data)
+        assert len(up.requests) == 3, up.requests
+
+
+def test_a_missing_source_fails_at_once_saying_so(start_mirror, data):
+    """404 from the source is not retried: failed, naming the source and the status."""
+    mirror = start_mirror()
+    with Upstream(data) as up, mirror.client() as api:
+        missing = up.url + ".nope"
+        api.fetch(source=missing, model="m", version="v1")
+        failed = mirror.wait_for("m", "v1", FAILED)
+        assert missing in failed.status.err and "404" in failed.status.err

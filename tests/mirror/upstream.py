@@ -20,6 +20,7 @@ class Behaviour:
     drop_at: int | None = None
     corrupt: bool = False
     delay_per_chunk_s: float = 0.0
+    unavailable_first: int = 0  # answer 503 to this many GETs first
     headers: dict[str, str] = field(default_factory=dict)
 
 
@@ -82,6 +83,9 @@ class Upstream:
                     return
                 rng = self.headers.get("Range")
                 upstream.requests.append(rng)
+                if len(upstream.requests) <= upstream.behaviour.unavailable_first:
+                    self.send_error(503)
+                    return
                 body = upstream.body()
                 found = _RANGE.match(rng or "")
                 start = int(found[1]) if found else 0

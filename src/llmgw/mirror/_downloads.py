@@ -231,7 +231,7 @@ class Manager:
         except sources.Changed:
             _restart(dl, partial, hasher)
             raise _Interrupted from None
-        except httpx.TransportError as e:
+        except (httpx.TransportError, sources.Unavailable) as e:
             raise _Interrupted(str(e)) from e
         with opened:
             if opened.start != dl.bytes:

@@ -93,6 +93,10 @@ class Gone(Exception):
     """The source answered in a way a retry will not fix (404, 403, …)."""
 
 
+class Unavailable(Exception):
+    """The source is busy or failing for now (5xx, 429): worth another try."""
+
+
 def open_at(source: Source, offset: int, validator: str | None, client: httpx.Client) -> Opened:
     """Open the source from offset on. Opened.start is 0 when the source sent the whole file."""
     if source.url.startswith("file://"):
@@ -138,6 +142,9 @@ def _open_http(url: str, offset: int, validator: str | None, client: httpx.Clien
         if found and int(found[1]) == offset:
             return Opened(offset, offset, _digest_in(response), validator, iter(()), [])
         raise Changed(f"{url} answered 416 to a resume at byte {offset}")
+    if status >= 500 or status == 429:
+        response.close()
+        raise Unavailable(f"{url} answered {status} {response.reason_phrase}")
     if status >= 400:
         response.close()
         raise Gone(f"{url} answered {status} {response.reason_phrase}")
