@@ -18,6 +18,16 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mirror_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from llmgw.mirror.server import Options, serve
+
+    options = Options(Path(args.dir), args.listen, args.api_listen, args.base or "")
+    asyncio.run(serve(options))
+    return 0
+
+
 def _down(args: argparse.Namespace) -> int:
     from llmgw.down import down
 
@@ -33,6 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server", help="run the control plane")
     server.add_argument("--config", required=True, help="path to server.yaml")
     server.set_defaults(run=_server)
+
+    mirror = sub.add_parser("mirror", help="the model mirror")
+    mirror_sub = mirror.add_subparsers(dest="mirror_command", required=True)
+    mserve = mirror_sub.add_parser("serve", help="serve the models dir and download into it")
+    mserve.add_argument("--dir", required=True, help="the models dir")
+    mserve.add_argument("--listen", default=":8081",
+                        help="the bytes server, for every node (default :8081)")
+    mserve.add_argument("--api-listen", default="127.0.0.1:8082",
+                        help="the management API; keep it on loopback (default 127.0.0.1:8082)")
+    mserve.add_argument("--base", default=None, metavar="URL",
+                        help="the URL nodes use for the bytes server, http://ADDR:PORT "
+                             "(default: the --listen address as seen from here)")
+    mserve.set_defaults(run=_mirror_serve)
 
     down = sub.add_parser("down", help="stop everything a local-mode host runs")
     down.add_argument("--state-dir", required=True, help="the host's state dir")

@@ -4,8 +4,11 @@ Error
  ├── pki.PKIError
  ├── config.ConfigError
  ├── services.ServiceError
- └── control.client.ControlPlaneError
-      └── control.client.NotFound
+ ├── control.client.ControlPlaneError
+ │    └── control.client.NotFound
+ └── mirror.MirrorError
+      ├── mirror.MirrorNotFound
+      └── mirror.SourceError
 """
 
 from __future__ import annotations

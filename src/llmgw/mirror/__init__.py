@@ -1,0 +1,25 @@
+"""The model mirror: a bytes server for nodes, a management API, and checked downloads."""
+
+from __future__ import annotations
+
+from llmgw.mirror.client import (
+    DOWNLOADING,
+    FAILED,
+    PRESENT,
+    FetchStatus,
+    MirrorClient,
+    MirrorError,
+    MirrorModel,
+    MirrorNotFound,
+)
+
+__all__ = [
+    "DOWNLOADING",
+    "FAILED",
+    "PRESENT",
+    "FetchStatus",
+    "MirrorClient",
+    "MirrorError",
+    "MirrorModel",
+    "MirrorNotFound",
+]

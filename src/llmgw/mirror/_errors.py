@@ -1,0 +1,26 @@
+"""The mirror's errors, shared by its server and its client."""
+
+from __future__ import annotations
+
+from llmgw.errors import Error
+
+
+class MirrorError(Error):
+    """The mirror could not be reached, refused a request, or could not get a model.
+
+    MirrorError
+     ├── MirrorNotFound   the management API answered 404: no such model/version
+     └── SourceError      a source that cannot be turned into a download
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class MirrorNotFound(MirrorError):
+    """The management API answered 404: the mirror holds no such model and version."""
+
+
+class SourceError(MirrorError):
+    """A source the mirror cannot download from (unknown scheme, no file name)."""

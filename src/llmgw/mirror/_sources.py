@@ -1,0 +1,164 @@
+"""Sources a model is downloaded from: hf:ORG/REPO/FILE, https://, http:// and file:///."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
+from urllib.parse import quote, unquote, urlsplit
+
+import httpx
+
+from llmgw.mirror._disk import is_name
+from llmgw.mirror._errors import SourceError
+
+HF_RESOLVE = "https://huggingface.co/{repo}/resolve/main/{file}"
+CHUNK = 1 << 20
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
+_UNSATISFIED = re.compile(r"^bytes \*/(\d+)$")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source as given, the URL it is read from, and the file name it gets in the mirror."""
+
+    spec: str
+    url: str
+    file_name: str
+
+
+def parse(spec: str) -> Source:
+    """Turn a source as written in a fetch into a URL and a file name; SourceError if it cannot."""
+    if spec.startswith("hf:"):
+        parts = spec[3:].split("/")
+        if len(parts) < 3 or not all(parts):
+            raise SourceError(
+                f"source {spec!r} is not hf:ORG/REPO/FILE; write e.g. "
+                "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf"
+            )
+        repo, file = "/".join(parts[:2]), "/".join(parts[2:])
+        url = HF_RESOLVE.format(repo=quote(repo), file=quote(file))
+    elif spec.startswith(("https://", "http://", "file:///")):
+        url = spec
+    else:
+        raise SourceError(
+            f"source {spec!r} has a scheme the mirror does not know; "
+            "use hf:ORG/REPO/FILE, https://..., http://... or file:///path"
+        )
+    name = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
+    if not is_name(name):
+        raise SourceError(
+            f"source {spec!r} ends in {name!r}, which cannot be a file name in the mirror "
+            "(letters, digits, . _ + - only, not starting with a dot); name the file itself"
+        )
+    return Source(spec, url, name)
+
+
+def stated_digest(value: str | None) -> str | None:
+    """A sha256 from an ETag-like header ('"abc…"', W/"abc…"), or None when it is not one."""
+    if not value:
+        return None
+    value = value.strip().removeprefix("W/").strip('"').lower()
+    return value if _SHA256.match(value) else None
+
+
+@dataclass
+class Opened:
+    """A source opened at an offset: where its bytes start, and what it says of the whole."""
+
+    start: int
+    total: int | None
+    digest: str | None
+    validator: str | None
+    chunks: Iterator[bytes]
+    close: list = field(default_factory=list)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for closer in self.close:
+            closer()
+
+
+class Changed(Exception):
+    """The source no longer is the file a partial download came from; start over."""
+
+
+class Gone(Exception):
+    """The source answered in a way a retry will not fix (404, 403, …)."""
+
+
+class Unavailable(Exception):
+    """The source is busy or failing for now (5xx, 429): worth another try."""
+
+
+def open_at(source: Source, offset: int, validator: str | None, client: httpx.Client) -> Opened:
+    """Open the source from offset on. Opened.start is 0 when the source sent the whole file."""
+    if source.url.startswith("file://"):
+        return _open_file(Path(unquote(urlsplit(source.url).path)), offset, validator)
+    return _open_http(source.url, offset, validator, client)
+
+
+def _open_file(path: Path, offset: int, validator: str | None) -> Opened:
+    try:
+        f = path.open("rb")
+    except OSError as e:
+        raise Gone(f"cannot read {path}: {e.strerror}") from e
+    st = os.fstat(f.fileno())
+    current = f"{st.st_mtime_ns}-{st.st_size}"
+    start = offset if validator in (None, current) and offset <= st.st_size else 0
+    f.seek(start)
+    return Opened(start, st.st_size, None, current, iter(lambda: f.read(CHUNK), b""), [f.close])
+
+
+def _digest_in(response: httpx.Response) -> str | None:
+    # The hub states a file's sha256 as X-Linked-Etag on the redirect to its CDN.
+    for r in [*response.history, response]:
+        for header in ("x-linked-etag", "etag"):
+            found = stated_digest(r.headers.get(header))
+            if found:
+                return found
+    return None
+
+
+def _open_http(url: str, offset: int, validator: str | None, client: httpx.Client) -> Opened:
+    # Identity, so the bytes hashed are the file's bytes, never a compressed form of them.
+    headers = {"Accept-Encoding": "identity"}
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+        if validator:
+            headers["If-Range"] = validator
+    response = client.send(client.build_request("GET", url, headers=headers), stream=True)
+    closer = [response.close]
+    status = response.status_code
+    if status == 416:
+        response.close()
+        found = _UNSATISFIED.match(response.headers.get("content-range", ""))
+        if found and int(found[1]) == offset:
+            return Opened(offset, offset, _digest_in(response), validator, iter(()), [])
+        raise Changed(f"{url} answered 416 to a resume at byte {offset}")
+    if status >= 500 or status == 429:
+        response.close()
+        raise Unavailable(f"{url} answered {status} {response.reason_phrase}")
+    if status >= 400:
+        response.close()
+        raise Gone(f"{url} answered {status} {response.reason_phrase}")
+    start, total = 0, _int(response.headers.get("content-length"))
+    if status == 206:
+        found = _CONTENT_RANGE.match(response.headers.get("content-range", ""))
+        if not found or int(found[1]) != offset:
+            response.close()
+            raise Changed(f"{url} answered a range other than the one asked for")
+        start, total = offset, None if found[3] == "*" else int(found[3])
+    new_validator = response.headers.get("etag") or response.headers.get("last-modified")
+    chunks = response.iter_raw()
+    return Opened(start, total, _digest_in(response), new_validator, chunks, closer)
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None
