@@ -31,3 +31,17 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """Session: a tiny llama GGUF made at test time, and its sha256."""
     path = tmp_path_factory.mktemp("models") / "tiny.gguf"
     return path, write_tiny_gguf(path)
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> str:
+    """Session: a llama-server binary, found the way a node finds one (configured, PATH,
+    cache) or built from the pinned source the first time (about 11 minutes on 2 cores)."""
+    from llmgw.agent.engine import LlamaCpp
+    from llmgw.config import EngineConfig
+
+    engine = LlamaCpp(EngineConfig())
+    status = engine.provision()
+    assert status.state == "ready", f"no llama-server for the tests: {status.detail}"
+    assert engine.found is not None
+    return str(engine.found.path)
