@@ -18,6 +18,14 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent(args: argparse.Namespace) -> int:
+    from llmgw.agent.agent import run_agent
+    from llmgw.config import load_agent
+
+    run_agent(load_agent(args.config))
+    return 0
+
+
 def _down(args: argparse.Namespace) -> int:
     from llmgw.down import down
 
@@ -33,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server", help="run the control plane")
     server.add_argument("--config", required=True, help="path to server.yaml")
     server.set_defaults(run=_server)
+
+    agent = sub.add_parser("agent", help="run the node agent")
+    agent.add_argument("--config", required=True, help="path to agent.yaml")
+    agent.set_defaults(run=_agent)
 
     down = sub.add_parser("down", help="stop everything a local-mode host runs")
     down.add_argument("--state-dir", required=True, help="the host's state dir")
