@@ -150,8 +150,9 @@ def cmake_build_args(build: Path, jobs: int) -> list[str]:
 class Runner:
     """Runs build commands one at a time, logging them; stop() ends the running one."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, search_path: str | None = None) -> None:
         self.log = log
+        self.env = {**os.environ, "PATH": search_path} if search_path else None
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
         self._stopped = False
@@ -166,7 +167,7 @@ class Runner:
                 # A session of its own, so stop() ends the compilers too.
                 self._proc = subprocess.Popen(
                     cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
+                    stdin=subprocess.DEVNULL, start_new_session=True, env=self.env,
                 )
             lines: list[str] = []
             assert self._proc.stdout is not None

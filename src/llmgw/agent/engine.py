@@ -268,7 +268,7 @@ class LlamaCpp:
         work = Path(tempfile.mkdtemp(prefix=f"build-{self.flavour}-", dir=target_dir.parent))
         build_log = target_dir / "build.log"
         build_log.write_text("")
-        self._runner = _build.Runner(build_log)
+        self._runner = _build.Runner(build_log, self.search_path)
         try:
             self._say("building", f"unpacking {archive.name}")
             tree = _build.unpack(archive, work / "src")
