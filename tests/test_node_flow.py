@@ -22,10 +22,10 @@ from llmgw.layout import Layout
 from llmgw.services._supervisor import Supervisor
 from tests.hosts import ThrowawayHost
 
-pytestmark = pytest.mark.slow
 NODE_ONLY = ("--no-mirror", "--no-starter")
 
 
+@pytest.mark.slow
 def test_provision_brings_the_node_ready_then_keeps_it(make_host) -> None:
     host: ThrowawayHost = make_host()
     first = host.provision(*NODE_ONLY)
@@ -56,6 +56,7 @@ def test_provision_brings_the_node_ready_then_keeps_it(make_host) -> None:
     assert "skipped" not in checks.output.splitlines()[-1], checks.output
 
 
+@pytest.mark.slow
 def test_stopped_agent_turns_the_node_not_ready_and_checks_name_it(make_host) -> None:
     host: ThrowawayHost = make_host()
     assert host.provision(*NODE_ONLY).returncode == 0
@@ -88,6 +89,15 @@ def _edit_yaml(path: Path, **values: float) -> None:
     config = yaml.safe_load(path.read_text())
     config.update(values)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def test_checks_skip_the_node_on_a_host_that_is_not_one(make_host) -> None:
+    """provision --no-node leaves no agent.yaml; checks then skip the node, saying why."""
+    host: ThrowawayHost = make_host()
+    assert host.provision("--no-mirror", "--no-node", "--no-starter").returncode == 0
+    checks = host.checks("-rs")
+    assert checks.returncode == 0, checks.output
+    assert "this machine was not made a node" in checks.output, checks.output
 
 
 def _shorten_timeouts(

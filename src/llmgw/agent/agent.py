@@ -50,6 +50,7 @@ class Agent:
         )
         self.workload: Workload = workload or NoReplicas()
         self.failures = 0
+        self.registered = False
 
     def inventory(self) -> dict[str, Any]:
         """The heartbeat body (DESIGN.md); the control plane names the node by its cert."""
@@ -89,9 +90,9 @@ class Agent:
             return backoff_s(self.config.heartbeat_s, self.failures)
         if self.failures:
             log.info("the control plane at %s answers again", self.config.server)
-        elif answer.get("node_id") and not getattr(self, "_greeted", False):
-            log.info("registered with %s as %s", self.config.server, answer["node_id"])
-            self._greeted = True
+        elif not self.registered:
+            log.info("registered with %s as %s", self.config.server, answer.get("node_id"))
+        self.registered = True
         self.failures = 0
         self.workload.reconcile(list(answer.get("replicas") or []))
         return self.config.heartbeat_s
