@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,17 @@ class Agent:
         self.workload.reconcile(list(answer.get("replicas") or []))
         return self.config.heartbeat_s
 
+    def _pause(self, stop: threading.Event, delay_s: float) -> None:
+        """Wait delay_s, or less when the engine changes state: a node that just became
+        ready says so at once, not a heartbeat later."""
+        sent = self.engine.status.state
+        deadline = time.monotonic() + delay_s
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.failures == 0 and self.engine.status.state != sent):
+                return
+            stop.wait(min(left, 0.25))
+
     def run(self, stop: threading.Event) -> None:
         """Heartbeat until stop is set; the engine is provisioned in the background."""
         for warning in self.discovery.warnings:
@@ -104,7 +116,7 @@ class Agent:
         self.engine.start()
         try:
             while not stop.is_set():
-                stop.wait(self.beat())
+                self._pause(stop, self.beat())
         finally:
             self.engine.stop()
             self.client.close()
@@ -112,6 +124,8 @@ class Agent:
 
 def run_agent(config: AgentConfig) -> None:
     """Run the agent in this process until SIGTERM or SIGINT."""
+    # A line per heartbeat would bury what matters in the agent's log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())

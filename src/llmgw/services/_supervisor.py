@@ -163,7 +163,18 @@ class Supervisor:
                         f"its log is {self.logs / (spec.name + '.log')}"
                     ) from e
             started = True
+        self._settle(spec.name)
         return changed or started or daemon_started
+
+    def _settle(self, name: str, timeout_s: float = _START_TIMEOUT_S) -> None:
+        """Wait while supervisord still calls the program STARTING (its first startsecs), so a
+        check right after ensure() does not find a healthy program "not running"."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = self._info(name)
+            if info is None or info["statename"] != "STARTING":
+                return
+            time.sleep(0.1)
 
     def _info(self, name: str) -> dict[str, Any] | None:
         if not self.daemon_running():
@@ -183,6 +194,7 @@ class Supervisor:
             if self.is_running(name):
                 rpc.stopProcess(name)
             rpc.startProcess(name)
+            self._settle(name)
         except xmlrpc.client.Fault as e:
             raise ServiceError(
                 f"supervisord could not restart {name}: {e.faultString}; "
