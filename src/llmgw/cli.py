@@ -28,6 +28,14 @@ def _mirror_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agent(args: argparse.Namespace) -> int:
+    from llmgw.agent.agent import run_agent
+    from llmgw.config import load_agent
+
+    run_agent(load_agent(args.config))
+    return 0
+
+
 def _down(args: argparse.Namespace) -> int:
     from llmgw.down import down
 
@@ -56,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the URL nodes use for the bytes server, http://ADDR:PORT "
                              "(default: the --listen address as seen from here)")
     mserve.set_defaults(run=_mirror_serve)
+
+    agent = sub.add_parser("agent", help="run the node agent")
+    agent.add_argument("--config", required=True, help="path to agent.yaml")
+    agent.set_defaults(run=_agent)
 
     down = sub.add_parser("down", help="stop everything a local-mode host runs")
     down.add_argument("--state-dir", required=True, help="the host's state dir")

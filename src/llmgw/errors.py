@@ -4,6 +4,9 @@ Error
  ├── pki.PKIError
  ├── config.ConfigError
  ├── services.ServiceError
+ ├── agent._build.BuildError
+ ├── agent.engine.EngineUnavailable
+ ├── agent.client.AgentAPIError
  ├── control.client.ControlPlaneError
  │    └── control.client.NotFound
  └── mirror.MirrorError

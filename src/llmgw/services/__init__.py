@@ -48,6 +48,9 @@ class ServiceManager(Protocol):
 
     def is_running(self, name: str) -> bool: ...
 
+    def restart(self, name: str) -> None:
+        """Stop the service if it runs, then start it."""
+
     def describe(self, name: str) -> str:
         """A line on the service's state, for messages."""
 

@@ -188,6 +188,19 @@ class Supervisor:
         info = self._info(name)
         return info is not None and info["statename"] == "RUNNING"
 
+    def restart(self, name: str) -> None:
+        rpc = self._rpc()
+        try:
+            if self.is_running(name):
+                rpc.stopProcess(name)
+            rpc.startProcess(name)
+            self._settle(name)
+        except xmlrpc.client.Fault as e:
+            raise ServiceError(
+                f"supervisord could not restart {name}: {e.faultString}; "
+                f"its log is {self.logs / (name + '.log')}"
+            ) from e
+
     def pid(self, name: str) -> int | None:
         info = self._info(name)
         return int(info["pid"]) if info and info["pid"] else None

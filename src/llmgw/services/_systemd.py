@@ -75,6 +75,9 @@ class Systemd:
             self._systemctl("restart", spec.name)
         return changed or not running
 
+    def restart(self, name: str) -> None:
+        self._systemctl("restart", name)
+
     def is_running(self, name: str) -> bool:
         proc = subprocess.run(["systemctl", "is-active", "--quiet", name])
         return proc.returncode == 0

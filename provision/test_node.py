@@ -1,0 +1,3 @@
+"""The `node` step's promises, under pytest provision/."""
+
+from fixtures.promises.node import *  # noqa: F403

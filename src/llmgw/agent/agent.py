@@ -1,0 +1,156 @@
+"""`llmgw agent`: heartbeats with the node's inventory, the engine provisioned beside them."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llmgw.agent import gpus as gpu_discovery
+from llmgw.agent import host
+from llmgw.agent.client import AgentAPIError, AgentClient
+from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.replicas import ReplicaSupervisor
+from llmgw.agent.workload import NoReplicas, Workload
+from llmgw.config import AgentConfig
+
+log = logging.getLogger("llmgw.agent")
+
+MAX_BACKOFF_S = 15.0
+
+
+def backoff_s(heartbeat_s: float, failures: int) -> float:
+    """How long to wait after `failures` heartbeats in a row went unanswered."""
+    if failures <= 0:
+        return heartbeat_s
+    return min(MAX_BACKOFF_S, heartbeat_s * 2 ** min(failures - 1, 8))
+
+
+class Agent:
+    """One node: its inventory, its engine, and what the control plane wants it to run."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        client: AgentClient | None = None,
+        engine: LlamaCpp | None = None,
+        workload: Workload | None = None,
+        discover: Callable[[], gpu_discovery.Discovery] = gpu_discovery.discover,
+    ) -> None:
+        self.config = config
+        self.discovery = discover()
+        self.client = client or AgentClient(config.server, config.tls)
+        self.engine = engine or LlamaCpp(
+            config.engine,
+            gpu_expected=bool(self.discovery.gpus),
+            state_dir=Path(config.state_dir),
+        )
+        self.workload: Workload = workload or NoReplicas()
+        self.failures = 0
+        self.registered = False
+
+    def inventory(self) -> dict[str, Any]:
+        """The heartbeat body (DESIGN.md); the control plane names the node by its cert."""
+        interface, addr = host.management_interface(self.config.server)
+        status = self.engine.status
+        return {
+            "node_id": self.config.node_id,
+            "gpus": [g.as_dict() for g in self.discovery.gpus],
+            "cpus": host.cpus(),
+            "memory_mb": host.memory_mb(),
+            "labels": dict(self.config.labels),
+            "engines": [status.engine] if status.state == "ready" else [],
+            "provision": [status.as_dict()],
+            "interface": interface,
+            "addr": addr,
+            "warnings": self.warnings(),
+            "replicas": self.workload.report(),
+        }
+
+    def warnings(self) -> list[str]:
+        found = list(self.discovery.warnings)
+        if self.discovery.gpus and not self.engine.cuda_compiler:
+            found.append(
+                "this node has an NVIDIA GPU but no CUDA toolkit (nvcc), so a llama.cpp built "
+                "here runs on CPU; install the CUDA toolkit and restart the agent"
+            )
+        return found
+
+    def beat(self) -> float:
+        """One heartbeat; returns how long to wait before the next."""
+        try:
+            answer = self.client.heartbeat(self.inventory())
+        except AgentAPIError as e:
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("%s; retrying with backoff up to %.0fs", e, MAX_BACKOFF_S)
+            return backoff_s(self.config.heartbeat_s, self.failures)
+        if self.failures:
+            log.info("the control plane at %s answers again", self.config.server)
+        elif not self.registered:
+            log.info("registered with %s as %s", self.config.server, answer.get("node_id"))
+        self.registered = True
+        self.failures = 0
+        self.workload.reconcile(list(answer.get("replicas") or []))
+        return self.config.heartbeat_s
+
+    def _pause(self, stop: threading.Event, delay_s: float) -> None:
+        """Wait delay_s, or less when the engine changes state: a node that just became
+        ready says so at once, not a heartbeat later."""
+        sent = self.engine.status.state
+        deadline = time.monotonic() + delay_s
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or (self.failures == 0 and self.engine.status.state != sent):
+                return
+            stop.wait(min(left, 0.25))
+
+    def run(self, stop: threading.Event) -> None:
+        """Heartbeat until stop is set; the engine is provisioned in the background."""
+        for warning in self.discovery.warnings:
+            log.warning("%s", warning)
+        self.engine.start()
+        try:
+            while not stop.is_set():
+                self._pause(stop, self.beat())
+        finally:
+            self.engine.stop()
+            self.client.close()
+
+
+def replica_supervisor(agent: Agent) -> ReplicaSupervisor:
+    """The replicas of this node: engines bound to the address the control plane sees,
+    weights cached in the state dir, adopted again when this agent restarts."""
+    interface, addr = host.management_interface(agent.config.server)
+
+    def engine_path() -> str | None:
+        found = agent.engine.found
+        return str(found.path) if agent.engine.ready() and found else None
+
+    state_dir = Path(agent.config.state_dir)
+    return ReplicaSupervisor(state_dir=state_dir, weights_dir=state_dir / "weights",
+                             engine=engine_path, bind_host=addr or "127.0.0.1",
+                             interface=interface)
+
+
+def run_agent(config: AgentConfig) -> None:
+    """Run the agent in this process until SIGTERM or SIGINT."""
+    # A line per heartbeat would bury what matters in the agent's log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    Path(config.state_dir).mkdir(parents=True, exist_ok=True)
+    agent = Agent(config)
+    agent.workload = replica_supervisor(agent)
+    log.info(
+        "agent %s: control plane %s, %d GPU(s), engine cache %s",
+        config.node_id, config.server, len(agent.discovery.gpus), agent.engine.cache_dir,
+    )
+    agent.run(stop)
+    log.info("agent stopped")

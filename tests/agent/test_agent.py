@@ -1,0 +1,156 @@
+"""The agent's heartbeat: its inventory, the replica seam, backoff logged once."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw import pki
+from llmgw.agent import _build
+from llmgw.agent import agent as agent_mod
+from llmgw.agent.agent import MAX_BACKOFF_S, Agent, backoff_s
+from llmgw.agent.client import AgentAPIError, AgentClient
+from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.gpus import GPU, Discovery
+from llmgw.config import AgentConfig, EngineConfig, TLSFiles
+from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.control.nodes import node_view
+from llmgw.control.store import Store
+from tests.agent.conftest import FakeBinary
+
+
+class Recorder:
+    """A workload that remembers what it was told, and reports one replica."""
+
+    def __init__(self) -> None:
+        self.told: list[list[dict[str, Any]]] = []
+
+    def report(self) -> list[dict[str, Any]]:
+        return [{"id": "r1", "state": "ready"}]
+
+    def reconcile(self, assignments: list[dict[str, Any]]) -> None:
+        self.told.append(assignments)
+
+
+@pytest.fixture
+def control_plane(tmp_path: Path) -> Any:
+    """Function: a real agent API that assigns one replica to every node."""
+    ca = pki.create_ca()
+    ca.write(tmp_path, "ca")
+    pki.issue_server(ca, ["127.0.0.1"]).write(tmp_path, "server")
+    cert, key = pki.issue_client(ca, "node-a").write(tmp_path, "agent")
+    store = Store(tmp_path / "control.db")
+    assign = lambda node_id, body: [{"id": "r1", "model": "m", "node": node_id}]
+    server = AgentAPIServer(
+        "127.0.0.1", 0,
+        mtls_context(str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
+                     str(tmp_path / "server-key.pem")),
+        AgentAPI(store, assign),
+    )
+    server.start()
+    tls = TLSFiles(ca=str(tmp_path / "ca.pem"), cert=str(cert), key=str(key))
+    yield server, store, tls
+    server.stop()
+    store.close()
+
+
+def test_heartbeat_carries_the_inventory_and_hands_assignments_to_the_workload(
+    tmp_path: Path, control_plane: Any, fake_llama_server: FakeBinary
+) -> None:
+    server, store, tls = control_plane
+    config = AgentConfig(
+        server=f"https://127.0.0.1:{server.port}", node_id="node-a", state_dir=str(tmp_path),
+        tls=tls, labels={"llmgw.control-plane": "true"}, heartbeat_s=0.1,
+        engine=EngineConfig(cache_dir=str(tmp_path / "cache")),
+    )
+    engine = LlamaCpp(config.engine, search_path=str(tmp_path / "empty"))
+    fake_llama_server(engine.cached_binary.parent)
+    workload = Recorder()
+    gpu = GPU(0, "NVIDIA L4", 23034, "GPU-x", "l4")
+    agent = Agent(config, engine=engine, workload=workload,
+                  discover=lambda: Discovery([gpu], ["a warning"]))
+    assert agent.beat() == 0.1
+    view = node_view(store.nodes()[0], store.clock(), 30)
+    assert (view["id"], view["state"]) == ("node-a", "provisioning")
+    assert view["provision"][0]["state"] == "pending"
+    engine.provision()
+    agent.beat()
+    view = node_view(store.nodes()[0], store.clock(), 30)
+    assert view["state"] == "ready" and view["engines"] == ["llamacpp"]
+    assert view["gpus"] == [gpu.as_dict()]
+    assert view["labels"] == {"llmgw.control-plane": "true"}
+    assert view["interface"] == "lo" and view["addr"] == "127.0.0.1"
+    assert view["cpus"] >= 1 and view["memory_mb"] > 0
+    assert "a warning" in view["warnings"]
+    assert store.nodes()[0]["inventory"]["replicas"] == [{"id": "r1", "state": "ready"}]
+    assert workload.told[-1] == [{"id": "r1", "model": "m", "node": "node-a"}]
+
+
+class _DownClient:
+    def __init__(self) -> None:
+        self.up = False
+        self.sent = 0
+
+    def heartbeat(self, inventory: dict[str, Any]) -> dict[str, Any]:
+        self.sent += 1
+        if not self.up:
+            raise AgentAPIError("the control plane at https://x did not answer: refused")
+        return {"node_id": "node-a", "replicas": []}
+
+    def close(self) -> None:
+        pass
+
+
+def test_control_plane_away_is_logged_once_and_backs_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = _DownClient()
+    config = AgentConfig(heartbeat_s=1.0, state_dir=str(tmp_path))
+    agent = Agent(config, client=client,  # type: ignore[arg-type]
+                  engine=LlamaCpp(EngineConfig(cache_dir=str(tmp_path))),
+                  discover=lambda: Discovery())
+    caplog.set_level(logging.INFO, logger="llmgw.agent")
+    delays = [agent.beat() for _ in range(8)]
+    assert delays[:4] == [1.0, 2.0, 4.0, 8.0] and delays[-1] == MAX_BACKOFF_S
+    away = [r for r in caplog.records if "did not answer" in r.getMessage()]
+    assert len(away) == 1, caplog.text
+    client.up = True
+    assert agent.beat() == 1.0 and agent.beat() == 1.0
+    back = [r for r in caplog.records if "answers again" in r.getMessage()]
+    assert len(back) == 1, caplog.text
+
+
+def test_backoff_starts_at_the_heartbeat_and_is_capped() -> None:
+    assert backoff_s(5.0, 0) == 5.0
+    assert backoff_s(5.0, 1) == 5.0
+    assert backoff_s(5.0, 2) == 10.0
+    assert backoff_s(5.0, 50) == MAX_BACKOFF_S
+
+
+def test_no_cuda_toolkit_on_a_gpu_node_is_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_build, "find_nvcc", lambda search_path=None: None)
+    gpu = GPU(0, "NVIDIA L4", 23034, "GPU-x", "l4")
+    engine = LlamaCpp(EngineConfig(cache_dir=str(tmp_path)), gpu_expected=True)
+    assert engine.cuda_compiler is None
+    agent = Agent(AgentConfig(), client=_DownClient(),  # type: ignore[arg-type]
+                  engine=engine, discover=lambda: Discovery([gpu]))
+    assert any("no CUDA toolkit" in w for w in agent.warnings())
+
+
+def test_default_workload_runs_nothing(tmp_path: Path) -> None:
+    agent = Agent(AgentConfig(), client=_DownClient(),  # type: ignore[arg-type]
+                  engine=LlamaCpp(EngineConfig(cache_dir=str(tmp_path))),
+                  discover=lambda: Discovery())
+    assert isinstance(agent.workload, agent_mod.NoReplicas)
+    assert agent.workload.report() == []
+
+
+def test_client_with_missing_tls_files_says_how_to_fix(tmp_path: Path) -> None:
+    tls = TLSFiles(ca=str(tmp_path / "ca.pem"), cert="x", key="y")
+    with pytest.raises(AgentAPIError, match="pytest provision/"):
+        AgentClient("https://127.0.0.1:1", tls)

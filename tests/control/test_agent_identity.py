@@ -1,0 +1,83 @@
+"""The agent API knows a node by its verified certificate only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llmgw import pki
+from llmgw.agent.client import AgentAPIError, AgentClient
+from llmgw.config import TLSFiles
+from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.control.store import Store
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> dict[str, pki.KeyPair]:
+    """Function: a cluster CA and its server certificate for 127.0.0.1, written to tmp_path."""
+    ca = pki.create_ca()
+    ca.write(tmp_path, "ca")
+    pki.issue_server(ca, ["127.0.0.1", "localhost"]).write(tmp_path, "server")
+    return {"ca": ca}
+
+
+@pytest.fixture
+def agent_api(tmp_path: Path, cluster: dict[str, pki.KeyPair]) -> Iterator[AgentAPIServer]:
+    """Function: a real agent API on a free loopback port, its store in tmp_path."""
+    store = Store(tmp_path / "control.db")
+    ctx = mtls_context(str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
+                       str(tmp_path / "server-key.pem"))
+    server = AgentAPIServer("127.0.0.1", 0, ctx, AgentAPI(store))
+    server.start()
+    server.store = store  # type: ignore[attr-defined]
+    yield server
+    server.stop()
+    store.close()
+
+
+def node_tls(tmp_path: Path, ca: pki.KeyPair, cn: str, stem: str) -> TLSFiles:
+    cert, key = pki.issue_client(ca, cn).write(tmp_path, stem)
+    return TLSFiles(ca=str(tmp_path / "ca.pem"), cert=str(cert), key=str(key))
+
+
+def test_body_claiming_another_node_is_recorded_under_the_cert_cn(
+    tmp_path: Path, cluster: dict[str, pki.KeyPair], agent_api: AgentAPIServer
+) -> None:
+    """Renaming node_id in agent.yaml does not let a node speak for another."""
+    tls = node_tls(tmp_path, cluster["ca"], "node-a", "node-a")
+    client = AgentClient(f"https://127.0.0.1:{agent_api.port}", tls)
+    answer = client.heartbeat({"node_id": "node-b", "engines": ["llamacpp"]})
+    client.close()
+    assert answer["node_id"] == "node-a"
+    nodes = agent_api.store.nodes()  # type: ignore[attr-defined]
+    assert [n["id"] for n in nodes] == ["node-a"]
+    assert nodes[0]["inventory"]["claimed_id"] == "node-b"
+
+
+def test_node_with_a_cert_from_another_ca_is_refused(
+    tmp_path: Path, cluster: dict[str, pki.KeyPair], agent_api: AgentAPIServer
+) -> None:
+    foreign = pki.create_ca("someone else's CA")
+    tls = node_tls(tmp_path, foreign, "node-a", "foreign")
+    client = AgentClient(f"https://127.0.0.1:{agent_api.port}", tls)
+    with pytest.raises(AgentAPIError, match="did not answer"):
+        client.heartbeat({"node_id": "node-a"})
+    client.close()
+    assert agent_api.store.nodes() == []  # type: ignore[attr-defined]
+
+
+def test_agent_refuses_a_server_from_another_ca(
+    tmp_path: Path, cluster: dict[str, pki.KeyPair], agent_api: AgentAPIServer
+) -> None:
+    """The node trusts its cluster CA only: a server cert from elsewhere is no control plane."""
+    tls = node_tls(tmp_path, cluster["ca"], "node-a", "node-a")
+    other = tmp_path / "other"
+    other.mkdir()
+    pki.create_ca("elsewhere").write(other, "ca")
+    client = AgentClient(f"https://127.0.0.1:{agent_api.port}",
+                         TLSFiles(ca=str(other / "ca.pem"), cert=tls.cert, key=tls.key))
+    with pytest.raises(AgentAPIError):
+        client.heartbeat({})
+    client.close()

@@ -1,0 +1,136 @@
+"""`pytest provision/` makes this machine a node with llama.cpp; `pytest checks/` holds it.
+
+Slow the first time on a machine: the engine is built (about 11 minutes on 2 cores) into
+the cache under ~/.cache/llmgw, which later runs reuse.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fixtures._report import Recorder
+from fixtures.control_plane import ControlPlaneStep
+from fixtures.node import NodeStep
+from fixtures.pki import PKIStep
+from fixtures.settings import HostSettings
+from llmgw.control.client import AdminClient, ControlPlaneError
+from llmgw.layout import Layout
+from llmgw.services._supervisor import Supervisor
+from tests.hosts import ThrowawayHost
+
+NODE_ONLY = ("--no-mirror", "--no-starter")
+
+
+@pytest.mark.slow
+def test_provision_brings_the_node_ready_then_keeps_it(make_host) -> None:
+    host: ThrowawayHost = make_host()
+    first = host.provision(*NODE_ONLY)
+    assert first.returncode == 0, first.output
+    node_lines = " ".join(first.lines("done") + first.lines("kept"))
+    for what in ("agent certificate for", "agent.yaml", "llmgw-agent started",
+                 "is ready with llamacpp"):
+        assert what in node_lines, f"no line for {what}: {first.steps}"
+    assert "..   node          llamacpp " in first.output, "no provisioning progress shown"
+
+    config = yaml.safe_load((host.state_dir / "etc" / "agent.yaml").read_text())
+    assert config["labels"] == {"llmgw.control-plane": "true"}
+    assert config["server"] == f"https://127.0.0.1:{host.ports['agent']}"
+
+    with AdminClient(host.admin_url) as admin:
+        (node,) = admin.nodes()
+    assert node["state"] == "ready" and node["engines"] == ["llamacpp"]
+    assert node["labels"] == {"llmgw.control-plane": "true"}
+    assert node["interface"] == "lo" and node["addr"] == "127.0.0.1"
+
+    second = host.provision(*NODE_ONLY)
+    assert second.returncode == 0, second.output
+    assert "done" not in second.statuses(), second.steps
+    assert any("agent.yaml (never overwritten)" in line for line in second.lines("kept"))
+
+    checks = host.checks()
+    assert checks.returncode == 0, checks.output
+    assert "skipped" not in checks.output.splitlines()[-1], checks.output
+
+
+@pytest.mark.slow
+def test_stopped_agent_turns_the_node_not_ready_and_checks_name_it(make_host) -> None:
+    host: ThrowawayHost = make_host()
+    assert host.provision(*NODE_ONLY).returncode == 0
+    supervisor = Supervisor(host.state_dir)
+    _shorten_timeouts(host, supervisor, heartbeat_s=1.0, node_timeout_s=4.0)
+    supervisor._rpc().stopProcess("llmgw-agent")
+
+    with AdminClient(host.admin_url) as admin:
+        deadline = time.monotonic() + 30
+        while admin.nodes()[0]["state"] != "not_ready":
+            assert time.monotonic() < deadline, admin.nodes()
+            time.sleep(0.5)
+
+    checks = host.checks()
+    assert checks.returncode != 0, checks.output
+    assert "the node agent (llmgw-agent) is not running" in checks.output, checks.output
+    assert "Start the node agent" in checks.output
+
+    step = _node_step(host.state_dir)
+    with pytest.raises(AssertionError) as e:
+        step.node_ready()
+    assert "is not_ready: no heartbeat from its agent (llmgw-agent)" in str(e.value)
+    assert "Start the node agent" in str(e.value)
+
+    supervisor._rpc().startProcess("llmgw-agent")  # and the positive control: back to ready
+    assert host.checks().returncode == 0 or _ready_within(host, 30)
+
+
+def _edit_yaml(path: Path, **values: float) -> None:
+    config = yaml.safe_load(path.read_text())
+    config.update(values)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def test_checks_skip_the_node_on_a_host_that_is_not_one(make_host) -> None:
+    """provision --no-node leaves no agent.yaml; checks then skip the node, saying why."""
+    host: ThrowawayHost = make_host()
+    assert host.provision("--no-mirror", "--no-node", "--no-starter").returncode == 0
+    checks = host.checks("-rs")
+    assert checks.returncode == 0, checks.output
+    assert "this machine was not made a node" in checks.output, checks.output
+
+
+def _shorten_timeouts(
+    host: ThrowawayHost, supervisor: Supervisor, heartbeat_s: float, node_timeout_s: float
+) -> None:
+    """As a person would: edit both files, restart both services."""
+    _edit_yaml(host.state_dir / "etc" / "server.yaml", node_timeout_s=node_timeout_s)
+    _edit_yaml(host.state_dir / "etc" / "agent.yaml", heartbeat_s=heartbeat_s)
+    supervisor.restart("llmgw-server")
+    supervisor.restart("llmgw-agent")
+    with AdminClient(host.admin_url) as admin:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                admin.health()
+                return
+            except ControlPlaneError:
+                assert time.monotonic() < deadline, supervisor.describe("llmgw-server")
+                time.sleep(0.2)
+
+
+def _ready_within(host: ThrowawayHost, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if host.checks().returncode == 0:
+            return True
+        time.sleep(1)
+    return False
+
+
+def _node_step(state_dir: Path) -> NodeStep:
+    recorder = Recorder()
+    settings = HostSettings(layout=Layout.for_mode("local", state_dir))
+    pki_step = PKIStep(settings, recorder, None)
+    control = ControlPlaneStep(settings, recorder, None, pki_step=pki_step)
+    return NodeStep(settings, recorder, None, pki_step=pki_step, control_plane=control)
