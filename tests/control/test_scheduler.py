@@ -66,6 +66,12 @@ def test_not_ready_node_loses_its_replicas_to_another_that_fits() -> None:
     assert [r["node"] for r in p.add] == ["b"]
 
 
+def test_a_node_checking_its_engine_again_keeps_its_replicas() -> None:
+    """An agent that restarts reports `provisioning` for a moment; its engines still serve."""
+    p = plan([model()], [node("a", state="provisioning")], [replica("r", "a")])
+    assert not (p.add or p.stop)
+
+
 def test_deleted_model_stops_its_replicas() -> None:
     p = plan([], [node("a")], [replica("r", "a")])
     assert "deleted" in p.stop["r"] and not p.add

@@ -107,7 +107,9 @@ def plan(
     for r in live:
         if r["model"] not in by_name:
             result.stop[r["id"]] = f"{r['model']} was deleted from the catalog"
-        elif r["node"] and states.get(r["node"]) != "ready":
+        elif r["node"] and states.get(r["node"], "gone") in ("not_ready", "gone"):
+            # Only a silent node loses its replicas: one that restarted and is checking its
+            # engine again still runs them (engines outlive their agent).
             result.stop[r["id"]] = f"node {r['node']} is {states.get(r['node'], 'gone')}"
     kept = [r for r in live if r["id"] not in result.stop]
     for model in models:
