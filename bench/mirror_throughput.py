@@ -88,7 +88,8 @@ def measure(url: str, runs: int) -> float:
 
 
 def ensure_nginx() -> str | None:
-    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    sbin = Path("/usr/sbin/nginx")
+    found = shutil.which("nginx") or (str(sbin) if sbin.exists() else None)
     if found:
         return found
     if os.geteuid() != 0:

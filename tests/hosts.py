@@ -31,6 +31,11 @@ class RunResult:
     def statuses(self) -> list[str]:
         return [s["status"] for s in self.steps]
 
+    def skips(self, step: str) -> list[str]:
+        """The short summary's SKIPPED lines for one step's promises (test_STEP.py)."""
+        return [line for line in self.output.splitlines()
+                if line.startswith("SKIPPED") and f"test_{step}.py" in line]
+
     def lines(self, status: str) -> list[str]:
         return [f"{s['step']}: {s['message']}" for s in self.steps if s["status"] == status]
 
@@ -53,7 +58,7 @@ class ThrowawayHost:
         steps_json = self.state_dir.parent / f"{self.state_dir.name}-{suite.strip('/')}-steps.json"
         steps_json.unlink(missing_ok=True)
         cmd = [
-            sys.executable, "-m", "pytest", suite, "-q", "-p", "no:randomly",
+            sys.executable, "-m", "pytest", suite, "-q", "-rs", "-p", "no:randomly",
             "--mode=local", f"--state-dir={self.state_dir}", f"--steps-json={steps_json}",
             "--advertise=127.0.0.1", *self.listen_args(), *args,
         ]

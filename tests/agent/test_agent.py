@@ -37,18 +37,22 @@ class Recorder:
 
 @pytest.fixture
 def control_plane(tmp_path: Path) -> Any:
-    """Function: a real agent API that assigns one replica to every node."""
+    """Function: a real agent API whose catalog assigns one replica to node-a."""
     ca = pki.create_ca()
     ca.write(tmp_path, "ca")
     pki.issue_server(ca, ["127.0.0.1"]).write(tmp_path, "server")
     cert, key = pki.issue_client(ca, "node-a").write(tmp_path, "agent")
     store = Store(tmp_path / "control.db")
-    assign = lambda node_id, body: [{"id": "r1", "model": "m", "node": node_id}]
+    store.add_model({"name": "m", "source": "http://mirror/m.gguf", "sha256": "",
+                     "profiles": [{"name": "cpu", "engine": "llamacpp", "gpu_class": "",
+                                   "args": ["-c", "512"]}]})
+    store.put_replica({"id": "r1", "model": "m", "node": "node-a", "profile": "cpu",
+                       "state": "pending"})
     server = AgentAPIServer(
         "127.0.0.1", 0,
         mtls_context(str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
                      str(tmp_path / "server-key.pem")),
-        AgentAPI(store, assign),
+        AgentAPI(store),
     )
     server.start()
     tls = TLSFiles(ca=str(tmp_path / "ca.pem"), cert=str(cert), key=str(key))
@@ -85,8 +89,9 @@ def test_heartbeat_carries_the_inventory_and_hands_assignments_to_the_workload(
     assert view["interface"] == "lo" and view["addr"] == "127.0.0.1"
     assert view["cpus"] >= 1 and view["memory_mb"] > 0
     assert "a warning" in view["warnings"]
-    assert store.nodes()[0]["inventory"]["replicas"] == [{"id": "r1", "state": "ready"}]
-    assert workload.told[-1] == [{"id": "r1", "model": "m", "node": "node-a"}]
+    assert store.replicas()[0]["state"] == "ready", "the workload's report reached the store"
+    told = workload.told[-1]
+    assert [(a["id"], a["model"], a["args"]) for a in told] == [("r1", "m", ["-c", "512"])]
 
 
 class _DownClient:

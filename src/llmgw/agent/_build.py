@@ -110,10 +110,15 @@ def unpack(archive: Path, into: Path) -> Path:
 
 
 def find_tree(root: Path) -> Path:
-    """The llama.cpp source tree under root: CMakeLists.txt beside the server's sources."""
-    for candidate in [root, *sorted(root.glob("*")), *sorted(root.glob("*/vendor/llama.cpp"))]:
-        if (candidate / "CMakeLists.txt").exists() and (
-            (candidate / "tools" / "server").is_dir() or (candidate / "examples" / "server").is_dir()
+    """The llama.cpp source tree under root: CMakeLists.txt beside the server's C++ sources.
+
+    The vendored tree is looked at first: llama-cpp-python's own root also has a
+    CMakeLists.txt and an examples/server folder, of Python, which builds no llama-server.
+    """
+    for candidate in [*sorted(root.glob("*/vendor/llama.cpp")), root, *sorted(root.glob("*"))]:
+        servers = [candidate / "tools" / "server", candidate / "examples" / "server"]
+        if (candidate / "CMakeLists.txt").exists() and any(
+            any(d.glob("*.cpp")) for d in servers if d.is_dir()
         ):
             return candidate
     raise BuildError(

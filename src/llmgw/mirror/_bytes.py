@@ -163,7 +163,9 @@ class BytesServer:
         try:
             while await self._one(reader, writer):
                 pass
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        except (
+            TimeoutError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError
+        ):
             pass
         finally:
             self._writers.discard(writer)

@@ -194,7 +194,7 @@ class Supervisor:
             if self.is_running(name):
                 rpc.stopProcess(name)
             rpc.startProcess(name)
-            self._settle(name)
+            self._wait_running(name)
         except xmlrpc.client.Fault as e:
             raise ServiceError(
                 f"supervisord could not restart {name}: {e.faultString}; "
