@@ -145,3 +145,17 @@ def test_killed_engine_comes_back_ready_by_itself(host) -> None:
         r["state"] == "ready" for r in replicas(host)), 120)
     assert engine_pid(host) != pid
     assert host.checks().returncode == 0
+
+
+def test_a_dead_hub_without_a_source_fails_at_once_naming_the_option(make_host, monkeypatch):
+    """No --starter-source and no way to the hub: one line, within seconds, naming the option."""
+    from tests.hosts import free_port
+
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    host: ThrowawayHost = make_host()
+    started = time.monotonic()
+    result = host.provision()
+    assert result.returncode != 0
+    assert time.monotonic() - started < 120
+    lines = [line for line in result.output.splitlines() if "cannot be reached" in line]
+    assert lines and "--starter-source" in lines[0] and "--no-starter" in lines[0], result.output

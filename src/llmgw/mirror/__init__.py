@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmgw.mirror._sources import hub_endpoint
 from llmgw.mirror.client import (
     DOWNLOADING,
     FAILED,
@@ -22,4 +23,5 @@ __all__ = [
     "MirrorError",
     "MirrorModel",
     "MirrorNotFound",
+    "hub_endpoint",
 ]

@@ -15,11 +15,17 @@ import httpx
 from llmgw.mirror._disk import is_name
 from llmgw.mirror._errors import SourceError
 
-HF_RESOLVE = "https://huggingface.co/{repo}/resolve/main/{file}"
+HUB_DEFAULT = "https://huggingface.co"
 CHUNK = 1 << 20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _UNSATISFIED = re.compile(r"^bytes \*/(\d+)$")
+
+
+def hub_endpoint() -> str:
+    """The model hub hf: sources resolve against; HF_ENDPOINT names a hub mirror, as the
+    hub's own client reads it."""
+    return (os.environ.get("HF_ENDPOINT") or HUB_DEFAULT).rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,7 @@ def parse(spec: str) -> Source:
                 "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf"
             )
         repo, file = "/".join(parts[:2]), "/".join(parts[2:])
-        url = HF_RESOLVE.format(repo=quote(repo), file=quote(file))
+        url = f"{hub_endpoint()}/{quote(repo)}/resolve/main/{quote(file)}"
     elif spec.startswith(("https://", "http://", "file:///")):
         url = spec
     else:
