@@ -54,13 +54,14 @@ class ThrowawayHost:
     def listen_args(self) -> list[str]:
         return [f"--{name}-listen=127.0.0.1:{port}" for name, port in self.ports.items()]
 
-    def pytest(self, suite: str, *args: str, timeout: float = 1800) -> RunResult:
+    def pytest(self, suite: str, *args: str, timeout: float = 1800,
+               listen: bool = True) -> RunResult:
         steps_json = self.state_dir.parent / f"{self.state_dir.name}-{suite.strip('/')}-steps.json"
         steps_json.unlink(missing_ok=True)
         cmd = [
             sys.executable, "-m", "pytest", suite, "-q", "-rs", "-p", "no:randomly",
             "--mode=local", f"--state-dir={self.state_dir}", f"--steps-json={steps_json}",
-            "--advertise=127.0.0.1", *self.listen_args(), *args,
+            "--advertise=127.0.0.1", *(self.listen_args() if listen else ()), *args,
         ]
         proc = subprocess.run(
             cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
@@ -73,7 +74,8 @@ class ThrowawayHost:
         return self.pytest("provision/", *args, timeout=timeout)
 
     def checks(self, *args: str, timeout: float = 600) -> RunResult:
-        return self.pytest("checks/", *args, timeout=timeout)
+        """pytest checks/ with --state-dir alone: the host's files say where it listens."""
+        return self.pytest("checks/", *args, timeout=timeout, listen=False)
 
     def down(self) -> str:
         proc = subprocess.run(

@@ -31,7 +31,9 @@ def test_mirror_provisions_keeps_and_checks_fail_when_it_stops(make_host) -> Non
         assert what in done, f"no done line for {what!r}: {first.steps}"
     etc = host.state_dir / "etc"
     api = f"http://127.0.0.1:{host.ports['mirror-api']}"
-    assert yaml.safe_load((etc / "server.yaml").read_text())["mirror"] == {"api": api}
+    listen = f"127.0.0.1:{host.ports['mirror']}"
+    assert yaml.safe_load((etc / "server.yaml").read_text())["mirror"] == {
+        "api": api, "listen": listen}
     backups = list(etc.glob("server.yaml.bak-*"))
     assert len(backups) == 1 and "mirror" not in yaml.safe_load(backups[0].read_text())
 

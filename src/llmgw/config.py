@@ -26,9 +26,11 @@ class TLSFiles:
 
 @dataclass
 class MirrorRef:
-    """Where the control plane finds the model mirror's management API."""
+    """Where the control plane finds the model mirror's management API; listen is set
+    only when the mirror runs on this machine (its bytes server's bind address)."""
 
     api: str = ""
+    listen: str = ""
 
 
 @dataclass

@@ -169,6 +169,7 @@ def test_failed_build_names_its_log(tmp_path: Path) -> None:
 
 def _fake_source(tree: Path) -> Path:
     (tree / "tools" / "server").mkdir(parents=True)
+    (tree / "tools" / "server" / "server.cpp").write_text("int main() {}\n")
     (tree / "CMakeLists.txt").write_text("project(llama.cpp)\n")
     return tree
 
