@@ -45,6 +45,11 @@ def replicas(host: ThrowawayHost, model: str = NAME) -> list[dict]:
     return [x for x in r.json() if x["state"] != "stopped"]
 
 
+def node_state(host: ThrowawayHost) -> str:
+    nodes = httpx.get(f"{host.admin_url}/api/v1/nodes", timeout=10).json()
+    return nodes[0]["state"] if nodes else "none"
+
+
 def engine_pid(host: ThrowawayHost) -> int:
     import json
 
@@ -128,6 +133,7 @@ def test_killed_agent_leaves_the_engine_serving_and_adopts_it(host) -> None:
         assert httpx.post(f"{gateway(host)}/v1/chat/completions", json=body,
                           timeout=30).status_code == 200
         time.sleep(0.3)
+    until("the node to be ready again", lambda: node_state(host) == "ready", 60)
     checks = host.checks()
     assert checks.returncode == 0, checks.output[-4000:]
     assert engine_pid(host) == pid, "the same engine, adopted"
