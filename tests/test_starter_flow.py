@@ -153,6 +153,14 @@ def test_killed_engine_comes_back_ready_by_itself(host) -> None:
     assert host.checks().returncode == 0
 
 
+def test_down_stops_the_services_and_the_engines(host) -> None:
+    assert [p for p in llama_servers() if str(host.state_dir) in cmdline(p)]
+    said = host.down()
+    assert "stopped supervisord" in said and "stopped engines" in said, said
+    assert not [p for p in llama_servers() if str(host.state_dir) in cmdline(p)]
+    assert not (host.state_dir / "supervisor.sock").exists() or "not running" in host.down()
+
+
 def test_a_dead_hub_without_a_source_fails_at_once_naming_the_option(make_host, monkeypatch):
     """No --starter-source and no way to the hub: one line, within seconds, naming the option."""
     from tests.hosts import free_port

@@ -1,0 +1,40 @@
+"""The three units a system-mode host installs pass `systemd-analyze verify`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fixtures._report import Recorder
+from fixtures.control_plane import ControlPlaneStep
+from fixtures.mirror import MirrorStep
+from fixtures.node import agent_service
+from fixtures.settings import HostSettings
+from llmgw.layout import Layout
+from llmgw.services import ServiceSpec
+from llmgw.services._systemd import render_unit
+
+pytestmark = pytest.mark.skipif(not shutil.which("systemd-analyze"),
+                                reason="systemd-analyze is not installed here")
+
+
+def specs() -> list[ServiceSpec]:
+    settings = HostSettings(layout=Layout.for_mode("system"), advertise=("llm.example",))
+    return [
+        ControlPlaneStep(settings, Recorder(), None, pki_step=None).service_spec(),
+        MirrorStep(settings, Recorder(), None, control_plane=None).service_spec(),
+        agent_service(Path("/etc/llmgw/agent.yaml")),
+    ]
+
+
+@pytest.mark.parametrize("spec", specs(), ids=lambda s: s.name)
+def test_unit_verifies(spec: ServiceSpec, tmp_path: Path) -> None:
+    unit = tmp_path / f"{spec.name}.service"
+    unit.write_text(render_unit(spec))
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)],
+                          capture_output=True, text=True, check=False)
+    mine = [line for line in proc.stderr.splitlines() if unit.name in line]
+    assert proc.returncode == 0 and not mine, proc.stderr
