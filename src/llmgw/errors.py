@@ -7,11 +7,12 @@ Error
  ├── agent._build.BuildError
  ├── agent.engine.EngineUnavailable
  ├── agent.client.AgentAPIError
- ├── control.client.ControlPlaneError
- │    └── control.client.NotFound
- └── mirror.MirrorError
-      ├── mirror.MirrorNotFound
-      └── mirror.SourceError
+ └── APIError (an llmgw API did not answer, or refused)
+      ├── control.client.ControlPlaneError
+      │    └── control.client.NotFound
+      └── mirror.MirrorError
+           ├── mirror.MirrorNotFound
+           └── mirror.SourceError
 """
 
 from __future__ import annotations
@@ -19,3 +20,14 @@ from __future__ import annotations
 
 class Error(Exception):
     """Something llmgw found wrong; the message says what, why and what to do."""
+
+
+class APIError(Error):
+    """An llmgw API could not be reached or refused a request.
+
+    status is the HTTP status of the answer, None when there was no answer.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from llmgw.errors import Error
+from llmgw.errors import APIError
 
 
-class MirrorError(Error):
+class MirrorError(APIError):
     """The mirror could not be reached, refused a request, or could not get a model.
 
     MirrorError
      ├── MirrorNotFound   the management API answered 404: no such model/version
      └── SourceError      a source that cannot be turned into a download
     """
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class MirrorNotFound(MirrorError):

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any
 
-import httpx
-
+from llmgw._jsonclient import JSONClient
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT
 from llmgw.mirror._errors import MirrorError, MirrorNotFound
 
@@ -61,45 +60,12 @@ class MirrorModel:
         return cls(data["model"], data["version"], data["url"], status)
 
 
-class MirrorClient:
+class MirrorClient(JSONClient):
     """The management API at base_url (http://127.0.0.1:8082 by default)."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        timeout: float = 10.0,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
-        try:
-            response = self._http.request(method, path, **kw)
-        except httpx.HTTPError as e:
-            raise MirrorError(
-                f"the mirror's management API at {self.base_url} did not answer "
-                f"{method} {path}: {e or type(e).__name__}"
-            ) from e
-        if response.status_code == 404:
-            raise MirrorNotFound(f"{method} {path}: {_detail(response)}", 404)
-        if response.status_code >= 400:
-            raise MirrorError(
-                f"the mirror at {self.base_url} answered {method} {path} with "
-                f"{response.status_code}: {_detail(response)}",
-                response.status_code,
-            )
-        return response.json()
+    what = "the mirror's management API"
+    error = MirrorError
+    not_found = MirrorNotFound
 
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/health")
@@ -118,12 +84,3 @@ class MirrorClient:
     def models(self) -> list[MirrorModel]:
         return [MirrorModel.from_json(m) for m in self._call("GET", "/api/v1/models")]
 
-
-def _detail(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
-    if isinstance(body, dict) and "detail" in body:
-        return str(body["detail"])
-    return str(body)[:500]
