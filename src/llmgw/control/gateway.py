@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,20 +30,39 @@ def openai_error(status: int, message: str, type_: str, code: str, param: str | 
 
 
 class Router:
-    """Resolves a requested model to the catalog and picks a ready replica, round robin."""
+    """Resolves a requested model to the catalog and picks a ready replica, round robin.
 
-    def __init__(self, store: Store) -> None:
+    It reads the catalog and the replicas at most every ttl_s, not on every request: the
+    hot path stays off SQLite, and a replica that died in between costs one failed try.
+    """
+
+    def __init__(self, store: Store, ttl_s: float = 0.5) -> None:
         self.store = store
+        self.ttl_s = ttl_s
         self._turns = itertools.count()
+        self._read_at = -float("inf")
+        self._names: dict[str, dict[str, Any]] = {}
+        self._ready: dict[str, list[dict[str, Any]]] = {}
+
+    def _refresh(self) -> None:
+        if time.monotonic() - self._read_at < self.ttl_s:
+            return
+        names, ready = {}, {}
+        for model in self.store.models():
+            for name in [model["name"], *model.get("aliases", [])]:
+                names[name] = model
+        for r in self.store.replicas():
+            if r["state"] == "ready" and r["endpoint"]:
+                ready.setdefault(r["model"], []).append(r)
+        self._names, self._ready, self._read_at = names, ready, time.monotonic()
 
     def resolve(self, requested: str) -> dict[str, Any] | None:
-        for model in self.store.models():
-            if requested == model["name"] or requested in model.get("aliases", []):
-                return model
-        return None
+        self._refresh()
+        return self._names.get(requested)
 
     def ready(self, model: str) -> list[dict[str, Any]]:
-        return [r for r in self.store.replicas(model) if r["state"] == "ready" and r["endpoint"]]
+        self._refresh()
+        return self._ready.get(model, [])
 
     def order(self, model: str) -> list[dict[str, Any]]:
         """Ready replicas, starting from the next one's turn."""
@@ -72,22 +92,26 @@ def make_gateway_app(store: Store, *, tokens: list[str], upstream: httpx.AsyncCl
     app = FastAPI(title="llmgw gateway", version="1")
     router = Router(store)
 
-    @app.middleware("http")
-    async def bearer_tokens(request: Request, call_next: Any) -> Response:
-        if tokens and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not any(secrets.compare_digest(given, t) for t in tokens):
-                return openai_error(401, "a valid API key is required: send "
-                                    "'Authorization: Bearer TOKEN' with a token from server.yaml",
-                                    "invalid_request_error", "invalid_api_key")
-        return await call_next(request)
+    def unauthorized(request: Request) -> Response | None:
+        """A 401 when server.yaml lists tokens and the request carries none of them."""
+        if not tokens:
+            return None
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if any(secrets.compare_digest(given, t) for t in tokens):
+            return None
+        return openai_error(401, "a valid API key is required: send "
+                            "'Authorization: Bearer TOKEN' with a token from server.yaml",
+                            "invalid_request_error", "invalid_api_key")
 
     @app.get("/healthz")
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    def models(request: Request) -> Any:
+        denied = unauthorized(request)
+        if denied is not None:
+            return denied
         data = []
         for m in store.models():
             for name in [m["name"], *m.get("aliases", [])]:
@@ -96,8 +120,12 @@ def make_gateway_app(store: Store, *, tokens: list[str], upstream: httpx.AsyncCl
         return {"object": "list", "data": data}
 
     async def forward(request: Request) -> Response:
+        denied = unauthorized(request)
+        if denied is not None:
+            return denied
+        raw = await request.body()
         try:
-            body = json.loads(await request.body() or b"{}")
+            body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
@@ -111,7 +139,7 @@ def make_gateway_app(store: Store, *, tokens: list[str], upstream: httpx.AsyncCl
                                 "model_not_found", "model")
         for replica in router.order(model["name"]):
             try:
-                return await _relay(upstream, replica, request.url.path, body, requested)
+                return await _relay(upstream, replica, request.url.path, raw, body, requested)
             except httpx.TransportError as e:
                 log.warning("replica %s at %s failed: %s", replica["id"], replica["endpoint"], e)
         return openai_error(503, f"no replica of {model['name']} is ready: "
@@ -123,12 +151,14 @@ def make_gateway_app(store: Store, *, tokens: list[str], upstream: httpx.AsyncCl
     return app
 
 
-async def _relay(upstream: httpx.AsyncClient, replica: dict[str, Any], path: str,
+async def _relay(upstream: httpx.AsyncClient, replica: dict[str, Any], path: str, raw: bytes,
                  body: dict[str, Any], requested: str) -> Response:
-    """Send body to a replica with its own key; stream the answer back when asked to."""
-    headers = {"Authorization": f"Bearer {replica['api_key']}"}
+    """Send the request's own bytes to a replica with the replica's key; stream the answer
+    back when asked to."""
+    headers = {"Authorization": f"Bearer {replica['api_key']}",
+               "Content-Type": "application/json"}
     url = replica["endpoint"].rstrip("/") + path
-    request = upstream.build_request("POST", url, json=body, headers=headers)
+    request = upstream.build_request("POST", url, content=raw, headers=headers)
     response = await upstream.send(request, stream=True)
     kept = {k: v for k, v in response.headers.items()
             if k.lower() in ("content-type", "cache-control")}
