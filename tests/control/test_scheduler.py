@@ -92,3 +92,23 @@ def test_memory_and_engine_are_required() -> None:
 def test_satisfied_model_changes_nothing() -> None:
     p = plan([model()], [node("a")], [replica("r", "a")])
     assert not (p.add or p.stop or p.place or p.waiting)
+
+
+def test_tick_applies_the_plan_and_forgets_long_stopped_replicas(tmp_path) -> None:
+    from llmgw.control.scheduler import KEEP_STOPPED_S, Scheduler
+    from llmgw.control.store import Store
+
+    now = [1000.0]
+    store = Store(tmp_path / "db", clock=lambda: now[0])
+    store.record_heartbeat("a", {"engines": ["llamacpp"], "labels": PIN, "memory_mb": 16_000})
+    store.add_model(model())
+    Scheduler(store, node_timeout_s=30).tick()
+    (r,) = store.replicas()
+    assert (r["node"], r["state"]) == ("a", "pending")
+    store.delete_model("m")
+    Scheduler(store, node_timeout_s=30).tick()
+    assert store.replicas()[0]["state"] == "stopped"
+    now[0] += KEEP_STOPPED_S + 1
+    store.record_heartbeat("a", {"engines": ["llamacpp"], "labels": PIN})
+    Scheduler(store, node_timeout_s=30).tick()
+    assert store.replicas() == []

@@ -17,6 +17,8 @@ from llmgw.control.store import Store
 log = logging.getLogger("llmgw.scheduler")
 
 LIVE = ("pending", "downloading", "starting", "ready", "failed")
+# How long a stopped replica stays listed, so a person can still see why it stopped.
+KEEP_STOPPED_S = 3600.0
 
 
 @dataclass
@@ -158,4 +160,5 @@ class Scheduler:
             self.store.update_replica(rid, node=node, profile=profile, state="pending", err="")
         for rid, why in p.waiting.items():
             self.store.update_replica(rid, err=why)
+        self.store.prune_stopped(KEEP_STOPPED_S)
         return p

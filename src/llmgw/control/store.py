@@ -152,6 +152,13 @@ class Store:
             db.execute(f"UPDATE replicas SET {sets}, updated = ? WHERE id = ?",
                        (*fields.values(), self.clock(), replica_id))
 
+    def prune_stopped(self, older_than_s: float) -> int:
+        """Forget replicas stopped more than older_than_s ago; returns how many."""
+        with self._tx() as db:
+            cur = db.execute("DELETE FROM replicas WHERE state = 'stopped' AND updated < ?",
+                             (self.clock() - older_than_s,))
+        return cur.rowcount
+
     def delete_replica(self, replica_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
