@@ -99,6 +99,8 @@ def test_the_openai_client_gets_a_completion_and_a_stream(host) -> None:
         model=NAME, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8, stream=True)
     chunks = list(stream)
     assert len(chunks) > 1 and any(c.choices and c.choices[0].delta.content for c in chunks)
+    assert {c.model for c in chunks} == {NAME}, "the engine's file path never shows"
+    assert chat.model == ALIAS
     listed = [m.id for m in client.models.list()]
     assert NAME in listed and ALIAS in listed
 

@@ -151,6 +151,19 @@ def make_gateway_app(store: Store, *, tokens: list[str], upstream: httpx.AsyncCl
     return app
 
 
+def _renamed_event(line: str, requested: str) -> str:
+    """An SSE line with the model the client asked for, not the engine's file path."""
+    if not line.startswith("data: {"):
+        return line
+    try:
+        event = json.loads(line[len("data: "):])
+    except ValueError:
+        return line
+    if isinstance(event, dict) and "model" in event:
+        event["model"] = requested
+    return "data: " + json.dumps(event)
+
+
 async def _relay(upstream: httpx.AsyncClient, replica: dict[str, Any], path: str, raw: bytes,
                  body: dict[str, Any], requested: str) -> Response:
     """Send the request's own bytes to a replica with the replica's key; stream the answer
@@ -165,8 +178,8 @@ async def _relay(upstream: httpx.AsyncClient, replica: dict[str, Any], path: str
     if body.get("stream"):
         async def chunks() -> AsyncIterator[bytes]:
             try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
+                async for line in response.aiter_lines():
+                    yield (_renamed_event(line, requested) + "\n").encode()
             finally:
                 await response.aclose()
 
