@@ -26,10 +26,10 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw.agent.engine import LlamaCpp  # noqa: E402
-from llmgw.agent.replicas import free_port  # noqa: E402
 from llmgw.config import EngineConfig  # noqa: E402
 from llmgw.control.gateway import make_gateway_app, upstream_client  # noqa: E402
 from llmgw.control.store import Store  # noqa: E402
+from llmgw.netaddr import free_port  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
@@ -103,8 +103,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     gguf = work / "tiny.gguf"
     write_tiny_gguf(gguf)
-    key, engine_port, gw_port = secrets.token_urlsafe(16), free_port("127.0.0.1"), \
-        free_port("127.0.0.1")
+    key, engine_port, gw_port = secrets.token_urlsafe(16), free_port(), free_port()
     engine = subprocess.Popen(
         [engine_binary(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(engine_port),
          "--api-key", key, "--ctx-size", "2048", "--parallel", str(args.width)],

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from llmgw.netaddr import free_port
+
 MIB = 1024 * 1024
 STARLETTE_APP = """
 import sys
@@ -38,12 +40,6 @@ async def one(request):
     return FileResponse(path)
 app = Starlette(routes=[Route("/{name:path}", one)])
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, timeout_s: float = 30.0) -> None:

@@ -5,21 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmgw.netaddr import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 LISTENERS = ("admin", "agent", "gateway", "mirror", "mirror-api")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -7,6 +7,15 @@ import tempfile
 from pathlib import Path
 
 
+def last_lines(path: str | os.PathLike[str], n: int) -> str:
+    """The last n non-empty lines of a log, joined by ' | '; '' when it cannot be read."""
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in lines[-n:] if line.strip())
+
+
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o644) -> None:
     """Write data to path through a temporary file in the same folder, fsync and rename."""
     path = Path(path)

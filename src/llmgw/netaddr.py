@@ -68,6 +68,14 @@ def interface_holding(address: str) -> str | None:
     return None
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at host right now (the kernel's pick)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def source_address_towards(host: str, port: int) -> str:
     """The local address the kernel picks to reach host:port (UDP connect sends nothing)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -26,7 +25,8 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
-from llmgw._files import atomic_write
+from llmgw._files import atomic_write, last_lines
+from llmgw.netaddr import free_port
 
 log = logging.getLogger("llmgw.replicas")
 
@@ -63,13 +63,6 @@ class Replica:
     worker: threading.Thread | None = field(default=None, repr=False)
 
 
-def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def pid_is_engine(pid: int, port: int) -> bool:
     """Whether pid is alive (not a zombie) and is a llama-server on port."""
     if pid <= 0:
@@ -83,14 +76,6 @@ def pid_is_engine(pid: int, port: int) -> bool:
         return False
     words = [a.decode(errors="replace") for a in argv]
     return any(w.endswith(ENGINE_NAME) for w in words[:1]) and str(port) in words
-
-
-def log_tail(path: Path, n: int = _LOG_TAIL) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return " | ".join(line.strip() for line in lines[-n:] if line.strip())
 
 
 class ReplicaSupervisor:
@@ -285,7 +270,7 @@ class ReplicaSupervisor:
                 continue
             if not self._alive(r):
                 code = r.proc.returncode if r.proc is not None else "unknown"
-                tail = log_tail(self.dir / f"{r.record.id}.log")
+                tail = last_lines(self.dir / f"{r.record.id}.log", _LOG_TAIL)
                 log.warning("replica %s: llama-server exited (%s)", r.record.id, code)
                 self._failed(r, f"llama-server exited with code {code}; its last lines: {tail}")
                 continue

@@ -118,8 +118,6 @@ class Store:
     def delete_model(self, name: str) -> bool:
         with self._tx() as db:
             cur = db.execute("DELETE FROM models WHERE name = ?", (name,))
-            db.execute("UPDATE replicas SET state = 'stopped', updated = ? WHERE model = ?",
-                       (self.clock(), name))
         return cur.rowcount > 0
 
     # --- replicas ---

@@ -13,7 +13,7 @@ from typing import Any
 
 from supervisor.xmlrpc import SupervisorTransport
 
-from llmgw._files import atomic_write
+from llmgw._files import atomic_write, last_lines
 from llmgw.services import ServiceError, ServiceSpec
 
 _START_TIMEOUT_S = 15.0
@@ -215,7 +215,7 @@ class Supervisor:
         if info["description"]:
             line += f" ({info['description']})"
         if info["statename"] != "RUNNING":
-            tail = _last_lines(self.logs / f"{name}.log", 3)
+            tail = last_lines(self.logs / f"{name}.log", 3)
             if tail:
                 line += f"; the end of its log: {tail}"
         return line
@@ -242,14 +242,6 @@ class Supervisor:
                 )
             time.sleep(0.1)
         return True
-
-
-def _last_lines(path: Path, n: int) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return " | ".join(line.strip() for line in lines[-n:] if line.strip())
 
 
 def _alive(pid: int) -> bool:
