@@ -24,11 +24,16 @@ class JSONClient:
         self,
         base_url: str,
         *,
+        token: str | None = None,
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        """token: the admin token (llmgw.admin_token.read_token), sent as a bearer token."""
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+        self.timeout = timeout
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport,
+                                  headers=headers)
 
     def close(self) -> None:
         self._http.close()

@@ -11,10 +11,15 @@ from llmgw.errors import Error
 
 
 def _server(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from llmgw.admin_token import server_hash_path
     from llmgw.config import load_server
     from llmgw.control.server import serve
 
-    asyncio.run(serve(load_server(args.config)))
+    config = load_server(args.config)
+    token_hash = server_hash_path(Path(args.config), config.admin_token_hash)
+    asyncio.run(serve(config, admin_token_hash=token_hash))
     return 0
 
 
@@ -23,8 +28,27 @@ def _mirror_serve(args: argparse.Namespace) -> int:
 
     from llmgw.mirror.server import Options, serve
 
-    options = Options(Path(args.dir), args.listen, args.api_listen, args.base or "")
+    options = Options(
+        Path(args.dir), args.listen, args.api_listen, args.base or "",
+        admin_token_hash=Path(args.admin_token_hash) if args.admin_token_hash else None,
+        import_dirs=tuple(Path(d) for d in args.import_dir),
+    )
     asyncio.run(serve(options))
+    return 0
+
+
+def _mirror_import(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from llmgw.clients import mirror_client
+    from llmgw.layout import Layout
+
+    layout = Layout.for_mode("local" if args.state_dir else "auto", args.state_dir)
+    with mirror_client(layout, timeout=30.0) as mirror:
+        done = mirror.upload(Path(args.file), model=args.model, version=args.version,
+                             sha256=args.sha256)
+    print(f"{done.model}/{done.version} {done.status.state}: {done.url} "
+          f"(sha256 {done.status.sha256})")
     return 0
 
 
@@ -63,7 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
     mserve.add_argument("--base", default=None, metavar="URL",
                         help="the URL nodes use for the bytes server, http://ADDR:PORT "
                              "(default: the --listen address as seen from here)")
+    mserve.add_argument("--admin-token-hash", default=None, metavar="FILE",
+                        help="the admin token's sha256 (admin-token.sha256 beside server.yaml); "
+                             "without it the management API refuses everything but /health")
+    mserve.add_argument("--import-dir", action="append", default=[], metavar="DIR",
+                        help="a folder file:// sources may be read from; repeatable; none by "
+                             "default (use `llmgw mirror import` to upload a file instead)")
     mserve.set_defaults(run=_mirror_serve)
+
+    mimport = mirror_sub.add_parser(
+        "import", help="upload a local file into this host's mirror (resumable, sha256-checked)")
+    mimport.add_argument("file", help="the model file, e.g. model.gguf")
+    mimport.add_argument("--model", required=True, help="the model name in the mirror")
+    mimport.add_argument("--version", required=True, help="the version in the mirror")
+    mimport.add_argument("--sha256", default=None,
+                         help="the digest the file must have (default: computed from it)")
+    mimport.add_argument("--state-dir", default=None,
+                         help="a local-mode host's state dir (default: the system host, or "
+                              "~/.local/state/llmgw when not root)")
+    mimport.set_defaults(run=_mirror_import)
 
     agent = sub.add_parser("agent", help="run the node agent")
     agent.add_argument("--config", required=True, help="path to agent.yaml")

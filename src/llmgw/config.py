@@ -46,6 +46,8 @@ class ServerConfig:
     tls: TLSFiles = field(default_factory=TLSFiles)
     node_timeout_s: float = 30.0
     tokens: list[str] = field(default_factory=list)
+    # The admin token's sha256 file; '' means admin-token.sha256 beside server.yaml.
+    admin_token_hash: str = ""
     mirror: MirrorRef = field(default_factory=MirrorRef)
 
 

@@ -54,6 +54,16 @@ class Layout:
         return self.etc / "agent.yaml"
 
     @property
+    def admin_token(self) -> Path:
+        """The admin API's bearer token, the provisioning user's only (0600)."""
+        return self.etc / "admin-token"
+
+    @property
+    def admin_token_hash(self) -> Path:
+        """The token's sha256, which the services (the mirror's user too) can read."""
+        return self.etc / "admin-token.sha256"
+
+    @property
     def logs(self) -> Path:
         return (self.root / "logs") if self.root else Path("/var/log/llmgw")
 

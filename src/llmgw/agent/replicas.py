@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlparse
 import httpx
 
 from llmgw._files import atomic_write, last_lines
+from llmgw.engine_args import check_engine_args
 from llmgw.netaddr import free_port
 
 log = logging.getLogger("llmgw.replicas")
@@ -182,15 +183,11 @@ class ReplicaSupervisor:
     def fetch_weights(self, record: Record) -> Path:
         """The model file, downloaded once into the weights cache and checked."""
         url = urlparse(record.source)
-        if url.scheme == "file":
-            path = Path(unquote(url.path))
-            if not path.exists():
-                raise FileNotFoundError(f"the model source {record.source} does not exist")
-            self._check_digest(path, record)
-            return path
+        # Never file://: the agent runs as root and would hand any file to an engine.
         if url.scheme not in ("http", "https"):
-            raise ValueError(f"the agent cannot download {record.source}: only http(s) and "
-                             "file:/// sources; serve it from the mirror")
+            raise ValueError(f"the agent downloads weights only over http(s), from the "
+                             f"mirror or a URL, not {record.source}; put the file in the "
+                             "mirror with `llmgw mirror import`")
         name = Path(unquote(url.path)).name or "model.gguf"
         target = self.weights_dir / (record.sha256 or record.model) / name
         if target.exists():
@@ -211,23 +208,14 @@ class ReplicaSupervisor:
         os.replace(tmp, target)
         return target
 
-    def _check_digest(self, path: Path, record: Record) -> None:
-        if not record.sha256:
-            return
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        if digest.hexdigest() != record.sha256:
-            raise ValueError(f"{path} has sha256 {digest.hexdigest()}, the catalog says "
-                             f"{record.sha256}")
-
     def start_engine(self, replica: Replica) -> None:
         engine = self.engine()
         if not engine:
             raise RuntimeError("llama.cpp is not ready on this node yet; see the node's "
                                "provision state")
         record = replica.record
+        # Checked again here: the catalog checks too, but the agent runs as root.
+        check_engine_args(record.args)
         record.port = free_port(self.bind_host)
         record.api_key = secrets.token_urlsafe(24)
         argv = [engine, "-m", record.weights, "--host", self.bind_host, "--port",

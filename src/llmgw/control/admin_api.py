@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 
+from llmgw.admin_token import RequireAdminToken, Verifier
 from llmgw.control.catalog import Model
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
@@ -19,8 +21,11 @@ def public_replica(replica: dict[str, Any]) -> dict[str, Any]:
     return {k: replica[k] for k in _PUBLIC_REPLICA_FIELDS}
 
 
-def make_admin_app(store: Store, *, node_timeout_s: float) -> FastAPI:
+def make_admin_app(store: Store, *, node_timeout_s: float, token_hash: Path | None) -> FastAPI:
+    """The admin API; every path but /healthz needs the admin token whose sha256 is in
+    token_hash (with none, every such request is refused)."""
     app = FastAPI(title="llmgw admin API", version="1")
+    app.add_middleware(RequireAdminToken, verifier=Verifier(token_hash), token_path=None)
 
     @app.get("/healthz")
     def health() -> dict[str, str]:

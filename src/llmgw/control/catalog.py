@@ -6,8 +6,11 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmgw.engine_args import check_engine_args
+
 ENGINES = ("llamacpp",)
-SOURCE_SCHEMES = ("hf:", "https://", "http://", "file:///")
+# No file://: the agent runs as root and would read any file the catalog named.
+SOURCE_SCHEMES = ("hf:", "https://", "http://")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
 
@@ -42,6 +45,12 @@ class Profile(_Strict):
     def _known_engine(cls, v: str) -> str:
         if v not in ENGINES:
             raise ValueError(f"engine {v!r} is unknown; llmgw serves {', '.join(ENGINES)}")
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _allowed_args(cls, v: list[str]) -> list[str]:
+        check_engine_args(v)
         return v
 
 
@@ -79,6 +88,12 @@ class Model(_Strict):
     @field_validator("source")
     @classmethod
     def _source_scheme(cls, v: str) -> str:
+        if v.startswith("file:"):
+            raise ValueError(
+                f"source {v!r} is a file on the control plane's machine, which nodes cannot "
+                "read; put it in the mirror with `llmgw mirror import FILE --model M --version "
+                "V` and use the URL that prints"
+            )
         if not v.startswith(SOURCE_SCHEMES):
             raise ValueError(f"source {v!r} must start with one of {', '.join(SOURCE_SCHEMES)}")
         return v

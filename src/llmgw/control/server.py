@@ -48,8 +48,10 @@ async def _schedule(scheduler: Scheduler, stopping: asyncio.Event) -> None:
             pass
 
 
-async def serve(config: ServerConfig) -> None:
-    """Run until SIGTERM or SIGINT, then stop every listener and close the database."""
+async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
+    """Run until SIGTERM or SIGINT, then stop every listener and close the database.
+
+    admin_token_hash: the file holding the admin token's sha256 (admin_token.py)."""
     store = Store(Path(config.state_dir) / "control.db")
     agent_host, agent_port = parse_listen(config.agent_listen)
     agent_api = AgentAPIServer(
@@ -60,7 +62,8 @@ async def serve(config: ServerConfig) -> None:
     )
     upstream = upstream_client()
     servers = [
-        _uvicorn(make_admin_app(store, node_timeout_s=config.node_timeout_s), config.admin_listen),
+        _uvicorn(make_admin_app(store, node_timeout_s=config.node_timeout_s,
+                                token_hash=admin_token_hash), config.admin_listen),
         _uvicorn(make_gateway_app(store, tokens=config.tokens, upstream=upstream),
                  config.gateway_listen),
     ]

@@ -7,26 +7,37 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+from urllib.parse import unquote, urlsplit
 
 import httpx
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
 from llmgw.mirror import _sources as sources
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT, Disk, Record
-from llmgw.mirror._errors import MirrorError
+from llmgw.mirror._errors import Forbidden, MirrorError
 
 log = logging.getLogger("llmgw.mirror")
 
 # A download gives up after this many attempts in a row that brought no new byte.
 MAX_STALLS = 8
+# The source recorded for a file uploaded through the API (`llmgw mirror import`).
+IMPORT_PREFIX = "import:"
 
 
 class Conflict(MirrorError):
     """A fetch disagrees with what the mirror already holds or is downloading."""
+
+
+class WrongOffset(Conflict):
+    """An import continues at a byte other than the one the mirror holds up to."""
+
+    def __init__(self, message: str, have: int) -> None:
+        super().__init__(message, 409)
+        self.have = have
 
 
 class Stopped(Exception):
@@ -79,9 +90,13 @@ class Manager:
         *,
         client: httpx.Client | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        import_dirs: Sequence[Path] = (),
     ) -> None:
         self.disk = Disk(root)
         self.base_url = base_url.rstrip("/")
+        # The only folders a file:// source may be read from (the mirror may run as root).
+        self.import_dirs = tuple(Path(d).resolve() for d in import_dirs)
+        self._receiving: set[tuple[str, str]] = set()
         self._client = client or httpx.Client(
             follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0)
         )
@@ -98,7 +113,8 @@ class Manager:
         for rec in self.disk.records():
             dl = self._from_disk(rec)
             self._downloads[(rec.model, rec.version)] = dl
-            if rec.state == DOWNLOADING:
+            # An unfinished import waits for its client to send the rest.
+            if rec.state == DOWNLOADING and not rec.source.startswith(IMPORT_PREFIX):
                 self._spawn(dl)
 
     def _from_disk(self, rec: Record) -> Download:
@@ -149,6 +165,7 @@ class Manager:
     def fetch(self, spec: str, model: str, version: str, sha256: str | None) -> dict[str, Any]:
         """Start a download, or join the one running, or answer for the file already here."""
         source = sources.parse(spec)
+        self.check_readable(source)
         with self._lock:
             dl = self._downloads.get((model, version))
             if dl is not None and dl.rec.state != FAILED:
@@ -158,6 +175,20 @@ class Manager:
         view = self.view(model, version)
         assert view is not None
         return view
+
+    def check_readable(self, source: sources.Source) -> None:
+        """Forbidden unless a file:// source lies inside an import dir (links resolved)."""
+        if not source.url.startswith("file://"):
+            return
+        path = Path(unquote(urlsplit(source.url).path)).resolve()
+        if any(path.is_relative_to(d) for d in self.import_dirs):
+            return
+        dirs = ", ".join(map(str, self.import_dirs)) or "none"
+        raise Forbidden(
+            f"the mirror reads file:// sources only inside its import dirs ({dirs}), and "
+            f"{path} is not in one; upload the file with `llmgw mirror import FILE --model M "
+            "--version V`, or start the mirror with --import-dir DIR", 403,
+        )
 
     def _new(
         self, source: sources.Source, model: str, version: str, sha256: str | None,
@@ -175,6 +206,66 @@ class Manager:
         self._downloads[(model, version)] = dl
         self._spawn(dl)
         return dl
+
+    # --- imports: a file sent through the API, resumable like a download ---
+
+    def begin_import(
+        self, model: str, version: str, file: str, size: int, sha256: str, offset: int
+    ) -> Download | None:
+        """Claim model/version for an upload that continues at offset; None when the same
+        file is already present. Conflict when it disagrees with what the mirror holds."""
+        wanted = Record(model, version, IMPORT_PREFIX + file, file, expected_sha256=sha256,
+                        total=size)
+        key = (model, version)
+        with self._lock:
+            if key in self._receiving:
+                raise Conflict(f"{model}/{version} is being imported by another client; "
+                               "wait for it to end", 409)
+            dl = self._downloads.get(key)
+            if dl is not None and dl.rec.state != FAILED:
+                _agree_import(dl.rec, wanted)
+                if dl.rec.state == PRESENT:
+                    return None
+            else:
+                self.disk.partial(wanted).unlink(missing_ok=True)
+                self.disk.save(wanted)
+                dl = self._downloads[key] = Download(wanted, 0)
+            if offset != dl.bytes:
+                raise WrongOffset(
+                    f"the mirror holds the first {dl.bytes} bytes of {model}/{version}; "
+                    f"continue from byte {dl.bytes}, not {offset}", dl.bytes,
+                )
+            self._receiving.add(key)
+        return dl
+
+    def import_file(self, dl: Download) -> IO[bytes]:
+        partial = self.disk.partial(dl.rec)
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        return partial.open("ab")
+
+    def receive(self, dl: Download, out: IO[bytes], chunk: bytes) -> None:
+        """Append one chunk of an import; Conflict past the size it announced."""
+        total = dl.rec.total or 0
+        if dl.bytes + len(chunk) > total:
+            raise Conflict(f"the import of {dl.rec.model}/{dl.rec.version} sent more than "
+                           f"the {total} bytes it announced; nothing past them is kept", 413)
+        out.write(chunk)
+        dl.bytes += len(chunk)
+
+    def end_import(self, dl: Download) -> Record:
+        """Make what came durable; when the file is whole, check its sha256 and serve it."""
+        partial = self.disk.partial(dl.rec)
+        try:
+            with partial.open("rb") as f:
+                os.fsync(f.fileno())
+            if dl.bytes == dl.rec.total:
+                self._finish(dl, _hash_of(partial, dl).hexdigest())
+        except (MirrorError, OSError) as e:
+            self._set(dl, state=FAILED, err=str(e))
+        finally:
+            with self._lock:
+                self._receiving.discard((dl.rec.model, dl.rec.version))
+        return dl.rec
 
     # --- the download itself, on its own thread ---
 
@@ -226,6 +317,10 @@ class Manager:
 
     def _fetch_rest(self, dl: Download, partial: Path, hasher: _Digest) -> None:
         source = sources.parse(dl.rec.source)
+        try:
+            self.check_readable(source)  # again: a link may have moved since the fetch
+        except Forbidden as e:
+            raise sources.Gone(str(e)) from e
         try:
             opened = sources.open_at(source, dl.bytes, dl.rec.validator, self._client)
         except sources.Changed:
@@ -285,6 +380,18 @@ def _agree(rec: Record, source: sources.Source, sha256: str | None) -> None:
         raise Conflict(
             f"{rec.model}/{rec.version} is {rec.state} with sha256 {held}, not {sha256}; "
             "fetch under another version, or check the digest"
+        )
+
+
+def _agree_import(held: Record, wanted: Record) -> None:
+    if (held.source, held.total, held.expected_sha256 or held.sha256) != (
+        wanted.source, wanted.total, wanted.expected_sha256
+    ):
+        raise Conflict(
+            f"{held.model}/{held.version} is already {held.state} from {held.source} "
+            f"({held.total} bytes, sha256 {held.sha256 or held.expected_sha256}), not "
+            f"{wanted.source} ({wanted.total} bytes, sha256 {wanted.expected_sha256}); "
+            "import it under another version to keep both", 409,
         )
 
 

@@ -10,7 +10,8 @@ class MirrorError(APIError):
 
     MirrorError
      ├── MirrorNotFound   the management API answered 404: no such model/version
-     └── SourceError      a source that cannot be turned into a download
+     ├── SourceError      a source that cannot be turned into a download
+     └── Forbidden        a source the mirror may not read (file:// outside its import dirs)
     """
 
 
@@ -20,3 +21,7 @@ class MirrorNotFound(MirrorError):
 
 class SourceError(MirrorError):
     """A source the mirror cannot download from (unknown scheme, no file name)."""
+
+
+class Forbidden(MirrorError):
+    """A source the mirror may not read: a file:// path outside its import dirs."""

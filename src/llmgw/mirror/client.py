@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import httpx
 
 from llmgw._jsonclient import JSONClient
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT
 from llmgw.mirror._errors import MirrorError, MirrorNotFound
+
+# An upload resumes after this many broken connections in a row before giving up.
+UPLOAD_TRIES = 5
+# The mirror answers an upload only after it hashed the whole file: give it time.
+UPLOAD_READ_TIMEOUT_S = 600.0
+_CHUNK = 1 << 20
 
 __all__ = [
     "DOWNLOADING",
@@ -84,3 +96,81 @@ class MirrorClient(JSONClient):
     def models(self) -> list[MirrorModel]:
         return [MirrorModel.from_json(m) for m in self._call("GET", "/api/v1/models")]
 
+
+    def upload(
+        self, path: Path, *, model: str, version: str, sha256: str | None = None
+    ) -> MirrorModel:
+        """Send a local file into the mirror as model/version, streamed; the mirror checks its
+        sha256 (computed here unless given) before serving it. An interrupted upload goes on
+        from the bytes the mirror kept. Returns the model version once present."""
+        path = Path(path)
+        digest = (sha256 or file_sha256(path)).lower()
+        size = path.stat().st_size
+        for _ in range(UPLOAD_TRIES):
+            offset = self._import_offset(model, version, digest)
+            if offset is None:
+                return self.status(model, version)
+            try:
+                done = self._put(path, model, version, size, digest, offset)
+            except MirrorError as e:
+                if e.status is not None:
+                    raise
+                # The connection broke: an empty PUT says why (a refusal) or that it may go on.
+                self._put(path, model, version, size, digest, self._import_offset(
+                    model, version, digest) or 0, empty=True)
+                continue
+            if done.status.state == PRESENT:
+                return done
+        raise MirrorError(f"the upload of {path} to {model}/{version} broke {UPLOAD_TRIES} "
+                          "times; run it again to go on from where it stopped")
+
+    def fetch_or_import(
+        self, *, source: str, model: str, version: str, sha256: str | None = None
+    ) -> MirrorModel:
+        """fetch() for a remote source; upload() for file:///PATH, a file on this machine,
+        which the mirror itself may not read."""
+        if source.startswith("file://"):
+            path = Path(unquote(urlsplit(source).path))
+            return self.upload(path, model=model, version=version, sha256=sha256)
+        return self.fetch(source=source, model=model, version=version, sha256=sha256)
+
+    def _import_offset(self, model: str, version: str, digest: str) -> int | None:
+        """Where an upload goes on from: the bytes the mirror kept; None when it has the
+        file already; MirrorError when it holds another file under that name."""
+        try:
+            held = self.status(model, version).status
+        except MirrorNotFound:
+            return 0
+        if held.state == PRESENT:
+            if held.sha256 == digest:
+                return None
+            raise MirrorError(f"the mirror already holds {model}/{version} with sha256 "
+                              f"{held.sha256}, not {digest}; import it under another version",
+                              409)
+        return held.bytes if held.state == DOWNLOADING else 0
+
+    def _put(
+        self, path: Path, model: str, version: str, size: int, digest: str, offset: int,
+        *, empty: bool = False,
+    ) -> MirrorModel:
+        params = {"size": size, "sha256": digest, "offset": offset}
+        body = b"" if empty else _chunks(path, offset)
+        timeout = httpx.Timeout(self.timeout, read=max(self.timeout, UPLOAD_READ_TIMEOUT_S))
+        data = self._call("PUT", f"/api/v1/import/{model}/{version}/{path.name}",
+                          params=params, content=body, timeout=timeout)
+        return MirrorModel.from_json(data)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _chunks(path: Path, offset: int) -> Iterator[bytes]:
+    with path.open("rb") as f:
+        f.seek(offset)
+        while chunk := f.read(_CHUNK):
+            yield chunk

@@ -29,6 +29,10 @@ class Options:
     api_listen: str = "127.0.0.1:8082"
     # Where nodes fetch from: http://ADDR:PORT[/path]; default: the listen address from here.
     base: str = ""
+    # The admin token's sha256 file; without one the management API refuses all but /health.
+    admin_token_hash: Path | None = None
+    # The only folders file:// sources may be read from; none by default.
+    import_dirs: tuple[Path, ...] = ()
 
     def base_url(self) -> str:
         return (self.base or f"http://{connect_host(self.listen)}").rstrip("/")
@@ -44,7 +48,7 @@ class _QuietServer(uvicorn.Server):
 
 async def serve(options: Options) -> None:
     """Run until SIGTERM or SIGINT; downloads in flight stop and resume at the next start."""
-    manager = Manager(options.dir, options.base_url())
+    manager = Manager(options.dir, options.base_url(), import_dirs=options.import_dirs)
     manager.start()
     bytes_server = BytesServer(manager, urlsplit(options.base_url()).path)
     host, port = parse_listen(options.listen)
@@ -55,9 +59,8 @@ async def serve(options: Options) -> None:
         raise MirrorError(f"cannot listen on {options.listen} for the bytes server: {e}") from e
     api_host, api_port = parse_listen(options.api_listen)
     about = {"dir": str(options.dir), "base": options.base_url()}
-    api = _QuietServer(uvicorn.Config(
-        make_api(manager, about=about), host=api_host, port=api_port, log_level="warning",
-    ))
+    app = make_api(manager, token_hash=options.admin_token_hash, about=about)
+    api = _QuietServer(uvicorn.Config(app, host=api_host, port=api_port, log_level="warning"))
     loop = asyncio.get_running_loop()
 
     def stop(sig: signal.Signals) -> None:
