@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmgw.admin_token import read_token
+from llmgw.control.client import AdminClient
 from llmgw.netaddr import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,3 +84,24 @@ class ThrowawayHost:
     @property
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['admin']}"
+
+    @property
+    def mirror_api_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['mirror-api']}"
+
+    @property
+    def token_path(self) -> Path:
+        return self.state_dir / "etc" / "admin-token"
+
+    @property
+    def token(self) -> str:
+        """The host's admin token, as every client of its admin and mirror APIs sends it."""
+        return read_token(self.token_path)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """Headers that carry the admin token, for plain httpx calls."""
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def admin(self) -> AdminClient:
+        return AdminClient(self.admin_url, token=self.token)

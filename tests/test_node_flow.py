@@ -17,7 +17,7 @@ from fixtures.control_plane import ControlPlaneStep
 from fixtures.node import NodeStep
 from fixtures.pki import PKIStep
 from fixtures.settings import HostSettings
-from llmgw.control.client import AdminClient, ControlPlaneError
+from llmgw.control.client import ControlPlaneError
 from llmgw.layout import Layout
 from llmgw.services._supervisor import Supervisor
 from tests.hosts import ThrowawayHost
@@ -40,7 +40,7 @@ def test_provision_brings_the_node_ready_then_keeps_it(make_host) -> None:
     assert config["labels"] == {"llmgw.control-plane": "true"}
     assert config["server"] == f"https://127.0.0.1:{host.ports['agent']}"
 
-    with AdminClient(host.admin_url) as admin:
+    with host.admin() as admin:
         (node,) = admin.nodes()
     assert node["state"] == "ready" and node["engines"] == ["llamacpp"]
     assert node["labels"] == {"llmgw.control-plane": "true"}
@@ -64,7 +64,7 @@ def test_stopped_agent_turns_the_node_not_ready_and_checks_name_it(make_host) ->
     _shorten_timeouts(host, supervisor, heartbeat_s=1.0, node_timeout_s=4.0)
     supervisor._rpc().stopProcess("llmgw-agent")
 
-    with AdminClient(host.admin_url) as admin:
+    with host.admin() as admin:
         deadline = time.monotonic() + 30
         while admin.nodes()[0]["state"] != "not_ready":
             assert time.monotonic() < deadline, admin.nodes()
@@ -108,7 +108,7 @@ def _shorten_timeouts(
     _edit_yaml(host.state_dir / "etc" / "agent.yaml", heartbeat_s=heartbeat_s)
     supervisor.restart("llmgw-server")
     supervisor.restart("llmgw-agent")
-    with AdminClient(host.admin_url) as admin:
+    with host.admin() as admin:
         deadline = time.monotonic() + 30
         while True:
             try:

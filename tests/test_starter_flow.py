@@ -41,12 +41,13 @@ def host(tmp_path_factory, tiny_gguf):
 
 
 def replicas(host: ThrowawayHost, model: str = NAME) -> list[dict]:
-    r = httpx.get(f"{host.admin_url}/api/v1/replicas", params={"model": model}, timeout=10)
+    r = httpx.get(f"{host.admin_url}/api/v1/replicas", params={"model": model},
+                  headers=host.auth, timeout=10)
     return [x for x in r.json() if x["state"] != "stopped"]
 
 
 def node_state(host: ThrowawayHost) -> str:
-    nodes = httpx.get(f"{host.admin_url}/api/v1/nodes", timeout=10).json()
+    nodes = httpx.get(f"{host.admin_url}/api/v1/nodes", headers=host.auth, timeout=10).json()
     return nodes[0]["state"] if nodes else "none"
 
 
@@ -112,7 +113,8 @@ def test_unknown_model_404_and_a_model_pinned_nowhere_stays_pending_with_503(hos
     model = {"name": "pinned-nowhere", "source": "http://127.0.0.1:9/x.gguf",
              "profiles": [{"name": "cpu", "engine": "llamacpp",
                            "node_selector": {"zone": "mars"}}]}
-    assert httpx.post(f"{host.admin_url}/api/v1/models", json=model).status_code == 201
+    assert httpx.post(f"{host.admin_url}/api/v1/models", json=model,
+                      headers=host.auth).status_code == 201
     try:
         pending = until("a pending replica", lambda: replicas(host, "pinned-nowhere"), 15)
         assert pending[0]["state"] == "pending" and "zone=mars" in pending[0]["err"]
@@ -121,7 +123,7 @@ def test_unknown_model_404_and_a_model_pinned_nowhere_stays_pending_with_503(hos
                                            messages=[{"role": "user", "content": "x"}])
         assert err.value.status_code == 503 and "pending" in str(err.value)
     finally:
-        httpx.delete(f"{host.admin_url}/api/v1/models/pinned-nowhere")
+        httpx.delete(f"{host.admin_url}/api/v1/models/pinned-nowhere", headers=host.auth)
 
 
 def test_killed_agent_leaves_the_engine_serving_and_adopts_it(host) -> None:

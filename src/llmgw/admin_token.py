@@ -185,3 +185,32 @@ async def _refuse(send: Any, message: str) -> None:
                     (b"www-authenticate", b'Bearer realm="llmgw admin"')],
     })
     await send({"type": "http.response.body", "body": body})
+
+
+def file_problem(token_path: Path) -> str:
+    """'' when the token is private (0600) and its hash file matches it; else what is wrong
+    and what to do (for the checks)."""
+    mode = file_mode(token_path)
+    if mode is None:
+        return f"{token_path} is missing; run `pytest provision/` to make the admin token"
+    if mode != TOKEN_MODE:
+        return (f"the admin token {token_path} has mode {mode:o}, so others on this machine "
+                f"can read it and manage the host; run `chmod 600 {token_path}`")
+    hash_path = hash_path_for(token_path)
+    if (_text_or_none(hash_path) or "").strip() != hash_token(read_token(token_path)):
+        return (f"{hash_path} does not hold the sha256 of {token_path}, so the services "
+                "refuse that token; run `pytest provision/` to write it again")
+    return ""
+
+
+def anonymous_answer(url: str) -> str:
+    """'' when url refuses a request without a token (401); else what it answered."""
+    import httpx
+
+    try:
+        r = httpx.get(url, timeout=5.0)
+    except httpx.HTTPError as e:
+        return f"no answer ({e or type(e).__name__})"
+    if r.status_code == 401:
+        return ""
+    return f"{r.status_code} {r.text[:200]!r}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from llmgw import pki
+from llmgw import admin_token, pki
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.store import Store
@@ -22,6 +22,12 @@ class ControlPlane:
     agent_port: int
     ca: pki.KeyPair
     pki_dir: Path
+    # The admin token the admin client sends; anonymous() is a client without it.
+    token: str
+    app: object
+
+    def anonymous(self) -> TestClient:
+        return TestClient(self.app)
 
     def client_cert(self, cn: str, ca: pki.KeyPair | None = None) -> tuple[str, str]:
         """Write a client certificate for cn (from ca, the cluster CA by default)."""
@@ -32,7 +38,8 @@ class ControlPlane:
 
 @pytest.fixture
 def live_control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
-    """Function: a control plane on a temp SQLite db; admin app via TestClient, agent API live."""
+    """Function: a control plane on a temp SQLite db; admin app via TestClient (sending the
+    admin token), agent API live."""
     ca = pki.create_ca()
     ca.write(tmp_path, "ca")
     pki.issue_server(ca, ["127.0.0.1", "localhost"]).write(tmp_path, "server")
@@ -41,9 +48,14 @@ def live_control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
                        str(tmp_path / "server-key.pem"))
     agent_api = AgentAPIServer("127.0.0.1", 0, ctx, AgentAPI(store))
     agent_api.start()
-    admin = TestClient(make_admin_app(store, node_timeout_s=30.0))
+    token_path = tmp_path / "etc" / admin_token.TOKEN_FILE
+    admin_token.ensure(token_path)
+    token = admin_token.read_token(token_path)
+    app = make_admin_app(store, node_timeout_s=30.0,
+                         token_hash=admin_token.hash_path_for(token_path))
+    admin = TestClient(app, headers={"Authorization": f"Bearer {token}"})
     try:
-        yield ControlPlane(store, admin, agent_api.port, ca, tmp_path)
+        yield ControlPlane(store, admin, agent_api.port, ca, tmp_path, token, app)
     finally:
         agent_api.stop()
         store.close()

@@ -9,7 +9,7 @@ import pytest
 MODEL = {
     "name": "tiny",
     "aliases": ["tiny-chat"],
-    "source": "file:///srv/models/tiny.gguf",
+    "source": "http://127.0.0.1:8081/tiny/1/tiny.gguf",
     "profiles": [{"name": "cpu", "engine": "llamacpp", "priority": 100}],
 }
 
@@ -50,6 +50,7 @@ def test_duplicate_name_or_alias_is_409(live_control_plane) -> None:
         (_with(profiles=[{"name": "x", "engine": "vllm"}]), "engine 'vllm' is unknown"),
         (_with(scaling={"min": 3, "max": 1}), "scaling.min (3) is above scaling.max (1)"),
         (_with(sha256="abc"), "64 lower-case hex"),
+        (_with(source="file:///root/secret.gguf"), "llmgw mirror import"),
         (_with(unknown_field=1), "unknown_field"),
         ({k: v for k, v in MODEL.items() if k != "source"}, "source"),
     ],
@@ -68,3 +69,47 @@ def test_replicas_never_show_their_api_key(live_control_plane) -> None:
     shown = cp.admin.get("/api/v1/replicas", params={"model": "tiny"}).json()
     assert shown[0]["id"] == "r1" and "api_key" not in shown[0]
     assert "s3cret" not in cp.admin.get("/api/v1/replicas").text
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--host", "--log-file", "--model", "-m",
+                                  "--port", "--lora", "--slot-save-path", "--path"])
+def test_a_profile_flag_outside_the_allow_list_is_422_naming_it(live_control_plane, flag):
+    """The agent appends profile args to a root process's command line: only flags that
+    tune the model pass."""
+    profile = {"name": "cpu", "engine": "llamacpp", "args": ["--ctx-size", "512", flag, "x"]}
+    r = live_control_plane.admin.post("/api/v1/models", json=_with(profiles=[profile]))
+    assert r.status_code == 422 and f"engine flag {flag} is not allowed" in r.text, r.text
+    assert live_control_plane.admin.get("/api/v1/models").json() == []
+
+
+def test_tuning_flags_pass(live_control_plane) -> None:
+    """The negative control: flags that tune the model, with their values, are accepted."""
+    args = ["-c", "4096", "--threads", "2", "-ngl", "-1", "--flash-attn", "auto",
+            "--cache-type-k", "q8_0", "--rope-scaling", "yarn", "--embeddings",
+            "--pooling", "mean", "--parallel", "4"]
+    profile = {"name": "cpu", "engine": "llamacpp", "args": args}
+    r = live_control_plane.admin.post("/api/v1/models", json=_with(profiles=[profile]))
+    assert r.status_code == 201, r.text
+
+
+@pytest.mark.parametrize("path", ["/api/v1/models", "/api/v1/nodes", "/api/v1/replicas",
+                                  "/openapi.json", "/metrics", "/a/route/added/later"])
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "Basic abc", "Bearer "])
+def test_without_the_admin_token_every_path_is_401_saying_where_it_is(
+    live_control_plane, path, authorization
+) -> None:
+    headers = {"Authorization": authorization} if authorization else {}
+    r = live_control_plane.anonymous().get(path, headers=headers)
+    assert r.status_code == 401, r.text
+    assert "admin-token" in r.json()["detail"] and "Authorization: Bearer" in r.json()["detail"]
+
+
+def test_anonymous_writes_are_refused_and_change_nothing(live_control_plane) -> None:
+    anon = live_control_plane.anonymous()
+    assert anon.post("/api/v1/models", json=MODEL).status_code == 401
+    assert anon.delete("/api/v1/models/tiny").status_code == 401
+    assert live_control_plane.store.models() == []
+
+
+def test_healthz_needs_no_token(live_control_plane) -> None:
+    assert live_control_plane.anonymous().get("/healthz").json() == {"status": "ok"}

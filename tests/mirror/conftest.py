@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fixtures._wait import Probe, wait_until
+from llmgw import admin_token
 from llmgw.mirror import MirrorClient, MirrorError, MirrorModel
 from tests.hosts import free_port
 
@@ -24,7 +25,16 @@ class MirrorProcess:
     dir: Path
     bytes_port: int
     api_port: int
+    import_dirs: tuple[Path, ...] = ()
     proc: subprocess.Popen | None = None
+
+    @property
+    def token_path(self) -> Path:
+        return self.dir.parent / admin_token.TOKEN_FILE
+
+    @property
+    def token(self) -> str:
+        return admin_token.read_token(self.token_path)
 
     @property
     def base(self) -> str:
@@ -35,14 +45,17 @@ class MirrorProcess:
         return f"http://127.0.0.1:{self.api_port}"
 
     def client(self) -> MirrorClient:
-        return MirrorClient(self.api_url, timeout=5.0)
+        return MirrorClient(self.api_url, timeout=5.0, token=self.token)
 
     def start(self) -> MirrorProcess:
         log = (self.dir.parent / "mirror.log").open("ab")
+        admin_token.ensure(self.token_path)
+        imports = [f"--import-dir={d}" for d in self.import_dirs]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmgw", "mirror", "serve", "--dir", str(self.dir),
              "--listen", f"127.0.0.1:{self.bytes_port}",
-             "--api-listen", f"127.0.0.1:{self.api_port}"],
+             "--api-listen", f"127.0.0.1:{self.api_port}",
+             "--admin-token-hash", str(admin_token.hash_path_for(self.token_path)), *imports],
             stdout=log, stderr=subprocess.STDOUT,
         )
         wait_until(f"the mirror on {self.api_url}", self._healthy, timeout_s=30, interval_s=0.1)
@@ -81,12 +94,15 @@ class MirrorProcess:
 
 @pytest.fixture
 def start_mirror(tmp_path: Path) -> Iterator[Callable[..., MirrorProcess]]:
-    """Function: starts mirrors (default over tmp_path/models); all are stopped afterwards."""
+    """Function: starts mirrors (default over tmp_path/models, with an admin token beside
+    it, import dirs as given); all are stopped afterwards."""
     started: list[MirrorProcess] = []
 
-    def start(models: Path | None = None, *, ports: tuple[int, int] | None = None) -> MirrorProcess:
+    def start(models: Path | None = None, *, ports: tuple[int, int] | None = None,
+              import_dirs: tuple[Path, ...] = ()) -> MirrorProcess:
         bytes_port, api_port = ports or (free_port(), free_port())
-        m = MirrorProcess(models or tmp_path / "models", bytes_port, api_port).start()
+        m = MirrorProcess(models or tmp_path / "models", bytes_port, api_port,
+                          import_dirs).start()
         started.append(m)
         return m
 

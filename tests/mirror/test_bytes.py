@@ -26,7 +26,7 @@ def _serve(tmp_path: Path) -> tuple[MirrorProcess, str, bytes]:
     src.write_bytes(data)
     mirror = MirrorProcess(tmp_path / "models", free_port(), free_port()).start()
     with mirror.client() as api:
-        api.fetch(source=src.as_uri(), model="m", version="v1")
+        api.upload(src, model="m", version="v1")
     model = mirror.wait_for("m", "v1", PRESENT)
     return mirror, model.url, data
 

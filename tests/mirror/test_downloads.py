@@ -119,7 +119,7 @@ def test_present_models_survive_a_restart(start_mirror, tmp_path, data):
     src.write_bytes(data)
     first = start_mirror()
     with first.client() as api:
-        api.fetch(source=src.as_uri(), model="m", version="v1")
+        api.upload(src, model="m", version="v1")
     before = first.wait_for("m", "v1", PRESENT)
     first.stop()
     second = start_mirror(first.dir, ports=(first.bytes_port, first.api_port))
