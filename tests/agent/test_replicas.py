@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -16,10 +20,27 @@ from llmgw.agent.replicas import ReplicaSupervisor, pid_is_engine, stop_engines
 pytestmark = pytest.mark.slow
 
 
-def assignment(gguf: Path, sha256: str = "", rid: str = "r-1") -> dict:
+def assignment(url: str, sha256: str = "", rid: str = "r-1") -> dict:
     return {"id": rid, "model": "tiny", "profile": "cpu", "engine": "llamacpp",
-            "gpu_class": "", "source": gguf.as_uri(), "sha256": sha256,
+            "gpu_class": "", "source": url, "sha256": sha256,
             "args": ["--ctx-size", "512", "--threads", "1"]}
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def served_gguf(tiny_gguf) -> Iterator[tuple[str, str]]:
+    """Module: the tiny GGUF over http on loopback (the agent reads no file:// source),
+    and its sha256."""
+    path, digest = tiny_gguf
+    server = ThreadingHTTPServer(("127.0.0.1", 0),
+                                 functools.partial(_Quiet, directory=str(path.parent)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/{path.name}", digest
+    server.shutdown()
 
 
 def until(what: str, predicate, timeout_s: float = 60.0) -> None:
@@ -56,10 +77,10 @@ def engines_on(port: int) -> list[int]:
     return found
 
 
-def test_starts_serves_with_its_key_and_sets_nccl_interface(supervisor, tiny_gguf) -> None:
+def test_starts_serves_with_its_key_and_sets_nccl_interface(supervisor, served_gguf) -> None:
     sup = supervisor()
-    path, digest = tiny_gguf
-    sup.reconcile([assignment(path, digest)])
+    url, digest = served_gguf
+    sup.reconcile([assignment(url, digest)])
     until("ready", lambda: state_of(sup)["state"] == "ready")
     r = state_of(sup)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -72,22 +93,22 @@ def test_starts_serves_with_its_key_and_sets_nccl_interface(supervisor, tiny_ggu
     assert b"NCCL_SOCKET_IFNAME=lo" in env and b"GLOO_SOCKET_IFNAME=lo" in env
 
 
-def test_a_new_supervisor_adopts_the_running_engine_ready_at_once(supervisor, tiny_gguf) -> None:
+def test_a_new_supervisor_adopts_the_running_engine_ready_at_once(supervisor, served_gguf) -> None:
     first = supervisor()
-    first.reconcile([assignment(*tiny_gguf)])
+    first.reconcile([assignment(*served_gguf)])
     until("ready", lambda: state_of(first)["state"] == "ready")
     before = state_of(first)
     port = int(before["endpoint"].rsplit(":", 1)[1])
     second = supervisor()  # as after the agent was killed and restarted
     assert state_of(second)["state"] == "ready", "ready from the first report"
-    second.reconcile([assignment(*tiny_gguf)])
+    second.reconcile([assignment(*served_gguf)])
     assert state_of(second)["pid"] == before["pid"]
     assert engines_on(port) == [before["pid"]], "no second llama-server"
 
 
-def test_a_killed_engine_comes_back_by_itself(supervisor, tiny_gguf) -> None:
+def test_a_killed_engine_comes_back_by_itself(supervisor, served_gguf) -> None:
     sup = supervisor()
-    sup.reconcile([assignment(*tiny_gguf)])
+    sup.reconcile([assignment(*served_gguf)])
     until("ready", lambda: state_of(sup)["state"] == "ready")
     pid = state_of(sup)["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -96,9 +117,9 @@ def test_a_killed_engine_comes_back_by_itself(supervisor, tiny_gguf) -> None:
           and state_of(sup)["pid"] != pid, 60)
 
 
-def test_a_removed_assignment_stops_its_engine(supervisor, tiny_gguf, tmp_path) -> None:
+def test_a_removed_assignment_stops_its_engine(supervisor, served_gguf, tmp_path) -> None:
     sup = supervisor()
-    sup.reconcile([assignment(*tiny_gguf)])
+    sup.reconcile([assignment(*served_gguf)])
     until("started", lambda: state_of(sup)["pid"] > 0)
     pid = state_of(sup)["pid"]
     sup.reconcile([])
@@ -107,11 +128,11 @@ def test_a_removed_assignment_stops_its_engine(supervisor, tiny_gguf, tmp_path) 
     assert not list((tmp_path / "agent" / "replicas").glob("*.json"))
 
 
-def test_wrong_digest_fails_naming_both(supervisor, tiny_gguf) -> None:
+def test_wrong_digest_fails_naming_both(supervisor, served_gguf) -> None:
     sup = supervisor()
-    path, digest = tiny_gguf
+    url, digest = served_gguf
     wrong = hashlib.sha256(b"other").hexdigest()
-    sup.reconcile([assignment(path, wrong)])
+    sup.reconcile([assignment(url, wrong)])
     until("failed", lambda: state_of(sup)["state"] == "failed", 10)
     err = state_of(sup)["err"]
     assert digest in err and wrong in err
