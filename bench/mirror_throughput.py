@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
+from llmgw import admin_token
+from llmgw.mirror import MirrorClient
 from llmgw.netaddr import free_port
 
 MIB = 1024 * 1024
@@ -157,16 +157,18 @@ def run(work: Path, size: int, runs: int) -> None:
     results: dict[str, float] = {}
 
     port, api = free_port(), free_port()
+    token_path = work / admin_token.TOKEN_FILE
+    admin_token.ensure(token_path)
     llmgw = [sys.executable, "-m", "llmgw", "mirror", "serve", "--dir", str(work / "models"),
-             "--listen", f"127.0.0.1:{port}", "--api-listen", f"127.0.0.1:{api}"]
+             "--listen", f"127.0.0.1:{port}", "--api-listen", f"127.0.0.1:{api}",
+             "--admin-token-hash", str(admin_token.hash_path_for(token_path))]
     with running(llmgw, api, work / "mirror.log"):
         started = time.perf_counter()
-        body = {"source": src.as_uri(), "model": "bench", "version": "1"}
-        url = httpx.post(f"http://127.0.0.1:{api}/api/v1/fetch", json=body).json()["url"]
-        while httpx.get(f"http://127.0.0.1:{api}/api/v1/models/bench/1").json()[
-                "status"]["state"] == "downloading":
-            time.sleep(0.2)
-        print(f"mirror took in the file (copy + sha256) in {time.perf_counter() - started:.1f}s")
+        token = admin_token.read_token(token_path)
+        with MirrorClient(f"http://127.0.0.1:{api}", token=token, timeout=60.0) as mirror:
+            url = mirror.upload(src, model="bench", version="1").url
+        print(f"mirror took in the file (upload + sha256 on both sides) in "
+              f"{time.perf_counter() - started:.1f}s")
         results["llmgw mirror (asyncio + sendfile)"] = measure(url, runs)
 
     port = free_port()
