@@ -3,6 +3,7 @@
 Error
  ├── pki.PKIError
  ├── config.ConfigError
+ ├── admin_token.AdminTokenError
  ├── services.ServiceError
  ├── agent._build.BuildError
  ├── agent.engine.EngineUnavailable
@@ -12,7 +13,8 @@ Error
       │    └── control.client.NotFound
       └── mirror.MirrorError
            ├── mirror.MirrorNotFound
-           └── mirror.SourceError
+           ├── mirror.SourceError
+           └── mirror.Forbidden
 """
 
 from __future__ import annotations
