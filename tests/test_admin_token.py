@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from llmgw import admin_token
-from llmgw.admin_token import AdminTokenError, RequireAdminToken, Verifier
+from llmgw.admin_token import AdminTokenError, RequireAdminToken
 from llmgw.layout import Layout
 
 
@@ -77,7 +78,7 @@ def test_another_user_cannot_read_it_and_is_told_why(tmp_path: Path) -> None:
 
 def _app(hash_path: Path | None) -> TestClient:
     app = FastAPI()
-    app.add_middleware(RequireAdminToken, verifier=Verifier(hash_path), token_path=None)
+    app.add_middleware(RequireAdminToken, hash_path=hash_path)
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -120,3 +121,24 @@ def test_a_token_made_after_the_service_started_is_taken_up(tmp_path: Path) -> N
     admin_token.ensure(path)
     auth = {"Authorization": f"Bearer {admin_token.read_token(path)}"}
     assert client.get("/secret", headers=auth).status_code == 200
+
+
+def test_websockets_need_the_token_too(tmp_path: Path) -> None:
+    path = tmp_path / "admin-token"
+    admin_token.ensure(path)
+    app = FastAPI()
+    app.add_middleware(RequireAdminToken, hash_path=admin_token.hash_path_for(path))
+
+    @app.websocket("/ws")
+    async def ws(socket: WebSocket) -> None:
+        await socket.accept()
+        await socket.send_text("in")
+        await socket.close()
+
+    client = TestClient(app)
+    with pytest.raises(WebSocketDisconnect):
+        with client.websocket_connect("/ws") as s:
+            s.receive_text()
+    auth = {"Authorization": f"Bearer {admin_token.read_token(path)}"}
+    with client.websocket_connect("/ws", headers=auth) as s:
+        assert s.receive_text() == "in"

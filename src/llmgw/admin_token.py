@@ -108,7 +108,7 @@ class Verifier:
 
     def __init__(self, hash_path: Path | None) -> None:
         self.hash_path = hash_path
-        self._seen: tuple[int, int] | None = None
+        self._seen: tuple[int, int, int] | None = None
         self._hash = ""
 
     def _current(self) -> str:
@@ -118,9 +118,10 @@ class Verifier:
             st = os.stat(self.hash_path)
         except OSError:
             return ""
-        if (st.st_mtime_ns, st.st_ino) != self._seen:
+        seen = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if seen != self._seen:
             text = _text_or_none(self.hash_path) or ""
-            self._hash, self._seen = text.strip().lower(), (st.st_mtime_ns, st.st_ino)
+            self._hash, self._seen = text.strip().lower(), seen
         return self._hash
 
     def problem(self, authorization: str | None) -> str:
@@ -150,23 +151,23 @@ class RequireAdminToken:
     """ASGI middleware: every HTTP path but the health ones needs the admin token, so a route
     added later (or an app mounted inside) is covered without asking."""
 
-    def __init__(self, app: ASGIApp, *, verifier: Verifier, token_path: Path | None) -> None:
+    def __init__(self, app: ASGIApp, *, hash_path: Path | None) -> None:
         self.app = app
-        self.verifier = verifier
-        self.token_path = token_path or (
-            verifier.hash_path.with_name(TOKEN_FILE) if verifier.hash_path else None
-        )
+        self.verifier = Verifier(hash_path)
+        self.token_path = hash_path.with_name(TOKEN_FILE) if hash_path else None
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
         why = self.verifier.problem(header)
         if not why:
             await self.app(scope, receive, send)
-            return
-        await _refuse(send, f"{why}. {self.how_to()}")
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": why})
+        else:
+            await _refuse(send, f"{why}. {self.how_to()}")
 
     def how_to(self) -> str:
         where = self.token_path or "the admin-token file beside server.yaml"

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
 
-from llmgw.admin_token import RequireAdminToken, Verifier
+from llmgw.admin_token import RequireAdminToken
 from llmgw.control.catalog import Model
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
@@ -25,7 +25,7 @@ def make_admin_app(store: Store, *, node_timeout_s: float, token_hash: Path | No
     """The admin API; every path but /healthz needs the admin token whose sha256 is in
     token_hash (with none, every such request is refused)."""
     app = FastAPI(title="llmgw admin API", version="1")
-    app.add_middleware(RequireAdminToken, verifier=Verifier(token_hash), token_path=None)
+    app.add_middleware(RequireAdminToken, hash_path=token_hash)
 
     @app.get("/healthz")
     def health() -> dict[str, str]:

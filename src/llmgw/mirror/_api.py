@@ -11,7 +11,7 @@ from fastapi import Path as PathParam
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
-from llmgw.admin_token import RequireAdminToken, Verifier
+from llmgw.admin_token import RequireAdminToken
 from llmgw.mirror._disk import FAILED, NAME_PATTERN
 from llmgw.mirror._downloads import Conflict, Manager, WrongOffset
 from llmgw.mirror._errors import Forbidden, SourceError
@@ -32,7 +32,7 @@ def make_api(
     """The management API; every path but /health needs the admin token whose sha256 is in
     token_hash (with none, every such request is refused)."""
     app = FastAPI(title="llmgw mirror management API", version="1")
-    app.add_middleware(RequireAdminToken, verifier=Verifier(token_hash), token_path=None)
+    app.add_middleware(RequireAdminToken, hash_path=token_hash)
 
     @app.get("/health")
     def health() -> dict[str, str]:
