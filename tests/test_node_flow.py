@@ -34,7 +34,7 @@ def test_provision_brings_the_node_ready_then_keeps_it(make_host) -> None:
     for what in ("agent certificate for", "agent.yaml", "llmgw-agent started",
                  "is ready with llamacpp"):
         assert what in node_lines, f"no line for {what}: {first.steps}"
-    assert "..   node          llamacpp " in first.output, "no provisioning progress shown"
+    assert "..    node          llamacpp " in first.output, "no provisioning progress shown"
 
     config = yaml.safe_load((host.state_dir / "etc" / "agent.yaml").read_text())
     assert config["labels"] == {"llmgw.control-plane": "true"}

@@ -46,6 +46,35 @@ class Layout:
         return self.etc / "pki"
 
     @property
+    def ca_cert(self) -> Path:
+        return self.pki / "ca.pem"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.pki / "ca-key.pem"
+
+    @property
+    def server_cert(self) -> Path:
+        return self.pki / "server.pem"
+
+    @property
+    def server_key(self) -> Path:
+        return self.pki / "server-key.pem"
+
+    @property
+    def agent_cert(self) -> Path:
+        return self.etc / "agent.pem"
+
+    @property
+    def agent_key(self) -> Path:
+        return self.etc / "agent-key.pem"
+
+    @property
+    def provision_lock(self) -> Path:
+        """Held by `pytest provision/` while it works on this host."""
+        return (self.root or self.server_state) / "provision.lock"
+
+    @property
     def server_yaml(self) -> Path:
         return self.etc / "server.yaml"
 

@@ -14,7 +14,7 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from llmgw._files import atomic_write, last_lines
-from llmgw.services import ServiceError, ServiceSpec
+from llmgw.services import ServiceError, ServiceSpec, drift
 
 _START_TIMEOUT_S = 15.0
 
@@ -84,6 +84,9 @@ class Supervisor:
         if spec.environment:
             lines.append(f"environment={_quote_env(spec.environment)}")
         return "\n".join(lines) + "\n"
+
+    def definition_drift(self, spec: ServiceSpec) -> str:
+        return drift(self.definition_path(spec.name), self.render_program(spec))
 
     def _write_if_differs(self, path: Path, text: str) -> bool:
         try:
