@@ -4,8 +4,8 @@ run for real, in subprocesses, against a temporary state dir on free loopback po
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
