@@ -83,6 +83,33 @@ class Layout:
         return self.etc / "agent.yaml"
 
     @property
+    def mirror_probe(self) -> Path:
+        """The mirror's probe file's source: in the models dir (the mirror unit may write
+        nowhere else), under a dot-name, which the mirror never serves."""
+        return self.models / ".llmgw-probe" / "probe.bin"
+
+    def _local(self, name: str) -> Path:
+        if self.root is None:
+            raise Error(f"{name} exists only in local mode; this host is in {self.mode} mode")
+        return self.root / name
+
+    @property
+    def supervisord_conf(self) -> Path:
+        return self._local("supervisord.conf")
+
+    @property
+    def supervisor_programs(self) -> Path:
+        return self._local("supervisor.d")
+
+    @property
+    def supervisor_socket(self) -> Path:
+        return self._local("supervisor.sock")
+
+    @property
+    def supervisord_pid(self) -> Path:
+        return self._local("supervisord.pid")
+
+    @property
     def logs(self) -> Path:
         return (self.root / "logs") if self.root else Path("/var/log/llmgw")
 

@@ -13,6 +13,7 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from llmgw._files import atomic_write, last_lines
+from llmgw.layout import Layout
 from llmgw.services import ServiceError, ServiceSpec, drift
 from llmgw.waiting import Probe, wait_until
 
@@ -27,12 +28,13 @@ class Supervisor:
     """Programs under one supervisord whose files all live in root."""
 
     def __init__(self, root: Path) -> None:
+        layout = Layout.for_mode("local", root)  # the host's paths are the layout's
         self.root = Path(root)
-        self.conf = self.root / "supervisord.conf"
-        self.programs = self.root / "supervisor.d"
-        self.socket = self.root / "supervisor.sock"
-        self.pidfile = self.root / "supervisord.pid"
-        self.logs = self.root / "logs"
+        self.conf = layout.supervisord_conf
+        self.programs = layout.supervisor_programs
+        self.socket = layout.supervisor_socket
+        self.pidfile = layout.supervisord_pid
+        self.logs = layout.logs
 
     # --- files ---
 
