@@ -1,9 +1,9 @@
-"""pytest provision/: every step may change the host (ensure, then verify)."""
+"""pytest provision/: fixes may run (with --plan: they are only said)."""
 
 import pytest
 
 
 @pytest.fixture(scope="session")
 def llmgw_apply() -> bool:
-    """Session: True, so each step makes the host as it should be before verifying."""
+    """Session: True, so each promise that does not hold is fixed, then probed again."""
     return True

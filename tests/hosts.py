@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -29,9 +30,14 @@ class RunResult:
         return [s["status"] for s in self.steps]
 
     def skips(self, step: str) -> list[str]:
-        """The short summary's SKIPPED lines for one step's promises (test_STEP.py)."""
+        """The short summary's SKIPPED lines for one step's promises: their reasons start
+        with the step (`node: --no-node: ...`) or the promise (`starter/answers: needs ...`)."""
         return [line for line in self.output.splitlines()
-                if line.startswith("SKIPPED") and f"test_{step}.py" in line]
+                if line.startswith("SKIPPED") and re.search(rf"\d: {step}[:/]", line)]
+
+    def failed(self) -> list[str]:
+        """The short summary's FAILED lines (run with -rf or -ra)."""
+        return [line for line in self.output.splitlines() if line.startswith("FAILED")]
 
     def lines(self, status: str) -> list[str]:
         return [f"{s['step']}: {s['message']}" for s in self.steps if s["status"] == status]
@@ -56,7 +62,7 @@ class ThrowawayHost:
         steps_json = self.state_dir.parent / f"{self.state_dir.name}-{suite.strip('/')}-steps.json"
         steps_json.unlink(missing_ok=True)
         cmd = [
-            sys.executable, "-m", "pytest", suite, "-q", "-rs", "-p", "no:randomly",
+            sys.executable, "-m", "pytest", suite, "-q", "-rfs", "-p", "no:randomly",
             "--mode=local", f"--state-dir={self.state_dir}", f"--steps-json={steps_json}",
             "--advertise=127.0.0.1", *(self.listen_args() if listen else ()), *args,
         ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -58,15 +59,65 @@ def test_checks_pass_and_change_nothing(provisioned) -> None:
     assert snapshot(provisioned.state_dir) == before
 
 
-def test_checks_fail_naming_the_control_plane_when_it_is_stopped(provisioned) -> None:
+def junit(path: Path) -> tuple[ET.Element, dict[str, str]]:
+    """The report's testsuite, and each test's outcome by promise id."""
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    assert suite is not None
+    outcomes = {}
+    for case in suite.iter("testcase"):
+        promise = case.get("name", "").removeprefix("test_promise[").removesuffix("]")
+        kinds = [child.tag for child in case if child.tag in ("failure", "error", "skipped")]
+        outcomes[promise] = kinds[0] if kinds else "passed"
+    return suite, outcomes
+
+
+def test_checks_fail_naming_the_control_plane_when_it_is_stopped(provisioned, tmp_path) -> None:
+    """The control plane's service promise fails, naming it; the promises that need it are
+    skipped naming it; pki's pass; no ERROR."""
     conf = provisioned.state_dir / "supervisord.conf"
     ctl = [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(conf)]
     subprocess.run([*ctl, "stop", "llmgw-server"], check=True, capture_output=True)
     try:
-        result = provisioned.checks()
+        result = provisioned.checks(f"--junitxml={tmp_path / 'j.xml'}")
     finally:
         subprocess.run([*ctl, "start", "llmgw-server"], check=True, capture_output=True)
-    assert result.returncode != 0
+    assert result.returncode == 1, result.output
     assert "the control plane (llmgw-server) is not running" in result.output
     assert "start llmgw-server" in result.output
+    suite, outcomes = junit(tmp_path / "j.xml")
+    assert suite.get("errors") == "0", result.output
+    assert {o for p, o in outcomes.items() if p.startswith("pki/")} == {"passed"}, outcomes
+    assert outcomes["control_plane/service"] == "failure", outcomes
+    for promise in ("admin-answers", "agent-api-cert", "agent-api-refuses-anonymous"):
+        assert outcomes[f"control_plane/{promise}"] == "skipped", outcomes
+    assert "control_plane/admin-answers: needs control_plane/service, which failed" in result.output
+    assert outcomes["control_plane/config"] == "passed"
     assert provisioned.checks().returncode == 0, "started again, the checks pass again"
+
+
+def test_a_ca_key_readable_by_others_one_failure_a_plan_then_a_fix(provisioned, tmp_path) -> None:
+    """The issue's walk: checks fail once, naming key and mode; --plan says would and
+    changes nothing; provision says done and why; then --plan has nothing to do."""
+    key = provisioned.state_dir / "etc" / "pki" / "ca-key.pem"
+    key.chmod(0o644)
+    checks = provisioned.checks(f"--junitxml={tmp_path / 'j.xml'}")
+    assert checks.returncode == 1, checks.output
+    suite, outcomes = junit(tmp_path / "j.xml")
+    assert suite.get("errors") == "0"
+    assert [p for p, o in outcomes.items() if o == "failure"] == ["pki/ca-key-private"], outcomes
+    (failed,) = checks.failed()
+    assert f"{key} has mode 644" in checks.output and "pki/ca-key-private" in failed
+
+    before = snapshot(provisioned.state_dir)
+    plan = provisioned.provision(*FOUNDATION_ONLY, "--plan")
+    assert plan.returncode == 1, plan.output
+    assert plan.lines("would") == [f"pki: chmod 600 {key} (because {key} has mode 644)"]
+    assert snapshot(provisioned.state_dir) == before, "--plan changed the host"
+    assert key.stat().st_mode & 0o777 == 0o644
+
+    fixed = provisioned.provision(*FOUNDATION_ONLY)
+    assert fixed.returncode == 0, fixed.output
+    assert fixed.lines("done") == [f"pki: chmod 600 {key} (because {key} has mode 644)"]
+    again = provisioned.provision(*FOUNDATION_ONLY, "--plan")
+    assert again.returncode == 0 and not again.lines("would"), again.output

@@ -60,6 +60,12 @@ def _agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from llmgw.check import main_args
+
+    return main_args(args)
+
+
 def _down(args: argparse.Namespace) -> int:
     from llmgw.down import down
 
@@ -110,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="run the node agent")
     agent.add_argument("--config", required=True, help="path to agent.yaml")
     agent.set_defaults(run=_agent)
+
+    check = sub.add_parser("check", help="verify this host, read only (the promises of "
+                                         "`pytest checks/`, without the checkout)")
+    check.add_argument("--state-dir", default=None, help="local mode: the host's state dir")
+    check.add_argument("--mode", default="auto", choices=("auto", "system", "local"),
+                       help="system (root with systemd), local, or auto (default)")
+    check.add_argument("--json", action="store_true",
+                       help="print one JSON record per promise: {step, promise, status, message}")
+    check.add_argument("pytest_args", nargs="*", metavar="PYTEST_ARG",
+                       help="more pytest arguments after --, e.g. -- -k pki")
+    check.set_defaults(run=_check)
 
     down = sub.add_parser("down", help="stop everything a local-mode host runs")
     down.add_argument("--state-dir", required=True, help="the host's state dir")

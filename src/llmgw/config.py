@@ -1,77 +1,113 @@
-"""server.yaml and agent.yaml: load, check and render (YAML through safe_load only)."""
+"""server.yaml and agent.yaml: typed models that refuse a bad value when the file is loaded.
+
+YAML is read with safe_load only. A wrong value is refused naming the file, the key, the
+value and what is allowed, so it never surfaces later as a 500 from a running service.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from llmgw.errors import Error
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(Error):
     """A configuration file is missing, unreadable or holds a wrong value."""
 
 
-@dataclass
-class TLSFiles:
-    ca: str = ""
-    cert: str = ""
-    key: str = ""
+class _Section(BaseModel):
+    # Unknown keys are refused: a misspelt key would otherwise be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-@dataclass
-class MirrorRef:
+def _listen(value: str) -> str:
+    try:
+        parse_listen(value)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    return value
+
+
+class TLSFiles(_Section):
+    ca: StrictStr = ""
+    cert: StrictStr = ""
+    key: StrictStr = ""
+
+
+class MirrorRef(_Section):
     """Where the control plane finds the model mirror's management API; listen is set
     only when the mirror runs on this machine (its bytes server's bind address)."""
 
-    api: str = ""
-    listen: str = ""
+    api: StrictStr = ""
+    listen: StrictStr = ""
 
 
-@dataclass
-class ServerConfig:
+class ServerConfig(_Section):
     """server.yaml: the control plane's listen addresses, state and certificates."""
 
-    admin_listen: str = "127.0.0.1:9090"
-    agent_listen: str = ":7443"
-    gateway_listen: str = ":8080"
-    state_dir: str = "/var/lib/llmgw"
+    admin_listen: StrictStr = "127.0.0.1:9090"
+    agent_listen: StrictStr = ":7443"
+    gateway_listen: StrictStr = ":8080"
+    state_dir: StrictStr = "/var/lib/llmgw"
     # The address nodes use to reach the agent API; first --advertise name.
-    advertise: str = ""
-    tls: TLSFiles = field(default_factory=TLSFiles)
-    node_timeout_s: float = 30.0
-    tokens: list[str] = field(default_factory=list)
+    advertise: StrictStr = ""
+    tls: TLSFiles = Field(default_factory=TLSFiles)
+    node_timeout_s: float = Field(default=30.0, gt=0)
+    # Bearer tokens of the gateway; a number in YAML (`- 12345`) is refused: quote it.
+    tokens: list[StrictStr] = Field(default_factory=list)
     # The admin token's sha256 file; '' means admin-token.sha256 beside server.yaml.
-    admin_token_hash: str = ""
-    mirror: MirrorRef = field(default_factory=MirrorRef)
+    admin_token_hash: StrictStr = ""
+    mirror: MirrorRef = Field(default_factory=MirrorRef)
+
+    @field_validator("admin_listen", "agent_listen", "gateway_listen")
+    @classmethod
+    def _has_port(cls, value: str) -> str:
+        return _listen(value)
 
 
-@dataclass
-class EngineConfig:
+class EngineConfig(_Section):
     """How the agent finds or builds llama.cpp."""
 
-    llama_server: str = ""
-    cache_dir: str = ""
-    source: str = ""
-    version: str = ""
+    llama_server: StrictStr = ""
+    cache_dir: StrictStr = ""
+    source: StrictStr = ""
+    # A string: `version: 0.3` in YAML is a number, refused (quote it).
+    version: StrictStr = ""
 
 
-@dataclass
-class AgentConfig:
+def _labels(value: Any) -> Any:
+    # Label values are strings on the wire; YAML makes `true` and `2` other types.
+    if isinstance(value, dict):
+        return {str(k): v if isinstance(v, (dict, list)) else str(v) for k, v in value.items()}
+    return value
+
+
+class AgentConfig(_Section):
     """agent.yaml: this node's control plane, identity files and labels."""
 
-    server: str = "https://127.0.0.1:7443"
-    node_id: str = ""
-    state_dir: str = "/var/lib/llmgw-agent"
-    tls: TLSFiles = field(default_factory=TLSFiles)
-    labels: dict[str, str] = field(default_factory=dict)
-    heartbeat_s: float = 5.0
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: StrictStr = "https://127.0.0.1:7443"
+    node_id: StrictStr = ""
+    state_dir: StrictStr = "/var/lib/llmgw-agent"
+    tls: TLSFiles = Field(default_factory=TLSFiles)
+    labels: Annotated[dict[StrictStr, StrictStr], BeforeValidator(_labels)] = Field(
+        default_factory=dict)
+    heartbeat_s: float = Field(default=5.0, gt=0)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
 
 def parse_listen(addr: str) -> tuple[str, int]:
@@ -91,40 +127,34 @@ def connect_host(addr: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
+def _why(model: type[BaseModel], error: dict[str, Any]) -> str:
+    """`tokens.0 is 12345: Input should be a valid string` for one pydantic error."""
+    where = ".".join(str(part) for part in error["loc"]) or "the file"
+    if error["type"] == "extra_forbidden":
+        section: Any = model
+        for part in error["loc"][:-1]:
+            section = section.model_fields[str(part)].annotation
+        known = ", ".join(getattr(section, "model_fields", {})) or "none"
+        return f"{where} is not a known key (known here: {known})"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    return f"{where} is {error['input']!r}: {message}"
+
+
+def parse(model: type[M], data: Any, where: str) -> M:
+    """data (from YAML) as model; ConfigError naming each wrong key, value and what is allowed."""
     if data is None:
-        return cls()
+        data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{where} should be a mapping, found {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(
-            f"{where} has unknown keys {', '.join(unknown)}; known: {', '.join(fields)}"
-        )
-    values: dict[str, Any] = {}
-    for name, value in data.items():
-        kind = fields[name].type
-        if dataclasses.is_dataclass(globals().get(str(kind))):
-            values[name] = _build(globals()[str(kind)], value, f"{where}.{name}")
-        else:
-            values[name] = _coerce(kind, value, f"{where}.{name}")
-    return cls(**values)
+        raise ConfigError(f"{where} should be a mapping of keys to values, found "
+                          f"{type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        problems = "; ".join(_why(model, err) for err in e.errors())
+        raise ConfigError(f"{where}: {problems}. Correct it and run again") from None
 
 
-def _coerce(kind: Any, value: Any, where: str) -> Any:
-    expected = {"str": str, "float": (int, float), "list[str]": list, "dict[str, str]": dict}
-    want = expected.get(str(kind))
-    if want is not None and not isinstance(value, want):
-        raise ConfigError(f"{where} should be {kind}, found {value!r}")
-    if str(kind) == "float":
-        return float(value)
-    if str(kind) == "dict[str, str]":
-        return {str(k): str(v) for k, v in value.items()}
-    return value
-
-
-def _load(cls: type, path: str | os.PathLike[str]) -> Any:
+def _load(model: type[M], path: str | os.PathLike[str]) -> M:
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -132,7 +162,7 @@ def _load(cls: type, path: str | os.PathLike[str]) -> Any:
         raise ConfigError(f"{path} does not exist; run `pytest provision/` to write it") from None
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot read {path}: {e}") from e
-    return _build(cls, data, path.name)
+    return parse(model, data, str(path))
 
 
 def load_server(path: str | os.PathLike[str]) -> ServerConfig:
@@ -145,7 +175,7 @@ def load_agent(path: str | os.PathLike[str]) -> AgentConfig:
 
 def render(config: ServerConfig | AgentConfig, header: str, omit: tuple[str, ...] = ()) -> str:
     """YAML text for a config, with a comment header saying who wrote it; omit leaves keys out."""
-    data = {k: v for k, v in dataclasses.asdict(config).items() if k not in omit}
+    data = config.model_dump(exclude=set(omit))
     body = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     return comment + body

@@ -8,6 +8,7 @@ Error
  ├── agent._build.BuildError
  ├── agent.engine.EngineUnavailable
  ├── agent.client.AgentAPIError
+ ├── waiting.WaitTimeout (also an AssertionError)
  └── APIError (an llmgw API did not answer, or refused)
       ├── control.client.ControlPlaneError
       │    └── control.client.NotFound

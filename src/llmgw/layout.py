@@ -46,6 +46,35 @@ class Layout:
         return self.etc / "pki"
 
     @property
+    def ca_cert(self) -> Path:
+        return self.pki / "ca.pem"
+
+    @property
+    def ca_key(self) -> Path:
+        return self.pki / "ca-key.pem"
+
+    @property
+    def server_cert(self) -> Path:
+        return self.pki / "server.pem"
+
+    @property
+    def server_key(self) -> Path:
+        return self.pki / "server-key.pem"
+
+    @property
+    def agent_cert(self) -> Path:
+        return self.etc / "agent.pem"
+
+    @property
+    def agent_key(self) -> Path:
+        return self.etc / "agent-key.pem"
+
+    @property
+    def provision_lock(self) -> Path:
+        """Held by `pytest provision/` while it works on this host."""
+        return (self.root or self.server_state) / "provision.lock"
+
+    @property
     def server_yaml(self) -> Path:
         return self.etc / "server.yaml"
 
@@ -62,6 +91,33 @@ class Layout:
     def admin_token_hash(self) -> Path:
         """The token's sha256, which the services (the mirror's user too) can read."""
         return self.etc / "admin-token.sha256"
+
+    @property
+    def mirror_probe(self) -> Path:
+        """The mirror's probe file's source: in the models dir (the mirror unit may write
+        nowhere else), under a dot-name, which the mirror never serves."""
+        return self.models / ".llmgw-probe" / "probe.bin"
+
+    def _local(self, name: str) -> Path:
+        if self.root is None:
+            raise Error(f"{name} exists only in local mode; this host is in {self.mode} mode")
+        return self.root / name
+
+    @property
+    def supervisord_conf(self) -> Path:
+        return self._local("supervisord.conf")
+
+    @property
+    def supervisor_programs(self) -> Path:
+        return self._local("supervisor.d")
+
+    @property
+    def supervisor_socket(self) -> Path:
+        return self._local("supervisor.sock")
+
+    @property
+    def supervisord_pid(self) -> Path:
+        return self._local("supervisord.pid")
 
     @property
     def logs(self) -> Path:

@@ -7,7 +7,7 @@ import ssl
 import httpx
 import pytest
 
-from fixtures.control_plane import anonymous_request
+from fixtures._tls import anonymous_request
 from llmgw import pki
 from llmgw.control.agent_api import HEARTBEAT_PATH
 
@@ -42,7 +42,7 @@ def test_client_from_another_ca_is_refused(live_control_plane) -> None:
 
 def test_client_without_certificate_is_refused(live_control_plane) -> None:
     cp = live_control_plane
-    assert anonymous_request("127.0.0.1", cp.agent_port, str(cp.pki_dir / "ca.pem")) is None
+    assert anonymous_request("127.0.0.1", cp.agent_port) is None
 
 
 def test_negative_control_anonymous_probe_sees_an_open_server(tmp_path) -> None:
@@ -68,7 +68,7 @@ def test_negative_control_anonymous_probe_sees_an_open_server(tmp_path) -> None:
     server.socket = ctx.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        answer = anonymous_request("127.0.0.1", server.server_address[1], str(tmp_path / "ca.pem"))
+        answer = anonymous_request("127.0.0.1", server.server_address[1])
     finally:
         server.shutdown()
     assert answer is not None and answer.startswith(b"HTTP/1.")

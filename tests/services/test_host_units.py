@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures._report import Recorder
-from fixtures.control_plane import ControlPlaneStep
-from fixtures.mirror import MirrorStep
+from fixtures import control_plane, mirror
 from fixtures.node import agent_service
 from fixtures.settings import HostSettings
 from llmgw.layout import Layout
@@ -24,8 +22,8 @@ pytestmark = pytest.mark.skipif(not shutil.which("systemd-analyze"),
 def specs() -> list[ServiceSpec]:
     settings = HostSettings(layout=Layout.for_mode("system"), advertise=("llm.example",))
     return [
-        ControlPlaneStep(settings, Recorder(), None, pki_step=None).service_spec(),
-        MirrorStep(settings, Recorder(), None, control_plane=None).service_spec(),
+        control_plane.service_spec(settings.layout),
+        mirror.service_spec(settings),
         agent_service(Path("/etc/llmgw/agent.yaml")),
     ]
 

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
-import uvicorn
-from fastapi import FastAPI
-
+from llmgw._serving import on_stop_signals, quiet_server
 from llmgw.config import ServerConfig, parse_listen
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
@@ -20,19 +15,6 @@ from llmgw.control.scheduler import Scheduler
 from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.server")
-
-
-class _QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves signals to the process, which runs several of them."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def _uvicorn(app: FastAPI, listen: str) -> _QuietServer:
-    host, port = parse_listen(listen)
-    return _QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning"))
 
 
 async def _schedule(scheduler: Scheduler, stopping: asyncio.Event) -> None:
@@ -62,23 +44,20 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
     )
     upstream = upstream_client()
     servers = [
-        _uvicorn(make_admin_app(store, node_timeout_s=config.node_timeout_s,
-                                token_hash=admin_token_hash), config.admin_listen),
-        _uvicorn(make_gateway_app(store, tokens=config.tokens, upstream=upstream),
-                 config.gateway_listen),
+        quiet_server(make_admin_app(store, node_timeout_s=config.node_timeout_s,
+                                    token_hash=admin_token_hash), config.admin_listen),
+        quiet_server(make_gateway_app(store, tokens=config.tokens, upstream=upstream),
+                     config.gateway_listen),
     ]
     scheduler = Scheduler(store, config.node_timeout_s)
     stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
 
-    def stop(sig: signal.Signals) -> None:
-        log.info("received %s; shutting down", sig.name)
+    def stop() -> None:
         stopping.set()
         for s in servers:
             s.should_exit = True
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop, sig)
+    on_stop_signals(log, stop)
     agent_api.start()
     log.info(
         "control plane: admin %s, agent API %s (mTLS), gateway %s, state %s",

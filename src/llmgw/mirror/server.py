@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import uvicorn
-
+from llmgw._serving import on_stop_signals, quiet_server
 from llmgw.config import connect_host, parse_listen
 from llmgw.mirror._api import make_api
 from llmgw.mirror._bytes import BytesServer
@@ -38,14 +34,6 @@ class Options:
         return (self.base or f"http://{connect_host(self.listen)}").rstrip("/")
 
 
-class _QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves signals to the process, which runs more than it."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 async def serve(options: Options) -> None:
     """Run until SIGTERM or SIGINT; downloads in flight stop and resume at the next start."""
     manager = Manager(options.dir, options.base_url(), import_dirs=options.import_dirs)
@@ -57,18 +45,10 @@ async def serve(options: Options) -> None:
     except OSError as e:
         manager.stop()
         raise MirrorError(f"cannot listen on {options.listen} for the bytes server: {e}") from e
-    api_host, api_port = parse_listen(options.api_listen)
     about = {"dir": str(options.dir), "base": options.base_url()}
-    app = make_api(manager, token_hash=options.admin_token_hash, about=about)
-    api = _QuietServer(uvicorn.Config(app, host=api_host, port=api_port, log_level="warning"))
-    loop = asyncio.get_running_loop()
-
-    def stop(sig: signal.Signals) -> None:
-        log.info("received %s; shutting down", sig.name)
-        api.should_exit = True
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop, sig)
+    api = quiet_server(make_api(manager, token_hash=options.admin_token_hash, about=about),
+                       options.api_listen)
+    on_stop_signals(log, lambda: setattr(api, "should_exit", True))
     log.info("mirror: %s; bytes on %s as %s; API on %s",
              options.dir, options.listen, options.base_url(), options.api_listen)
     try:

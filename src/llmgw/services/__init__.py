@@ -46,6 +46,9 @@ class ServiceManager(Protocol):
         Returns whether anything changed.
         """
 
+    def definition_drift(self, spec: ServiceSpec) -> str:
+        """Why the service's definition is not what spec renders to; '' when it is."""
+
     def is_running(self, name: str) -> bool: ...
 
     def restart(self, name: str) -> None:
@@ -56,6 +59,16 @@ class ServiceManager(Protocol):
 
     def start_hint(self, name: str) -> str:
         """The command a person runs to start the service."""
+
+
+def drift(path: Path, text: str) -> str:
+    """Why the file at path does not hold text; '' when it does (read only)."""
+    try:
+        if path.read_text() == text:
+            return ""
+    except FileNotFoundError:
+        return f"there is no {path}"
+    return f"{path} differs from what this llmgw writes"
 
 
 def llmgw_command(*args: str) -> list[str]:

@@ -6,7 +6,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 import xmlrpc.client
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,9 @@ from typing import Any
 from supervisor.xmlrpc import SupervisorTransport
 
 from llmgw._files import atomic_write, last_lines
-from llmgw.services import ServiceError, ServiceSpec
+from llmgw.layout import Layout
+from llmgw.services import ServiceError, ServiceSpec, drift
+from llmgw.waiting import Probe, wait_until
 
 _START_TIMEOUT_S = 15.0
 
@@ -27,12 +28,13 @@ class Supervisor:
     """Programs under one supervisord whose files all live in root."""
 
     def __init__(self, root: Path) -> None:
+        layout = Layout.for_mode("local", root)  # the host's paths are the layout's
         self.root = Path(root)
-        self.conf = self.root / "supervisord.conf"
-        self.programs = self.root / "supervisor.d"
-        self.socket = self.root / "supervisor.sock"
-        self.pidfile = self.root / "supervisord.pid"
-        self.logs = self.root / "logs"
+        self.conf = layout.supervisord_conf
+        self.programs = layout.supervisor_programs
+        self.socket = layout.supervisor_socket
+        self.pidfile = layout.supervisord_pid
+        self.logs = layout.logs
 
     # --- files ---
 
@@ -85,6 +87,9 @@ class Supervisor:
             lines.append(f"environment={_quote_env(spec.environment)}")
         return "\n".join(lines) + "\n"
 
+    def definition_drift(self, spec: ServiceSpec) -> str:
+        return drift(self.definition_path(spec.name), self.render_program(spec))
+
     def _write_if_differs(self, path: Path, text: str) -> bool:
         try:
             if path.read_text() == text:
@@ -122,14 +127,11 @@ class Supervisor:
                 f"supervisord did not start ({proc.returncode}): {proc.stderr.strip()}; "
                 f"its log is {self.logs / 'supervisord.log'}"
             )
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not self.daemon_running():
-            if time.monotonic() > deadline:
-                raise ServiceError(
-                    f"supervisord started but its socket {self.socket} did not answer within "
-                    f"{_START_TIMEOUT_S:.0f}s; see {self.logs / 'supervisord.log'}"
-                )
-            time.sleep(0.1)
+        wait_until(
+            f"supervisord's socket {self.socket} to answer",
+            lambda: Probe(self.daemon_running(), f"no answer; see {self.logs / 'supervisord.log'}"),
+            timeout_s=_START_TIMEOUT_S, interval_s=0.1,
+        )
 
     def ensure_daemon(self) -> bool:
         changed = self._write_if_differs(self.conf, self._main_conf())
@@ -167,14 +169,11 @@ class Supervisor:
 
     def _wait_running(self, name: str) -> None:
         # A program counts as started only after startsecs; say so only then.
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not self.is_running(name):
-            if time.monotonic() > deadline:
-                raise ServiceError(
-                    f"{name} did not reach RUNNING within {_START_TIMEOUT_S:.0f}s: "
-                    f"{self.describe(name)}"
-                )
-            time.sleep(0.1)
+        wait_until(
+            f"{name} to reach RUNNING under supervisord",
+            lambda: Probe(True, "") if self.is_running(name) else Probe(False, self.describe(name)),
+            timeout_s=_START_TIMEOUT_S, interval_s=0.1,
+        )
 
     def _info(self, name: str) -> dict[str, Any] | None:
         if not self.daemon_running():
@@ -233,14 +232,13 @@ class Supervisor:
             return False
         pid = int(self.pidfile.read_text().strip()) if self.pidfile.exists() else None
         self._rpc().shutdown()
-        deadline = time.monotonic() + timeout_s
-        while pid is not None and _alive(pid):
-            if time.monotonic() > deadline:
-                raise ServiceError(
-                    f"supervisord (pid {pid}) was asked to shut down and is still running after "
-                    f"{timeout_s:.0f}s; see {self.logs / 'supervisord.log'} or kill {pid}"
-                )
-            time.sleep(0.1)
+        if pid is not None:
+            wait_until(
+                f"supervisord (pid {pid}) to exit after it was asked to shut down",
+                lambda: Probe(not _alive(pid), f"still running; see "
+                                               f"{self.logs / 'supervisord.log'} or kill {pid}"),
+                timeout_s=timeout_s, interval_s=0.1,
+            )
         return True
 
 

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from llmgw._files import atomic_write
-from llmgw.services import ServiceError, ServiceSpec
+from llmgw.services import ServiceError, ServiceSpec, drift
 
 UNIT_DIR = Path("/etc/systemd/system")
 
@@ -50,6 +50,9 @@ class Systemd:
                 f"{(proc.stderr or proc.stdout).strip()}; see `journalctl -u {args[-1]}`"
             )
         return proc.stdout
+
+    def definition_drift(self, spec: ServiceSpec) -> str:
+        return drift(self.definition_path(spec.name), render_unit(spec))
 
     def write_unit(self, spec: ServiceSpec) -> bool:
         path = self.definition_path(spec.name)

@@ -1,3 +1,0 @@
-"""The `mirror` step's promises, under pytest checks/ (verify only)."""
-
-from fixtures.promises.mirror import *  # noqa: F403

@@ -1,3 +1,0 @@
-"""The `mirror` step's promises, under pytest provision/."""
-
-from fixtures.promises.mirror import *  # noqa: F403

@@ -1,3 +1,0 @@
-"""The `starter` step's promises, under pytest provision/."""
-
-from fixtures.promises.starter import *  # noqa: F403

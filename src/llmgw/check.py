@@ -1,0 +1,80 @@
+"""`llmgw check`: the read-only promises of `pytest checks/`, from an installed llmgw.
+
+The harness travels in the package as `llmgw_harness` (the checkout's `fixtures/`; that
+name is taken on the package index). It is loaded here, explicitly, and the checkout's
+conftest.py is not read, so the plugin is registered exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["check"]
+
+
+def _harness() -> str:
+    """The harness package: llmgw_harness when installed, else a checkout's fixtures."""
+    for name in ("llmgw_harness", "fixtures"):
+        if importlib.util.find_spec(f"{name}.plugin") is not None:
+            return name
+    raise SystemExit("llmgw check: this llmgw has no harness (llmgw_harness); reinstall it")
+
+
+class _Records:
+    """One record per promise: {step, promise, status, message}."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, dict[str, str]] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        promise = report.nodeid.rpartition("[")[2].rstrip("]")
+        if "/" not in promise or (report.when != "call" and report.passed):
+            return
+        status = {"passed": "passed", "failed": "failed", "skipped": "skipped"}[report.outcome]
+        step, _, name = promise.partition("/")
+        record = {"step": step, "promise": name, "status": status, "message": _message(report)}
+        if promise not in self.records or status != "passed":
+            self.records[promise] = record
+
+
+def _message(report: pytest.TestReport) -> str:
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    return report.longreprtext.strip() if report.failed else ""
+
+
+def check(state_dir: str | None, mode: str, as_json: bool, extra: list[str]) -> int:
+    """Run every promise's probe against this host; pytest's exit status."""
+    harness = _harness()
+    with tempfile.TemporaryDirectory(prefix="llmgw-check-") as tmp:
+        ini = Path(tmp) / "pytest.ini"
+        ini.write_text("[pytest]\njunit_family = xunit1\n")
+        args = [
+            "--pyargs", f"{harness}.suite", "-p", f"{harness}.plugin", "-c", str(ini),
+            "--rootdir", tmp, "--noconftest", "-p", "no:cacheprovider", "-p", "no:randomly",
+            f"--mode={mode}", "-rfs", *([f"--state-dir={state_dir}"] if state_dir else []),
+            *extra,
+        ]
+        records = _Records()
+        if as_json:  # stdout carries the records alone; pytest's own lines go to stderr
+            with contextlib.redirect_stdout(sys.stderr):
+                code = int(pytest.main([*args, "-q", "--no-header"], plugins=[records]))
+        else:
+            code = int(pytest.main(args, plugins=[records]))
+    if as_json:
+        for record in records.records.values():
+            print(json.dumps(record))
+    return code
+
+
+def main_args(args: Any) -> int:
+    sys.stdout.flush()
+    return check(args.state_dir, args.mode, args.json, args.pytest_args)
