@@ -47,6 +47,10 @@ class ServerConfig:
     node_timeout_s: float = 30.0
     tokens: list[str] = field(default_factory=list)
     mirror: MirrorRef = field(default_factory=MirrorRef)
+    # The gateway: its request body limit and how long it waits on a replica.
+    gateway_max_body_bytes: float = 16 * 1024 * 1024
+    upstream_connect_timeout_s: float = 5.0
+    upstream_read_timeout_s: float = 600.0
 
 
 @dataclass

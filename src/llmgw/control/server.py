@@ -8,14 +8,15 @@ import logging
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
-
 from llmgw.config import ServerConfig, parse_listen
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
-from llmgw.control.gateway import make_gateway_app, upstream_client
+from llmgw.control._upstream import Timeouts, Upstream
+from llmgw.control.gateway import make_gateway_app
+from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.scheduler import Scheduler
 from llmgw.control.store import Store
 
@@ -30,9 +31,11 @@ class _QuietServer(uvicorn.Server):
         yield
 
 
-def _uvicorn(app: FastAPI, listen: str) -> _QuietServer:
+def _uvicorn(app: Any, listen: str) -> _QuietServer:
     host, port = parse_listen(listen)
-    return _QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    # No access log: a line per request costs the gateway more than its own work.
+    return _QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                       access_log=False))
 
 
 async def _schedule(scheduler: Scheduler, stopping: asyncio.Event) -> None:
@@ -51,19 +54,23 @@ async def _schedule(scheduler: Scheduler, stopping: asyncio.Event) -> None:
 async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT, then stop every listener and close the database."""
     store = Store(Path(config.state_dir) / "control.db")
+    metrics = ControlPlaneMetrics(store, config.node_timeout_s)
     agent_host, agent_port = parse_listen(config.agent_listen)
+    api = AgentAPI(store)
+    api.heartbeat = metrics.heartbeats.wrap(api.heartbeat)  # type: ignore[method-assign]
     agent_api = AgentAPIServer(
         agent_host,
         agent_port,
         mtls_context(config.tls.ca, config.tls.cert, config.tls.key),
-        AgentAPI(store),
+        api,
     )
-    upstream = upstream_client()
-    servers = [
-        _uvicorn(make_admin_app(store, node_timeout_s=config.node_timeout_s), config.admin_listen),
-        _uvicorn(make_gateway_app(store, tokens=config.tokens, upstream=upstream),
-                 config.gateway_listen),
-    ]
+    upstream = Upstream(Timeouts(config.upstream_connect_timeout_s,
+                                 config.upstream_read_timeout_s))
+    gateway = make_gateway_app(store, tokens=config.tokens, upstream=upstream,
+                               metrics=metrics.gateway,
+                               max_body_bytes=int(config.gateway_max_body_bytes))
+    admin = make_admin_app(store, node_timeout_s=config.node_timeout_s, metrics=metrics)
+    servers = [_uvicorn(admin, config.admin_listen), _uvicorn(gateway, config.gateway_listen)]
     scheduler = Scheduler(store, config.node_timeout_s)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
