@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 
+from llmgw.mirror import _metrics
 from llmgw.mirror._disk import NAME_PATTERN
 from llmgw.mirror._downloads import Conflict, Manager
 from llmgw.mirror._errors import SourceError
@@ -19,8 +21,15 @@ class FetchRequest(BaseModel):
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
 
 
-def make_api(manager: Manager, *, about: dict[str, str] | None = None) -> FastAPI:
+def make_api(manager: Manager, *, about: dict[str, str] | None = None,
+             metrics: CollectorRegistry | None = None) -> FastAPI:
     app = FastAPI(title="llmgw mirror management API", version="1")
+    metrics = metrics or _metrics.registry(manager, _metrics.ServedCounter())
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        """Bytes served to nodes and downloads by state, as Prometheus text."""
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     def health() -> dict[str, str]:

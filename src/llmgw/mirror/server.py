@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import uvicorn
 
 from llmgw.config import connect_host, parse_listen
+from llmgw.mirror import _metrics
 from llmgw.mirror._api import make_api
 from llmgw.mirror._bytes import BytesServer
 from llmgw.mirror._downloads import Manager
@@ -46,7 +47,8 @@ async def serve(options: Options) -> None:
     """Run until SIGTERM or SIGINT; downloads in flight stop and resume at the next start."""
     manager = Manager(options.dir, options.base_url())
     manager.start()
-    bytes_server = BytesServer(manager, urlsplit(options.base_url()).path)
+    served = _metrics.ServedCounter()
+    bytes_server = BytesServer(manager, urlsplit(options.base_url()).path, served)
     host, port = parse_listen(options.listen)
     try:
         await bytes_server.start(host, port)
@@ -56,7 +58,8 @@ async def serve(options: Options) -> None:
     api_host, api_port = parse_listen(options.api_listen)
     about = {"dir": str(options.dir), "base": options.base_url()}
     api = _QuietServer(uvicorn.Config(
-        make_api(manager, about=about), host=api_host, port=api_port, log_level="warning",
+        make_api(manager, about=about, metrics=_metrics.registry(manager, served)),
+        host=api_host, port=api_port, log_level="warning",
     ))
     loop = asyncio.get_running_loop()
 
