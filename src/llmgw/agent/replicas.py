@@ -100,6 +100,7 @@ class ReplicaSupervisor:
         interface: str = "",
         clock: Callable[[], float] = time.monotonic,
         http: httpx.Client | None = None,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         self.dir = Path(state_dir) / "replicas"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +110,7 @@ class ReplicaSupervisor:
         self.interface = interface
         self.clock = clock
         self.http = http or httpx.Client(timeout=httpx.Timeout(30.0, read=300.0))
+        self.probe_timeout_s = probe_timeout_s
         self.replicas: dict[str, Replica] = {}
         self._lock = threading.RLock()
         self.adopt()
@@ -333,7 +335,7 @@ class ReplicaSupervisor:
         """One probe of GET /health: (ok | loading | refused | slow, what was seen)."""
         url = f"{self.endpoint(record)}/health"
         try:
-            response = self.http.get(url, timeout=PROBE_TIMEOUT_S)
+            response = self.http.get(url, timeout=self.probe_timeout_s)
         except httpx.ConnectError as e:
             return "refused", f"{url} refused the connection: {e}"
         except httpx.HTTPError as e:
