@@ -102,8 +102,10 @@ class Response:
             yield data[:-2]
 
     async def _wait(self, step):  # type: ignore[no-untyped-def]
+        # asyncio.timeout, not wait_for: wait_for wraps each read in a task (profiled).
         try:
-            return await asyncio.wait_for(step, self._read_s)
+            async with asyncio.timeout(self._read_s):
+                return await step
         except TimeoutError as e:
             raise UpstreamError(f"the replica sent nothing for {self._read_s:.0f} s "
                                 "(upstream read timeout in server.yaml)") from e
@@ -137,8 +139,8 @@ class Upstream:
         conn = await self._checkout(key)
         try:
             conn.writer.write(head + body)
-            status, headers = await asyncio.wait_for(self._head(conn.reader),
-                                                     self.timeouts.read_s)
+            async with asyncio.timeout(self.timeouts.read_s):
+                status, headers = await self._head(conn.reader)
         except BaseException as e:
             conn.close()
             if isinstance(e, TimeoutError):
