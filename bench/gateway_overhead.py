@@ -168,7 +168,7 @@ def main() -> None:
                                               max(WIDTHS))
     results: dict[tuple[str, int], list[Run]] = {}
     try:
-        for side, url in (("direct", direct), ("gateway", via)):
+        for url in (direct, via):
             load(url, key, 4, 1.0)  # warm both
         for width in WIDTHS:
             for _ in range(args.rounds):

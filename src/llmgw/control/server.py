@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+
 from llmgw.config import ServerConfig, parse_listen
+from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
-from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.gateway import make_gateway_app
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.scheduler import Scheduler
