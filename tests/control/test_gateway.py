@@ -235,4 +235,5 @@ def test_requests_and_tokens_are_counted_by_catalog_model(store) -> None:
     assert 'llmgw_gateway_requests_total{model="tiny",status="200"} 1.0' in text
     assert 'llmgw_gateway_tokens_total{kind="completion",model="tiny"} 5.0' in text
     assert 'llmgw_gateway_requests_in_flight 0.0' in text
-    assert 'model="nope"' not in text
+    assert 'model="nope"' not in text  # client-chosen names never become labels
+    assert 'llmgw_gateway_requests_total{model="",status="404"} 1.0' in text

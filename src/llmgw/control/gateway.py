@@ -180,20 +180,21 @@ class Gateway:
 
     async def _forward(self, scope: dict[str, Any], receive: Receive, send: Send,
                        kind: str) -> None:
-        started = time.perf_counter()
-        self._authorize(scope)
-        raw = await self._body(scope, receive)
-        requested, stream = _parse(raw)
-        model = self.router.resolve(requested)
-        if model is None:
-            raise GatewayError(404, f"The model '{requested}' does not exist; GET /v1/models "
-                               "lists what this gateway serves", "invalid_request_error",
-                               "model_not_found", "model")
-        _check_kind(model, kind, scope["path"])
-        name, status, usage = model["name"], 502, None
+        """Counted under the catalog name, or model="" when the request named none."""
+        started, name, status, usage = time.perf_counter(), "", 500, None
         if self.metrics:
             self.metrics.in_flight.inc()
         try:
+            self._authorize(scope)
+            raw = await self._body(scope, receive)
+            requested, stream = _parse(raw)
+            model = self.router.resolve(requested)
+            if model is None:
+                raise GatewayError(404, f"The model '{requested}' does not exist; GET "
+                                   "/v1/models lists what this gateway serves",
+                                   "invalid_request_error", "model_not_found", "model")
+            name = model["name"]
+            _check_kind(model, kind, scope["path"])
             response = await self._send_to_replica(name, scope["path"], raw)
             status = response.status
             relay = _relay_events if stream and status == 200 else _relay_whole
