@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -237,3 +238,30 @@ def test_requests_and_tokens_are_counted_by_catalog_model(store) -> None:
     assert 'llmgw_gateway_requests_in_flight 0.0' in text
     assert 'model="nope"' not in text  # client-chosen names never become labels
     assert 'llmgw_gateway_requests_total{model="",status="404"} 1.0' in text
+
+
+def test_a_client_that_leaves_a_stream_hangs_up_on_the_replica(store) -> None:
+    """The replica's stream never ends by itself; when the client goes, the gateway closes
+    its connection to the replica, which is how llama-server learns to stop generating."""
+    import threading
+
+    hung_up = threading.Event()
+
+    def endless(path: str, body: bytes) -> tuple[int, str, list[bytes]]:
+        def events():
+            event = b'data: {"choices":[],"model":"m"}\n\n'
+            try:
+                for _ in range(3000):
+                    yield event
+                    time.sleep(0.01)
+            finally:
+                hung_up.set()
+        return 200, "text/event-stream", events()
+
+    with scripted_upstream(endless) as up:
+        ready(store, "r1", up.endpoint)
+        with gateway(store) as gw:
+            with gw.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+                first = next(r.iter_bytes())
+            assert first.startswith(b"data: ")
+            assert hung_up.wait(10), "the gateway kept reading after its client left"

@@ -110,6 +110,11 @@ class Response:
             raise UpstreamError(f"the replica sent nothing for {self._read_s:.0f} s "
                                 "(upstream read timeout in server.yaml)") from e
 
+    def abort(self) -> None:
+        """Hang up on the replica mid-answer: llama-server stops generating for it."""
+        if self._conn is not None:
+            self._conn.close()
+
     def release(self) -> None:
         """Back to the pool when the body was read whole and the replica keeps it open."""
         if self._conn is None:

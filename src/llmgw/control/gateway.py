@@ -7,6 +7,7 @@ per request cost as much as the engine's own answer to a short prompt (issue 11)
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -197,8 +198,11 @@ class Gateway:
             _check_kind(model, kind, scope["path"])
             response = await self._send_to_replica(name, scope["path"], raw)
             status = response.status
-            relay = _relay_events if stream and status == 200 else _relay_whole
-            usage = await relay(response, send, _wire.model_value(requested))
+            member = _wire.model_value(requested)
+            if stream and status == 200:
+                usage = await _relay_events(response, send, member, receive)
+            else:
+                usage = await _relay_whole(response, send, member)
         except GatewayError as e:
             status = e.status
             raise
@@ -301,12 +305,19 @@ async def _relay_whole(response: Response, send: Send, member: bytes) -> tuple[i
     return _wire.usage(data) if response.status == 200 else None
 
 
-async def _relay_events(response: Response, send: Send, member: bytes) -> tuple[int, int] | None:
+async def _relay_events(response: Response, send: Send, member: bytes,
+                        receive: Receive) -> tuple[int, int] | None:
     """Relay an event stream event by event, each with the model renamed, bytes otherwise
-    as the engine sent them."""
+    as the engine sent them. A client that leaves stops the generation: the gateway hangs
+    up on the replica."""
     await send({"type": "http.response.start", "status": response.status,
                 "headers": _kept(response)})
     buffer, usage = b"", None
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    def hang_up(_: object) -> None:
+        response.abort()
+
+    watcher.add_done_callback(hang_up)
     try:
         async for part in response.iter_raw():
             events, buffer = _wire.split_events(buffer + part)
@@ -316,11 +327,19 @@ async def _relay_events(response: Response, send: Send, member: bytes) -> tuple[
                             "body": _wire.rename_model(event, member)})
     except UpstreamError as e:
         # The status is sent; the client sees the stream end without its [DONE].
-        log.warning("a stream broke off: %s", e)
+        if not watcher.done():
+            log.warning("a stream broke off: %s", e)
     finally:
+        watcher.remove_done_callback(hang_up)
+        watcher.cancel()
         response.release()
     await send({"type": "http.response.body", "body": buffer, "more_body": False})
     return usage
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _respond(send: Send, status: int, body: bytes,
