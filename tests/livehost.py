@@ -25,6 +25,7 @@ TOKEN = "sk-test-token"
 class LiveHost:
     state: Path
     llama_server: str
+    heartbeat_s: float = 0.5
     ports: dict[str, int] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -54,7 +55,7 @@ class LiveHost:
         }))
         (etc / "agent.yaml").write_text(yaml.safe_dump({
             "server": f"https://127.0.0.1:{self.ports['agent']}", "node_id": "node-a",
-            "state_dir": str(self.state / "lib" / "llmgw-agent"), "heartbeat_s": 0.5,
+            "state_dir": str(self.state / "lib" / "llmgw-agent"), "heartbeat_s": self.heartbeat_s,
             "tls": {**tls, "cert": str(etc / "agent.pem"), "key": str(etc / "agent-key.pem")},
             "engine": {"llama_server": self.llama_server},
         }))

@@ -335,7 +335,11 @@ class ReplicaSupervisor:
         """One probe of GET /health: (ok | loading | refused | slow, what was seen)."""
         url = f"{self.endpoint(record)}/health"
         try:
-            response = self.http.get(url, timeout=self.probe_timeout_s)
+            # A fresh connection each time: the probe runs once a heartbeat (5 s), exactly
+            # llama-server's keep-alive timeout, so a kept connection can be closed by the
+            # engine just as the probe reuses it; and a refusal then means what it says.
+            response = self.http.get(url, timeout=self.probe_timeout_s,
+                                     headers={"Connection": "close"})
         except httpx.ConnectError as e:
             return "refused", f"{url} refused the connection: {e}"
         except httpx.HTTPError as e:
