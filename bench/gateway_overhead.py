@@ -1,11 +1,13 @@
 """What the gateway costs a chat completion, direct and through it side by side in one run.
 
-Run on demand, not in the suite:  python bench/gateway_overhead.py [--seconds 8] [--rounds 3]
+Run on demand, not in the suite:  python bench/gateway_overhead.py [--seconds 4] [--pairs 5]
 
 Serves the tests' tiny GGUF with the real llama-server (a few ms per 8-token answer, so
 the gateway's own cost is visible) and the real gateway app under uvicorn in its own
-process, then loads both at 1 and at 16 requests in flight, alternating direct and
-gateway for --rounds rounds, and takes each side's median. The load comes from `hey`
+process, then loads both at 1 and at 16 requests in flight in --pairs short pairs
+(direct, then gateway, back to back) and reports the median of the pairs' ratios: on a
+shared, noisy machine the load drifts from second to second, and a pair measured back to
+back sees nearly the same drift on both sides. The load comes from `hey`
 where it is installed (apt install hey), else from a Python generator in its own process;
 the first line printed says which. The last line is:
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import secrets
 import shutil
@@ -52,6 +55,15 @@ class Run:
     rps: float
     p50_ms: float
     non_200: int
+    count: int = 0
+    # CPU seconds per request, by process (engine, gateway): robust where wall time is not.
+    cpu_ms: dict[str, float] | None = None
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def engine_binary() -> str:
@@ -82,7 +94,7 @@ def hey(url: str, key: str, width: int, seconds: float) -> Run:
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1])
     p50 = float(re.search(r"50%+ in ([\d.]+) secs", out)[1]) * 1000
     codes = {int(c): int(n) for c, n in re.findall(r"\[(\d+)\]\s+(\d+) responses", out)}
-    return Run(rps, p50, sum(n for c, n in codes.items() if c != 200))
+    return Run(rps, p50, sum(n for c, n in codes.items() if c != 200), sum(codes.values()))
 
 
 async def _generate(url: str, key: str, width: int, seconds: float) -> Run:
@@ -106,7 +118,7 @@ async def _generate(url: str, key: str, width: int, seconds: float) -> Run:
     await asyncio.gather(*(worker() for _ in range(width)))
     elapsed = time.perf_counter() - start
     await upstream.aclose()
-    return Run(len(times) / elapsed, statistics.median(times) * 1000, bad)
+    return Run(len(times) / elapsed, statistics.median(times) * 1000, bad, len(times))
 
 
 def python_load(url: str, key: str, width: int, seconds: float) -> Run:
@@ -114,6 +126,15 @@ def python_load(url: str, key: str, width: int, seconds: float) -> Run:
     out = subprocess.run([sys.executable, __file__, "--generate", url, key, str(width),
                           str(seconds)], capture_output=True, text=True, check=True).stdout
     return Run(**json.loads(out))
+
+
+def measured(load, url: str, key: str, width: int, seconds: float,  # type: ignore[no-untyped-def]
+             pids: dict[str, int]) -> Run:
+    before = {name: cpu_s(pid) for name, pid in pids.items()}
+    run = load(url, key, width, seconds)
+    run.cpu_ms = {name: (cpu_s(pid) - before[name]) * 1000 / max(run.count, 1)
+                  for name, pid in pids.items()}
+    return run
 
 
 def serve_gateway(work: Path, port: int) -> None:
@@ -158,12 +179,12 @@ def main() -> None:
         print(json.dumps(asyncio.run(_generate(url, key, width, seconds)).__dict__))
         return
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=8.0, help="per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="direct/gateway alternations")
+    parser.add_argument("--seconds", type=float, default=4.0, help="per measurement")
+    parser.add_argument("--pairs", type=int, default=5, help="direct/gateway pairs per width")
     args = parser.parse_args()
     load = hey if shutil.which("hey") else python_load
     print(f"load generator: {'hey' if load is hey else 'Python, in its own process'}; "
-          f"{args.rounds} rounds of {args.seconds:.0f} s per side and width, medians")
+          f"{args.pairs} pairs of {args.seconds:.0f} s per width, medians of the pairs")
     engine, gateway, key, direct, via = start(Path(tempfile.mkdtemp(prefix="llmgw-bench-")),
                                               max(WIDTHS))
     results: dict[tuple[str, int], list[Run]] = {}
@@ -171,10 +192,11 @@ def main() -> None:
         for url in (direct, via):
             load(url, key, 4, 1.0)  # warm both
         for width in WIDTHS:
-            for _ in range(args.rounds):
+            for _ in range(args.pairs):
                 for side, url in (("direct", direct), ("gateway", via)):
-                    results.setdefault((side, width), []).append(load(url, key, width,
-                                                                      args.seconds))
+                    results.setdefault((side, width), []).append(
+                        measured(load, url, key, width, args.seconds,
+                                 {"engine": engine.pid, "gateway": gateway.pid}))
     finally:
         for proc in (gateway, engine):
             proc.terminate()
@@ -183,16 +205,29 @@ def main() -> None:
 
 
 def report(results: dict[tuple[str, int], list[Run]]) -> None:
-    med = {k: Run(statistics.median(r.rps for r in v), statistics.median(r.p50_ms for r in v),
-                  sum(r.non_200 for r in v)) for k, v in results.items()}
-    print(f"{'':<10}{'width':>6}{'req/s':>10}{'p50 ms':>10}{'non-200':>9}   rounds (req/s)")
-    for (side, width), run in sorted(med.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        rounds = ", ".join(f"{r.rps:.0f}" for r in results[(side, width)])
-        print(f"{side:<10}{width:>6}{run.rps:>10.1f}{run.p50_ms:>10.2f}{run.non_200:>9}   "
-              f"{rounds}")
-    t16 = med[("gateway", 16)].rps / med[("direct", 16)].rps
-    t1 = med[("gateway", 1)].rps / med[("direct", 1)].rps
-    added = med[("gateway", 1)].p50_ms - med[("direct", 1)].p50_ms
+    print(f"{'':<10}{'width':>6}{'req/s':>10}{'p50 ms':>10}{'non-200':>9}   each pair (req/s)")
+    for (side, width), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"{side:<10}{width:>6}{statistics.median(r.rps for r in runs):>10.1f}"
+              f"{statistics.median(r.p50_ms for r in runs):>10.2f}"
+              f"{sum(r.non_200 for r in runs):>9}   {', '.join(f'{r.rps:.0f}' for r in runs)}")
+
+    def ratio(width: int) -> float:
+        pairs = zip(results[("gateway", width)], results[("direct", width)], strict=True)
+        return statistics.median(g.rps / d.rps for g, d in pairs)
+
+    for width in WIDTHS:
+        engine = statistics.median(r.cpu_ms["engine"] for r in results[("direct", width)])
+        via = results[("gateway", width)]
+        own = statistics.median(r.cpu_ms["gateway"] for r in via)
+        print(f"CPU per request at {width}: engine {engine:.2f} ms direct, "
+              f"{statistics.median(r.cpu_ms['engine'] for r in via):.2f} ms through the "
+              f"gateway; the gateway's own {own:.2f} ms")
+    pairs = zip(results[("gateway", 1)], results[("direct", 1)], strict=True)
+    added = statistics.median(g.p50_ms - d.p50_ms for g, d in pairs)
+    t16, t1 = ratio(16), ratio(1)
+    met = [t16 >= 0.9, t1 >= 0.8, added <= 1.0]
+    print(f"goals (>=0.9x at 16, >=0.8x at 1, p50 +<=1 ms): "
+          f"{'met' if all(met) else 'NOT met: ' + str(met)}")
     print(f"gateway/direct: throughput {t16:.2f}× at 16, {t1:.2f}× at 1; p50 {added:+.1f} ms "
           "at 1")
 
