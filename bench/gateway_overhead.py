@@ -181,12 +181,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=4.0, help="per measurement")
     parser.add_argument("--pairs", type=int, default=5, help="direct/gateway pairs per width")
+    parser.add_argument("--gateway-nice", type=int, default=0,
+                        help="run the gateway at this nice value (negative: ahead of the "
+                             "engine's threads when both want the CPU)")
     args = parser.parse_args()
     load = hey if shutil.which("hey") else python_load
     print(f"load generator: {'hey' if load is hey else 'Python, in its own process'}; "
           f"{args.pairs} pairs of {args.seconds:.0f} s per width, medians of the pairs")
     engine, gateway, key, direct, via = start(Path(tempfile.mkdtemp(prefix="llmgw-bench-")),
                                               max(WIDTHS))
+    if args.gateway_nice:
+        os.setpriority(os.PRIO_PROCESS, gateway.pid, args.gateway_nice)
     results: dict[tuple[str, int], list[Run]] = {}
     try:
         for url in (direct, via):

@@ -35,14 +35,23 @@ class GatewayMetrics:
                               registry=registry)
         self.in_flight = Gauge("llmgw_gateway_requests_in_flight", "Gateway requests being "
                                "served now", registry=registry)
+        # Labelled children, looked up once: labels() takes a lock and builds a key each
+        # call, which cost the hot path about a tenth of a millisecond per request.
+        self._children: dict[tuple[str, int], tuple[Any, Any, Any, Any]] = {}
 
     def observe(self, model: str, status: int, started: float,
                 usage: tuple[int, int] | None) -> None:
-        self.requests.labels(model, str(status)).inc()
-        self.duration.labels(model).observe(time.perf_counter() - started)
+        children = self._children.get((model, status))
+        if children is None:
+            children = self._children[(model, status)] = (
+                self.requests.labels(model, str(status)), self.duration.labels(model),
+                self.tokens.labels(model, "prompt"), self.tokens.labels(model, "completion"))
+        requests, duration, prompt, completion = children
+        requests.inc()
+        duration.observe(time.perf_counter() - started)
         if usage:
-            self.tokens.labels(model, "prompt").inc(usage[0])
-            self.tokens.labels(model, "completion").inc(usage[1])
+            prompt.inc(usage[0])
+            completion.inc(usage[1])
 
 
 class StateCollector:
