@@ -97,6 +97,7 @@ def test_a_killed_engine_comes_back_by_itself(supervisor, tiny_gguf) -> None:
 
 
 def test_a_removed_assignment_stops_its_engine(supervisor, tiny_gguf, tmp_path) -> None:
+    """The engine stops and its record goes; its log stays for `llmgw logs`."""
     sup = supervisor()
     sup.reconcile([assignment(*tiny_gguf)])
     until("started", lambda: state_of(sup)["pid"] > 0)
@@ -105,6 +106,8 @@ def test_a_removed_assignment_stops_its_engine(supervisor, tiny_gguf, tmp_path) 
     assert sup.report() == []
     assert not Path(f"/proc/{pid}").exists() or not pid_is_engine(pid, 0)
     assert not list((tmp_path / "agent" / "replicas").glob("*.json"))
+    kept = sup.facts()["replica_logs"]["r-1"]
+    assert any("llama" in line.lower() for line in kept), "the stopped engine's log is gone"
 
 
 def test_wrong_digest_fails_naming_both(supervisor, tiny_gguf) -> None:
