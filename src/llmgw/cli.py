@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A line per HTTP request would bury a command's own output and every service's log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.run(args)
     except Unreachable as e:
