@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from llmgw.control._upstream import Upstream
+from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.gateway import make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
@@ -42,9 +42,10 @@ def ready(store: Store, rid: str, endpoint: str, key: str = "k", model: str = "t
 
 @contextmanager
 def gateway(store: Store, tokens: list[str] | None = None, max_body_bytes: int = 1 << 20,
-            metrics: GatewayMetrics | None = None) -> Iterator[httpx.Client]:
-    app = make_gateway_app(store, tokens=tokens or [], upstream=Upstream(), metrics=metrics,
-                           max_body_bytes=max_body_bytes)
+            metrics: GatewayMetrics | None = None,
+            timeouts: Timeouts | None = None) -> Iterator[httpx.Client]:
+    app = make_gateway_app(store, tokens=tokens or [], upstream=Upstream(timeouts),
+                           metrics=metrics, max_body_bytes=max_body_bytes)
     with serve_asgi(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         yield client
 
@@ -265,3 +266,17 @@ def test_a_client_that_leaves_a_stream_hangs_up_on_the_replica(store) -> None:
                 first = next(r.iter_bytes())
             assert first.startswith(b"data: ")
             assert hung_up.wait(10), "the gateway kept reading after its client left"
+
+
+def test_the_read_timeout_from_server_yaml_ends_a_silent_replica_with_502(store) -> None:
+    """A replica that takes the request and says nothing is given read_s, not forever."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        ready(store, "r1", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        with gateway(store, timeouts=Timeouts(connect_s=1.0, read_s=0.5)) as gw:
+            r = gw.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 502
+    assert "no answer within 0.5 s (upstream_read_timeout_s" in r.json()["error"]["message"]

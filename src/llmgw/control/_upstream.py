@@ -107,8 +107,8 @@ class Response:
             async with asyncio.timeout(self._read_s):
                 return await step
         except TimeoutError as e:
-            raise UpstreamError(f"the replica sent nothing for {self._read_s:.0f} s "
-                                "(upstream read timeout in server.yaml)") from e
+            raise UpstreamError(f"the replica sent nothing for {self._read_s:g} s "
+                                "(upstream_read_timeout_s in server.yaml)") from e
 
     def abort(self) -> None:
         """Hang up on the replica mid-answer: llama-server stops generating for it."""
@@ -150,7 +150,8 @@ class Upstream:
             conn.close()
             if isinstance(e, TimeoutError):
                 raise UpstreamError(f"{endpoint} sent no answer within "
-                                    f"{self.timeouts.read_s:.0f} s") from e
+                                    f"{self.timeouts.read_s:g} s (upstream_read_timeout_s "
+                                    "in server.yaml)") from e
             if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError)):
                 raise UpstreamError(f"{endpoint} took the request and closed the "
                                     f"connection without an answer: {e!r}") from e
