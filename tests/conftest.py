@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,20 @@ def llama_server() -> str:
     assert status.state == "ready", f"no llama-server for the tests: {status.detail}"
     assert engine.found is not None
     return str(engine.found.path)
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def served_gguf(tiny_gguf) -> Iterator[tuple[str, str]]:
+    """Session: the tiny GGUF over http on loopback (the agent reads no file:// source),
+    and its sha256."""
+    path, digest = tiny_gguf
+    server = ThreadingHTTPServer(("127.0.0.1", 0),
+                                 functools.partial(_Quiet, directory=str(path.parent)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/{path.name}", digest
+    server.shutdown()

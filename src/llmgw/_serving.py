@@ -25,7 +25,9 @@ class QuietServer(uvicorn.Server):
 def quiet_server(app: Any, listen: str) -> QuietServer:
     """app served on listen (HOST:PORT), uvicorn logging warnings only."""
     host, port = parse_listen(listen)
-    return QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    # No access log: a line per request costs the gateway more than its own work.
+    return QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                      access_log=False))
 
 
 def on_stop_signals(log: logging.Logger, stop: Callable[[], None]) -> None:

@@ -7,6 +7,9 @@ import asyncio
 import logging
 import sys
 
+from llmgw import __version__
+from llmgw.commands import add_day2
+from llmgw.commands._admin import EXIT_UNREACHABLE, Unreachable
 from llmgw.errors import Error
 
 
@@ -76,6 +79,7 @@ def _down(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmgw", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"llmgw {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     server = sub.add_parser("server", help="run the control plane")
@@ -131,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     down = sub.add_parser("down", help="stop everything a local-mode host runs")
     down.add_argument("--state-dir", required=True, help="the host's state dir")
     down.set_defaults(run=_down)
+    add_day2(sub)
     return parser
 
 
@@ -141,8 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A line per HTTP request would bury a command's own output and every service's log.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.run(args)
+    except Unreachable as e:
+        print(f"llmgw {args.command}: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except Error as e:
         print(f"llmgw {args.command}: {e}", file=sys.stderr)
         return 1

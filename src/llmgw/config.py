@@ -73,6 +73,10 @@ class ServerConfig(_Section):
     # The admin token's sha256 file; '' means admin-token.sha256 beside server.yaml.
     admin_token_hash: StrictStr = ""
     mirror: MirrorRef = Field(default_factory=MirrorRef)
+    # The gateway: its request body limit and how long it waits on a replica.
+    gateway_max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
+    upstream_read_timeout_s: float = Field(default=600.0, gt=0)
 
     @field_validator("admin_listen", "agent_listen", "gateway_listen")
     @classmethod

@@ -31,6 +31,9 @@ class Recorder:
     def report(self) -> list[dict[str, Any]]:
         return [{"id": "r1", "state": "ready"}]
 
+    def facts(self) -> dict[str, Any]:
+        return {}
+
     def reconcile(self, assignments: list[dict[str, Any]]) -> None:
         self.told.append(assignments)
 

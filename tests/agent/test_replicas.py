@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import signal
-import threading
 import time
-from collections.abc import Iterator
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -24,23 +20,6 @@ def assignment(url: str, sha256: str = "", rid: str = "r-1") -> dict:
     return {"id": rid, "model": "tiny", "profile": "cpu", "engine": "llamacpp",
             "gpu_class": "", "source": url, "sha256": sha256,
             "args": ["--ctx-size", "512", "--threads", "1"]}
-
-
-class _Quiet(SimpleHTTPRequestHandler):
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def served_gguf(tiny_gguf) -> Iterator[tuple[str, str]]:
-    """Module: the tiny GGUF over http on loopback (the agent reads no file:// source),
-    and its sha256."""
-    path, digest = tiny_gguf
-    server = ThreadingHTTPServer(("127.0.0.1", 0),
-                                 functools.partial(_Quiet, directory=str(path.parent)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/{path.name}", digest
-    server.shutdown()
 
 
 def until(what: str, predicate, timeout_s: float = 60.0) -> None:
@@ -118,6 +97,7 @@ def test_a_killed_engine_comes_back_by_itself(supervisor, served_gguf) -> None:
 
 
 def test_a_removed_assignment_stops_its_engine(supervisor, served_gguf, tmp_path) -> None:
+    """The engine stops and its record goes; its log stays for `llmgw logs`."""
     sup = supervisor()
     sup.reconcile([assignment(*served_gguf)])
     until("started", lambda: state_of(sup)["pid"] > 0)
@@ -126,6 +106,8 @@ def test_a_removed_assignment_stops_its_engine(supervisor, served_gguf, tmp_path
     assert sup.report() == []
     assert not Path(f"/proc/{pid}").exists() or not pid_is_engine(pid, 0)
     assert not list((tmp_path / "agent" / "replicas").glob("*.json"))
+    kept = sup.facts()["replica_logs"]["r-1"]
+    assert any("llama" in line.lower() for line in kept), "the stopped engine's log is gone"
 
 
 def test_wrong_digest_fails_naming_both(supervisor, served_gguf) -> None:

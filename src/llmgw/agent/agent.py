@@ -70,6 +70,7 @@ class Agent:
             "addr": addr,
             "warnings": self.warnings(),
             "replicas": self.workload.report(),
+            **self.workload.facts(),
         }
 
     def warnings(self) -> list[str]:

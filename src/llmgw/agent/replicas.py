@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlparse
 import httpx
 
 from llmgw._files import atomic_write, last_lines
+from llmgw.agent import engine_log
 from llmgw.engine_args import check_engine_args
 from llmgw.netaddr import free_port
 
@@ -35,6 +36,11 @@ ENGINE_NAME = "llama-server"
 MAX_BACKOFF_S = 30.0
 STOP_GRACE_S = 10.0
 _LOG_TAIL = 8
+# A ready replica leaves ready on a refused connection or an exit at once, but only after
+# this many slow or failed probes in a row: under load a probe waits behind generations,
+# and one slow answer said nothing about whether the engine serves (issue 11).
+PROBE_FAILURES_TO_LEAVE = 3
+PROBE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -61,6 +67,9 @@ class Replica:
     proc: subprocess.Popen[bytes] | None = None
     failures: int = 0
     retry_at: float = 0.0
+    probe_failures: int = 0
+    # state -> how many times the replica entered it: a flap cannot hide between two polls.
+    changes: dict[str, int] = field(default_factory=dict)
     worker: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -92,6 +101,7 @@ class ReplicaSupervisor:
         interface: str = "",
         clock: Callable[[], float] = time.monotonic,
         http: httpx.Client | None = None,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
         self.dir = Path(state_dir) / "replicas"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -101,6 +111,7 @@ class ReplicaSupervisor:
         self.interface = interface
         self.clock = clock
         self.http = http or httpx.Client(timeout=httpx.Timeout(30.0, read=300.0))
+        self.probe_timeout_s = probe_timeout_s
         self.replicas: dict[str, Replica] = {}
         self._lock = threading.RLock()
         self.adopt()
@@ -122,8 +133,29 @@ class ReplicaSupervisor:
                 for r in self.replicas.values()
             ]
 
+    def facts(self) -> dict[str, Any]:
+        """What the heartbeat carries beside the replicas' states: how often each replica
+        changed state (for llmgw_replica_state_changes_total) and the tail of each engine's
+        log, kept until the replica is removed (for `llmgw logs`)."""
+        with self._lock:
+            changes = {rid: {"model": r.record.model, "to": dict(r.changes)}
+                       for rid, r in self.replicas.items()}
+        return {"replica_state_changes": changes,
+                "replica_logs": engine_log.tails(self.dir)}
+
+    def set_state(self, replica: Replica, state: str, why: str = "") -> None:
+        """Every change of state is logged with its reason and counted."""
+        if state == replica.state:
+            replica.err = why
+            return
+        log.info("replica %s: %s -> %s%s", replica.record.id, replica.state, state,
+                 f" ({why})" if why else "")
+        replica.changes[state] = replica.changes.get(state, 0) + 1
+        replica.state, replica.err = state, why
+
     def reconcile(self, assignments: list[dict[str, Any]]) -> None:
         wanted = {a["id"]: a for a in assignments}
+        engine_log.prune(self.dir, set(wanted))
         with self._lock:
             for rid in [rid for rid in self.replicas if rid not in wanted]:
                 self.stop(rid)
@@ -148,12 +180,13 @@ class ReplicaSupervisor:
             replica = Replica(record, state="starting")
             if pid_is_engine(record.pid, record.port):
                 # Asked now, so a serving replica is reported ready from the first heartbeat.
-                replica.state = self._health(record)
+                outcome, why = self._health(record)
+                self.set_state(replica, "ready" if outcome == "ok" else "starting", why)
                 log.info("adopted replica %s: llama-server pid %d on port %d, %s",
                          record.id, record.pid, record.port, replica.state)
             else:
                 # Its engine died while no agent watched; start it again.
-                replica.state, replica.err = "failed", "the engine was gone when the agent started"
+                self.set_state(replica, "failed", "the engine was gone when the agent started")
                 replica.retry_at = self.clock()
             self.replicas[record.id] = replica
 
@@ -173,7 +206,7 @@ class ReplicaSupervisor:
     def _prepare_and_start(self, replica: Replica) -> None:
         try:
             if not replica.record.weights or not Path(replica.record.weights).exists():
-                replica.state = "downloading"
+                self.set_state(replica, "downloading")
                 replica.record.weights = str(self.fetch_weights(replica.record))
             self.start_engine(replica)
         except Exception as e:  # reported to the control plane, retried with backoff
@@ -218,8 +251,9 @@ class ReplicaSupervisor:
         check_engine_args(record.args)
         record.port = free_port(self.bind_host)
         record.api_key = secrets.token_urlsafe(24)
+        # --metrics: the control plane scrapes each ready replica's /metrics.
         argv = [engine, "-m", record.weights, "--host", self.bind_host, "--port",
-                str(record.port), "--api-key", record.api_key, *record.args]
+                str(record.port), "--api-key", record.api_key, "--metrics", *record.args]
         env = dict(os.environ)
         if self.interface:
             env["NCCL_SOCKET_IFNAME"] = self.interface
@@ -231,12 +265,13 @@ class ReplicaSupervisor:
                                             start_new_session=True)
         record.pid = replica.proc.pid
         atomic_write(self.dir / f"{record.id}.json", json.dumps(asdict(record)), mode=0o600)
-        replica.state, replica.err = "starting", ""
+        replica.probe_failures = 0
+        self.set_state(replica, "starting", "llama-server started, loading the model")
         log.info("replica %s: started llama-server pid %d on port %d", record.id, record.pid,
                  record.port)
 
     def _failed(self, replica: Replica, why: str) -> None:
-        replica.state, replica.err = "failed", why
+        self.set_state(replica, "failed", why)
         replica.failures += 1
         replica.retry_at = self.clock() + min(MAX_BACKOFF_S, 2.0 ** (replica.failures - 1))
 
@@ -246,7 +281,8 @@ class ReplicaSupervisor:
         return pid_is_engine(replica.record.pid, replica.record.port)
 
     def watch(self) -> None:
-        """Health of every replica: ready on 200, starting on 503, failed when it died."""
+        """Health of every replica: ready on 200, starting while loading, failed when it died.
+        A ready replica that is only slow to answer the probe stays ready (see _probed)."""
         with self._lock:
             replicas = list(self.replicas.values())
         for r in replicas:
@@ -256,22 +292,51 @@ class ReplicaSupervisor:
                 if self.clock() >= r.retry_at:
                     self._launch(r)
                 continue
+            engine_log.rotate(self.dir / f"{r.record.id}.log")
             if not self._alive(r):
                 code = r.proc.returncode if r.proc is not None else "unknown"
                 tail = last_lines(self.dir / f"{r.record.id}.log", _LOG_TAIL)
-                log.warning("replica %s: llama-server exited (%s)", r.record.id, code)
                 self._failed(r, f"llama-server exited with code {code}; its last lines: {tail}")
                 continue
-            r.state = self._health(r.record)
-            if r.state == "ready":
-                r.failures = 0
+            self._probed(r, *self._health(r.record))
 
-    def _health(self, record: Record) -> str:
+    def _probed(self, r: Replica, outcome: str, why: str) -> None:
+        """Apply one probe's outcome: ok, loading (503), refused, or slow (timeout, error)."""
+        if outcome == "ok":
+            r.probe_failures, r.failures = 0, 0
+            self.set_state(r, "ready")
+        elif outcome in ("loading", "refused"):
+            r.probe_failures = 0
+            self.set_state(r, "starting", why)
+        elif r.state != "ready":
+            self.set_state(r, r.state, why)
+        else:
+            r.probe_failures += 1
+            if r.probe_failures >= PROBE_FAILURES_TO_LEAVE:
+                self.set_state(r, "starting", f"{r.probe_failures} health probes in a row "
+                               f"failed, the last: {why}")
+            else:
+                log.info("replica %s: health probe %d of %d failed, still ready: %s",
+                         r.record.id, r.probe_failures, PROBE_FAILURES_TO_LEAVE, why)
+
+    def _health(self, record: Record) -> tuple[str, str]:
+        """One probe of GET /health: (ok | loading | refused | slow, what was seen)."""
+        url = f"{self.endpoint(record)}/health"
         try:
-            response = self.http.get(f"{self.endpoint(record)}/health", timeout=2.0)
-        except httpx.HTTPError:
-            return "starting"
-        return "ready" if response.status_code == 200 else "starting"
+            # A fresh connection each time: the probe runs once a heartbeat (5 s), exactly
+            # llama-server's keep-alive timeout, so a kept connection can be closed by the
+            # engine just as the probe reuses it; and a refusal then means what it says.
+            response = self.http.get(url, timeout=self.probe_timeout_s,
+                                     headers={"Connection": "close"})
+        except httpx.ConnectError as e:
+            return "refused", f"{url} refused the connection: {e}"
+        except httpx.HTTPError as e:
+            return "slow", f"{url}: {type(e).__name__} {e}".rstrip()
+        if response.status_code == 200:
+            return "ok", ""
+        if response.status_code == 503:
+            return "loading", "llama-server is loading the model (503)"
+        return "slow", f"{url} answered {response.status_code}"
 
     def stop(self, rid: str) -> None:
         with self._lock:
@@ -279,9 +344,10 @@ class ReplicaSupervisor:
         if replica is None:
             return
         terminate(replica.record.pid, replica.record.port, replica.proc)
-        for suffix in (".json", ".log"):
-            (self.dir / f"{rid}{suffix}").unlink(missing_ok=True)
-        log.info("replica %s stopped", rid)
+        # The log stays for `llmgw logs` until the replica is removed (engine_log.prune).
+        (self.dir / f"{rid}.json").unlink(missing_ok=True)
+        log.info("replica %s: %s -> stopped (no longer assigned to this node)", rid,
+                 replica.state)
 
 
 def terminate(pid: int, port: int, proc: subprocess.Popen[bytes] | None = None) -> None:

@@ -15,6 +15,9 @@ class Workload(Protocol):
     def report(self) -> list[dict[str, Any]]:
         """The states of the replicas this node runs, as sent in the heartbeat's `replicas`."""
 
+    def facts(self) -> dict[str, Any]:
+        """Top-level heartbeat keys beside `replicas` (state-change counts, log tails)."""
+
     def reconcile(self, assignments: list[dict[str, Any]]) -> None:
         """Make the running replicas match the control plane's assignments for this node."""
 
@@ -27,6 +30,9 @@ class NoReplicas:
 
     def report(self) -> list[dict[str, Any]]:
         return []
+
+    def facts(self) -> dict[str, Any]:
+        return {}
 
     def reconcile(self, assignments: list[dict[str, Any]]) -> None:
         self.assignments = list(assignments)

@@ -5,27 +5,57 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, HTTPException, Response
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmgw.admin_token import RequireAdminToken
 from llmgw.control.catalog import Model
+from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 
-_PUBLIC_REPLICA_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint")
+_PUBLIC_REPLICA_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint",
+                          "updated")
 
 
 def public_replica(replica: dict[str, Any]) -> dict[str, Any]:
     """A replica as the admin API shows it: never its api_key."""
-    return {k: replica[k] for k in _PUBLIC_REPLICA_FIELDS}
+    return {k: replica[k] for k in _PUBLIC_REPLICA_FIELDS if k in replica}
 
 
-def make_admin_app(store: Store, *, node_timeout_s: float, token_hash: Path | None) -> FastAPI:
+def replica_log(store: Store, rid: str, n: int) -> dict[str, Any]:
+    replica = next((r for r in store.replicas() if r["id"] == rid), None)
+    if replica is None:
+        raise HTTPException(404, f"no replica {rid!r}; GET /api/v1/replicas lists them")
+    node = next((x for x in store.nodes() if x["id"] == replica["node"]), None)
+    logs = (node or {}).get("inventory", {}).get("replica_logs") or {}
+    if rid not in logs:
+        raise HTTPException(404, f"node {replica['node'] or '(none)'} has sent no log for "
+                            f"{rid}: it has not started an engine for it yet, or the log was "
+                            "removed with the replica")
+    return {"replica": rid, "node": replica["node"], "lines": logs[rid][-n:] if n > 0 else []}
+
+
+def make_admin_app(store: Store, *, node_timeout_s: float, token_hash: Path | None,
+                   metrics: ControlPlaneMetrics | None = None) -> FastAPI:
     """The admin API; every path but /healthz needs the admin token whose sha256 is in
-    token_hash (with none, every such request is refused)."""
+    token_hash (with none, every such request is refused), /metrics too."""
     app = FastAPI(title="llmgw admin API", version="1")
     app.add_middleware(RequireAdminToken, hash_path=token_hash)
+    metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
+    scraper = httpx.AsyncClient()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        """The control plane's metrics, then each ready replica's engine metrics."""
+        return Response(await metrics.render(scraper), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/api/v1/replicas/{rid}/logs")
+    def replica_logs(rid: str, n: int = 50) -> dict[str, Any]:
+        """The tail of a replica's engine log, as its node sent it with its last heartbeat."""
+        return replica_log(store, rid, n)
 
     @app.get("/healthz")
     def health() -> dict[str, str]:

@@ -15,6 +15,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from llmgw.control.engine_args import engine_args
 from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.agent_api")
@@ -88,7 +89,7 @@ class AgentAPI:
                 "id": r["id"], "model": model["name"], "profile": profile["name"],
                 "engine": profile["engine"], "gpu_class": profile["gpu_class"],
                 "source": model["source"], "sha256": model["sha256"],
-                "args": list(profile["args"]),
+                "args": engine_args(model, profile),
             })
         return result
 

@@ -45,3 +45,11 @@ class AdminClient(JSONClient):
         params = {"model": model} if model else None
         return self._call("GET", "/api/v1/replicas", params=params)
 
+
+    def replica_logs(self, replica: str, lines: int = 50) -> dict[str, Any]:
+        return self._call("GET", f"/api/v1/replicas/{replica}/logs", params={"n": lines})
+
+    def metrics(self) -> str:
+        response = self._http.get("/metrics")
+        response.raise_for_status()
+        return response.text

@@ -1,32 +1,50 @@
-"""The OpenAI-compatible gateway: models by name or alias, spread over ready replicas."""
+"""The OpenAI-compatible gateway: models by name or alias, spread over ready replicas.
+
+A plain ASGI app, not FastAPI: the hot path (read the body, pick a replica, relay the
+answer's bytes) is most of what the gateway costs, and a router plus a JSON round trip
+per request cost as much as the engine's own answer to a short prompt (issue 11).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
+from llmgw.control import _wire
+from llmgw.control._upstream import ConnectFailed, Response, Upstream, UpstreamError
+from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.gateway")
 
-_FORWARDED = ("/v1/chat/completions", "/v1/completions")
-_UPSTREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=10.0)
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+FORWARDED = {"/v1/chat/completions": "chat", "/v1/completions": "chat",
+             "/v1/embeddings": "embedding"}
+KNOWN_GET = ("/healthz", "/v1/models")
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+_JSON = [(b"content-type", b"application/json")]
 
 
-def openai_error(status: int, message: str, type_: str, code: str, param: str | None = None,
-                 **extra: Any) -> JSONResponse:
-    """An error in the shape OpenAI clients parse."""
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code, **extra}}
-    return JSONResponse(body, status_code=status)
+class GatewayError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = (
+            status, message, type_, code, param)
+
+    def body(self) -> bytes:
+        return json.dumps({"error": {"message": self.message, "type": self.type,
+                                     "param": self.param, "code": self.code}}).encode()
 
 
 class Router:
@@ -43,6 +61,7 @@ class Router:
         self._read_at = -float("inf")
         self._names: dict[str, dict[str, Any]] = {}
         self._ready: dict[str, list[dict[str, Any]]] = {}
+        self.created: dict[str, int] = {}
 
     def _refresh(self) -> None:
         if time.monotonic() - self._read_at < self.ttl_s:
@@ -54,19 +73,21 @@ class Router:
         for r in self.store.replicas():
             if r["state"] == "ready" and r["endpoint"]:
                 ready.setdefault(r["model"], []).append(r)
+        self.created = self.store.created()
         self._names, self._ready, self._read_at = names, ready, time.monotonic()
 
     def resolve(self, requested: str) -> dict[str, Any] | None:
         self._refresh()
         return self._names.get(requested)
 
-    def ready(self, model: str) -> list[dict[str, Any]]:
+    def names(self) -> dict[str, dict[str, Any]]:
         self._refresh()
-        return self._ready.get(model, [])
+        return self._names
 
     def order(self, model: str) -> list[dict[str, Any]]:
         """Ready replicas, starting from the next one's turn."""
-        ready = self.ready(model)
+        self._refresh()
+        ready = self._ready.get(model, [])
         if not ready:
             return []
         start = next(self._turns) % len(ready)
@@ -83,111 +104,256 @@ class Router:
         )
 
 
-def upstream_client(transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The client the gateway reaches replicas with; its owner closes it."""
-    return httpx.AsyncClient(timeout=_UPSTREAM_TIMEOUT, transport=transport)
+class Gateway:
+    """The ASGI app: GET /v1/models[/{id}], POST /v1/chat/completions, /v1/completions and
+    /v1/embeddings; every error in OpenAI's shape."""
 
+    def __init__(self, store: Store, *, tokens: list[str], upstream: Upstream,
+                 metrics: GatewayMetrics | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.router = Router(store)
+        self.tokens = [t.encode() for t in tokens]
+        self.upstream = upstream
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
 
-def make_gateway_app(store: Store, *, tokens: list[str], upstream: httpx.AsyncClient) -> FastAPI:
-    app = FastAPI(title="llmgw gateway", version="1")
-    router = Router(store)
-
-    def unauthorized(request: Request) -> Response | None:
-        """A 401 when server.yaml lists tokens and the request carries none of them."""
-        if not tokens:
-            return None
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if any(secrets.compare_digest(given, t) for t in tokens):
-            return None
-        return openai_error(401, "a valid API key is required: send "
-                            "'Authorization: Bearer TOKEN' with a token from server.yaml",
-                            "invalid_request_error", "invalid_api_key")
-
-    @app.get("/healthz")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    def models(request: Request) -> Any:
-        denied = unauthorized(request)
-        if denied is not None:
-            return denied
-        data = []
-        for m in store.models():
-            for name in [m["name"], *m.get("aliases", [])]:
-                data.append({"id": name, "object": "model", "created": 0,
-                             "owned_by": "llmgw", "root": m["name"]})
-        return {"object": "list", "data": data}
-
-    async def forward(request: Request) -> Response:
-        denied = unauthorized(request)
-        if denied is not None:
-            return denied
-        raw = await request.body()
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
         try:
-            body = json.loads(raw or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as e:
-            return openai_error(400, f"the request body is not valid JSON: {e}",
-                                "invalid_request_error", "invalid_json")
-        requested = str(body.get("model") or "")
-        model = router.resolve(requested)
-        if model is None:
-            return openai_error(404, f"The model '{requested}' does not exist; GET /v1/models "
-                                "lists what this gateway serves", "invalid_request_error",
-                                "model_not_found", "model")
-        for replica in router.order(model["name"]):
+            await self._dispatch(scope, receive, send)
+        except GatewayError as e:
+            await _respond(send, e.status, e.body(), _JSON)
+
+    async def _dispatch(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        kind = FORWARDED.get(path)
+        if kind is not None:
+            if method != "POST":
+                raise _not_allowed(method, path, "POST")
+            await self._forward(scope, receive, send, kind)
+            return
+        if path in KNOWN_GET or path.startswith("/v1/models/"):
+            if method not in ("GET", "HEAD"):
+                raise _not_allowed(method, path, "GET")
+            if path == "/healthz":
+                await _respond(send, 200, b'{"status":"ok"}', _JSON)
+                return
+            self._authorize(scope)
+            await _respond(send, 200, json.dumps(self._models(path)).encode(), _JSON)
+            return
+        raise GatewayError(404, f"{method} {path} is not a route of this gateway; it serves "
+                           "/v1/models, /v1/chat/completions, /v1/completions and "
+                           "/v1/embeddings", "invalid_request_error", "unknown_url")
+
+    def _authorize(self, scope: dict[str, Any]) -> None:
+        """A 401 when server.yaml lists tokens and the request carries none of them; the
+        scheme is matched without regard to case, the key byte for byte."""
+        if not self.tokens:
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, given = value.strip().partition(b" ")
+                given = given.strip() if scheme.lower() == b"bearer" else b""
+        if given and any(secrets.compare_digest(given, t) for t in self.tokens):
+            return
+        raise GatewayError(401, "a valid API key is required: send 'Authorization: Bearer "
+                           "TOKEN' with a token from server.yaml", "invalid_request_error",
+                           "invalid_api_key")
+
+    def _models(self, path: str) -> dict[str, Any]:
+        names, created = self.router.names(), self.router.created
+        listed = [{"id": name, "object": "model", "created": created.get(m["name"], 0),
+                   "owned_by": "llmgw", "root": m["name"]} for name, m in names.items()]
+        if path == "/v1/models":
+            return {"object": "list", "data": listed}
+        wanted = path.removeprefix("/v1/models/")
+        found = next((m for m in listed if m["id"] == wanted), None)
+        if found is None:
+            raise GatewayError(404, f"The model '{wanted}' does not exist; GET /v1/models "
+                               "lists what this gateway serves", "invalid_request_error",
+                               "model_not_found", "model")
+        return found
+
+    async def _forward(self, scope: dict[str, Any], receive: Receive, send: Send,
+                       kind: str) -> None:
+        """Counted under the catalog name, or model="" when the request named none."""
+        started, name, status, usage = time.perf_counter(), "", 500, None
+        if self.metrics:
+            self.metrics.in_flight.inc()
+        try:
+            self._authorize(scope)
+            raw = await self._body(scope, receive)
+            requested, stream = _parse(raw)
+            model = self.router.resolve(requested)
+            if model is None:
+                raise GatewayError(404, f"The model '{requested}' does not exist; GET "
+                                   "/v1/models lists what this gateway serves",
+                                   "invalid_request_error", "model_not_found", "model")
+            name = model["name"]
+            _check_kind(model, kind, scope["path"])
+            response = await self._send_to_replica(name, scope["path"], raw)
+            status = response.status
+            member = _wire.model_value(requested)
+            if stream and status == 200:
+                usage = await _relay_events(response, send, member, receive)
+            else:
+                usage = await _relay_whole(response, send, member)
+        except GatewayError as e:
+            status = e.status
+            raise
+        finally:
+            if self.metrics:
+                self.metrics.in_flight.dec()
+                self.metrics.observe(name, status, started, usage)
+
+    async def _send_to_replica(self, model: str, path: str, raw: bytes) -> Response:
+        """The first ready replica that takes the connection; a request that reached one
+        is never sent to another (no generation runs twice)."""
+        for replica in self.router.order(model):
             try:
-                return await _relay(upstream, replica, request.url.path, raw, body, requested)
-            except httpx.TransportError as e:
-                log.warning("replica %s at %s failed: %s", replica["id"], replica["endpoint"], e)
-        return openai_error(503, f"no replica of {model['name']} is ready: "
-                            f"{router.states(model['name'])}; try again shortly",
-                            "service_unavailable", "no_ready_replica")
+                return await self.upstream.post(replica["endpoint"], path, raw,
+                                                replica["api_key"])
+            except ConnectFailed as e:
+                log.warning("replica %s of %s refused the connection, trying the next: %s",
+                            replica["id"], model, e)
+            except UpstreamError as e:
+                log.warning("replica %s of %s failed after the request was sent: %s",
+                            replica["id"], model, e)
+                raise GatewayError(502, f"replica {replica['id']} of {model} failed while "
+                                   f"answering: {e}; the request was not retried, so it may "
+                                   "have run once", "upstream_error", "replica_failed") from e
+        raise GatewayError(503, f"no replica of {model} is ready: "
+                           f"{self.router.states(model)}; try again shortly",
+                           "service_unavailable", "no_ready_replica")
 
-    for path in _FORWARDED:
-        app.add_api_route(path, forward, methods=["POST"])
-    return app
+    async def _body(self, scope: dict[str, Any], receive: Receive) -> bytes:
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and \
+                    int(value) > self.max_body_bytes:
+                raise self._too_large()
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            part = message.get("body", b"")
+            size += len(part)
+            if size > self.max_body_bytes:
+                raise self._too_large()
+            parts.append(part)
+            if not message.get("more_body"):
+                return b"".join(parts)
+
+    def _too_large(self) -> GatewayError:
+        return GatewayError(413, f"the request body is over {self.max_body_bytes} bytes, the "
+                            "gateway's limit (gateway_max_body_bytes in server.yaml)",
+                            "invalid_request_error", "request_too_large")
 
 
-def _renamed_event(line: str, requested: str) -> str:
-    """An SSE line with the model the client asked for, not the engine's file path."""
-    if not line.startswith("data: {"):
-        return line
+def make_gateway_app(store: Store, *, tokens: list[str], upstream: Upstream,
+                     metrics: GatewayMetrics | None = None,
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Gateway:
+    return Gateway(store, tokens=tokens, upstream=upstream, metrics=metrics,
+                   max_body_bytes=max_body_bytes)
+
+
+def _parse(raw: bytes) -> tuple[str, bool]:
+    """The requested model and whether to stream; the body itself is forwarded as sent."""
     try:
-        event = json.loads(line[len("data: "):])
-    except ValueError:
-        return line
-    if isinstance(event, dict) and "model" in event:
-        event["model"] = requested
-    return "data: " + json.dumps(event)
+        body = json.loads(raw or b"{}")
+    except ValueError as e:
+        raise GatewayError(400, f"the request body is not valid JSON: {e}",
+                           "invalid_request_error", "invalid_json") from e
+    if not isinstance(body, dict):
+        raise GatewayError(422, f"the request body must be a JSON object, found "
+                           f"{type(body).__name__}", "invalid_request_error", "invalid_body")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(422, "the request names no model: set \"model\" to a name from "
+                           "GET /v1/models", "invalid_request_error", "missing_model", "model")
+    return model, bool(body.get("stream"))
 
 
-async def _relay(upstream: httpx.AsyncClient, replica: dict[str, Any], path: str, raw: bytes,
-                 body: dict[str, Any], requested: str) -> Response:
-    """Send the request's own bytes to a replica with the replica's key; stream the answer
-    back when asked to."""
-    headers = {"Authorization": f"Bearer {replica['api_key']}",
-               "Content-Type": "application/json"}
-    url = replica["endpoint"].rstrip("/") + path
-    request = upstream.build_request("POST", url, content=raw, headers=headers)
-    response = await upstream.send(request, stream=True)
-    kept = {k: v for k, v in response.headers.items()
-            if k.lower() in ("content-type", "cache-control")}
-    if body.get("stream"):
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for line in response.aiter_lines():
-                    yield (_renamed_event(line, requested) + "\n").encode()
-            finally:
-                await response.aclose()
+def _check_kind(model: dict[str, Any], kind: str, path: str) -> None:
+    profile = model.get("routing_profile", "chat")
+    if (profile == "embedding") != (kind == "embedding"):
+        serves = "/v1/embeddings" if profile == "embedding" else \
+            "/v1/chat/completions and /v1/completions"
+        raise GatewayError(400, f"{model['name']} is an {profile} model (routing_profile "
+                           f"{profile!r}); it serves {serves}, not {path}",
+                           "invalid_request_error", "wrong_model_kind", "model")
 
-        return StreamingResponse(chunks(), status_code=response.status_code, headers=kept)
-    data = await response.aread()
-    await response.aclose()
-    if response.status_code == 200 and "json" in kept.get("content-type", ""):
-        answer = json.loads(data)
-        answer["model"] = requested
-        data = json.dumps(answer).encode()
-    return Response(data, status_code=response.status_code, headers=kept)
+
+def _not_allowed(method: str, path: str, allowed: str) -> GatewayError:
+    return GatewayError(405, f"{path} takes {allowed}, not {method}", "invalid_request_error",
+                        "method_not_allowed")
+
+
+def _kept(response: Response) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in response.headers.items()
+            if k in (b"content-type", b"cache-control")]
+
+
+async def _relay_whole(response: Response, send: Send, member: bytes) -> tuple[int, int] | None:
+    data = await response.read()
+    if response.status == 200 and b"json" in response.headers.get(b"content-type", b""):
+        data = _wire.rename_model(data, member)
+    await _respond(send, response.status, data, _kept(response))
+    return _wire.usage(data) if response.status == 200 else None
+
+
+async def _relay_events(response: Response, send: Send, member: bytes,
+                        receive: Receive) -> tuple[int, int] | None:
+    """Relay an event stream event by event, each with the model renamed, bytes otherwise
+    as the engine sent them. A client that leaves stops the generation: the gateway hangs
+    up on the replica."""
+    await send({"type": "http.response.start", "status": response.status,
+                "headers": _kept(response)})
+    buffer, usage = b"", None
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    def hang_up(_: object) -> None:
+        response.abort()
+
+    watcher.add_done_callback(hang_up)
+    try:
+        async for part in response.iter_raw():
+            events, buffer = _wire.split_events(buffer + part)
+            for event in events:
+                usage = _wire.usage(event) or usage
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": _wire.rename_model(event, member)})
+    except UpstreamError as e:
+        # The status is sent; the client sees the stream end without its [DONE].
+        if not watcher.done():
+            log.warning("a stream broke off: %s", e)
+    finally:
+        watcher.remove_done_callback(hang_up)
+        watcher.cancel()
+        response.release()
+    await send({"type": "http.response.body", "body": buffer, "more_body": False})
+    return usage
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _respond(send: Send, status: int, body: bytes,
+                   headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -8,9 +8,11 @@ from pathlib import Path
 
 from llmgw._serving import on_stop_signals, quiet_server
 from llmgw.config import ServerConfig, parse_listen
+from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
-from llmgw.control.gateway import make_gateway_app, upstream_client
+from llmgw.control.gateway import make_gateway_app
+from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.scheduler import Scheduler
 from llmgw.control.store import Store
 
@@ -35,20 +37,25 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
 
     admin_token_hash: the file holding the admin token's sha256 (admin_token.py)."""
     store = Store(Path(config.state_dir) / "control.db")
+    metrics = ControlPlaneMetrics(store, config.node_timeout_s)
     agent_host, agent_port = parse_listen(config.agent_listen)
+    api = AgentAPI(store)
+    api.heartbeat = metrics.heartbeats.wrap(api.heartbeat)  # type: ignore[method-assign]
     agent_api = AgentAPIServer(
         agent_host,
         agent_port,
         mtls_context(config.tls.ca, config.tls.cert, config.tls.key),
-        AgentAPI(store),
+        api,
     )
-    upstream = upstream_client()
-    servers = [
-        quiet_server(make_admin_app(store, node_timeout_s=config.node_timeout_s,
-                                    token_hash=admin_token_hash), config.admin_listen),
-        quiet_server(make_gateway_app(store, tokens=config.tokens, upstream=upstream),
-                     config.gateway_listen),
-    ]
+    upstream = Upstream(Timeouts(config.upstream_connect_timeout_s,
+                                 config.upstream_read_timeout_s))
+    gateway = make_gateway_app(store, tokens=config.tokens, upstream=upstream,
+                               metrics=metrics.gateway,
+                               max_body_bytes=int(config.gateway_max_body_bytes))
+    admin = make_admin_app(store, node_timeout_s=config.node_timeout_s,
+                           token_hash=admin_token_hash, metrics=metrics)
+    servers = [quiet_server(admin, config.admin_listen),
+               quiet_server(gateway, config.gateway_listen)]
     scheduler = Scheduler(store, config.node_timeout_s)
     stopping = asyncio.Event()
 

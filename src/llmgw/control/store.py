@@ -110,6 +110,12 @@ class Store:
             rows = db.execute("SELECT spec FROM models ORDER BY created, name").fetchall()
         return [json.loads(r["spec"]) for r in rows]
 
+    def created(self) -> dict[str, int]:
+        """When each model entered the catalog (unix seconds), for the gateway's `created`."""
+        with self._tx() as db:
+            rows = db.execute("SELECT name, created FROM models").fetchall()
+        return {r["name"]: int(r["created"]) for r in rows}
+
     def model(self, name: str) -> dict[str, Any] | None:
         with self._tx() as db:
             row = db.execute("SELECT spec FROM models WHERE name = ?", (name,)).fetchone()

@@ -6,12 +6,14 @@ import asyncio
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
 from llmgw.admin_token import RequireAdminToken
+from llmgw.mirror import _metrics
 from llmgw.mirror._disk import FAILED, NAME_PATTERN
 from llmgw.mirror._downloads import Conflict, Manager, WrongOffset
 from llmgw.mirror._errors import Forbidden, SourceError
@@ -27,12 +29,19 @@ class FetchRequest(BaseModel):
 
 
 def make_api(
-    manager: Manager, *, token_hash: Path | None, about: dict[str, str] | None = None
+    manager: Manager, *, token_hash: Path | None, about: dict[str, str] | None = None,
+    metrics: CollectorRegistry | None = None,
 ) -> FastAPI:
     """The management API; every path but /health needs the admin token whose sha256 is in
     token_hash (with none, every such request is refused)."""
     app = FastAPI(title="llmgw mirror management API", version="1")
     app.add_middleware(RequireAdminToken, hash_path=token_hash)
+    metrics = metrics or _metrics.registry(manager, _metrics.ServedCounter())
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        """Bytes served to nodes and downloads by state, as Prometheus text."""
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     def health() -> dict[str, str]:

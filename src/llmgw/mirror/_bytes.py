@@ -24,6 +24,7 @@ from urllib.parse import unquote, urlsplit
 
 from llmgw.mirror._disk import is_name
 from llmgw.mirror._downloads import Manager, Servable
+from llmgw.mirror._metrics import ServedCounter
 
 log = logging.getLogger("llmgw.mirror.bytes")
 
@@ -139,9 +140,11 @@ def _open_inside(root: Path, servable: Servable) -> int:
 class BytesServer:
     """Serves the manager's present files under base_path on one listening socket."""
 
-    def __init__(self, manager: Manager, base_path: str = "") -> None:
+    def __init__(self, manager: Manager, base_path: str = "",
+                 served: ServedCounter | None = None) -> None:
         self.manager = manager
         self.base_path = base_path.rstrip("/")
+        self.served = served or ServedCounter()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -184,6 +187,7 @@ class BytesServer:
                 raise _Refused(405, f"{req.method} is not served; only GET and HEAD")
             return await self._send_file(req, writer)
         except _Refused as e:
+            self.served.sent(e.status, 0)
             await _send_error(writer, e, body=method != "HEAD")
             return False
 
@@ -217,6 +221,9 @@ class BytesServer:
             if req.method == "GET" and end >= start:
                 loop = asyncio.get_running_loop()
                 await loop.sendfile(writer.transport, f, start, end - start + 1)
+                self.served.sent(status, end - start + 1)
+            else:
+                self.served.sent(status, 0)
         return keep
 
 

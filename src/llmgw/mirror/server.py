@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from llmgw._serving import on_stop_signals, quiet_server
 from llmgw.config import connect_host, parse_listen
+from llmgw.mirror import _metrics
 from llmgw.mirror._api import make_api
 from llmgw.mirror._bytes import BytesServer
 from llmgw.mirror._downloads import Manager
@@ -38,7 +39,8 @@ async def serve(options: Options) -> None:
     """Run until SIGTERM or SIGINT; downloads in flight stop and resume at the next start."""
     manager = Manager(options.dir, options.base_url(), import_dirs=options.import_dirs)
     manager.start()
-    bytes_server = BytesServer(manager, urlsplit(options.base_url()).path)
+    served = _metrics.ServedCounter()
+    bytes_server = BytesServer(manager, urlsplit(options.base_url()).path, served)
     host, port = parse_listen(options.listen)
     try:
         await bytes_server.start(host, port)
@@ -46,7 +48,8 @@ async def serve(options: Options) -> None:
         manager.stop()
         raise MirrorError(f"cannot listen on {options.listen} for the bytes server: {e}") from e
     about = {"dir": str(options.dir), "base": options.base_url()}
-    api = quiet_server(make_api(manager, token_hash=options.admin_token_hash, about=about),
+    api = quiet_server(make_api(manager, token_hash=options.admin_token_hash, about=about,
+                                metrics=_metrics.registry(manager, served)),
                        options.api_listen)
     on_stop_signals(log, lambda: setattr(api, "should_exit", True))
     log.info("mirror: %s; bytes on %s as %s; API on %s",

@@ -1,0 +1,43 @@
+"""The one way the day-2 commands reach the control plane: the admin API named by the
+host's server.yaml (found by --mode and --state-dir, as pytest provision/ finds it)."""
+
+from __future__ import annotations
+
+import argparse
+
+from llmgw.clients import admin_client
+from llmgw.config import ConfigError
+from llmgw.control.client import AdminClient
+from llmgw.errors import Error
+from llmgw.layout import Layout
+
+# Exit codes: 1 the control plane refused the request, 3 it cannot be reached or found.
+EXIT_REFUSED = 1
+EXIT_UNREACHABLE = 3
+
+
+class Unreachable(Error):
+    """No admin API to talk to: no server.yaml, or nothing answers at its address."""
+
+
+def add_host_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", default="auto", choices=("auto", "system", "local"),
+                        help="where the host's files live (default auto, as pytest provision/)")
+    parser.add_argument("--state-dir", default=None,
+                        help="a local-mode host's state dir (as pytest --state-dir)")
+
+
+def admin(args: argparse.Namespace) -> AdminClient:
+    """The admin API client of the host args name; every day-2 command gets it here."""
+    layout = Layout.for_mode(args.mode, args.state_dir)
+    try:
+        return admin_client(layout)
+    except ConfigError as e:
+        raise Unreachable(f"no control plane here: {e}; pass --state-dir (and --mode) of "
+                          "a provisioned host") from None
+
+
+def unreachable(client: AdminClient, e: Error) -> Unreachable:
+    return Unreachable(f"the control plane does not answer at {client.base_url}: {e}; is it "
+                       "running? `pytest provision/` starts it, `pytest checks/` says what "
+                       "is wrong")

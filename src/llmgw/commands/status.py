@@ -1,0 +1,58 @@
+"""`llmgw status`: nodes with their engines and GPUs, replicas with model, node, state and
+uptime, as a table like `ollama ps`, or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from llmgw.commands import _admin
+from llmgw.commands._table import ago, table
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("status", help="what this host runs: nodes and replicas")
+    _admin.add_host_options(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with _admin.admin(args) as client:
+        try:
+            nodes, replicas = client.nodes(), client.replicas()
+        except _admin.Error as e:
+            if getattr(e, "status", 0) is None:
+                raise _admin.unreachable(client, e) from None
+            raise
+    if args.json:
+        print(json.dumps({"nodes": nodes, "replicas": replicas}, indent=2))
+    else:
+        print(render(nodes, replicas, time.time()))
+    return 0
+
+
+def render(nodes: list[dict[str, Any]], replicas: list[dict[str, Any]], now: float) -> str:
+    node_rows = [[n["id"], n["state"], ",".join(n["engines"]) or "-", _gpus(n["gpus"]),
+                  ago(now - n["last_seen"])] for n in nodes]
+    replica_rows = [[r["id"], r["model"], r["node"] or "-", r["state"], _uptime(r, now),
+                     r["err"][:60]] for r in replicas if r["state"] != "stopped"]
+    return "\n".join([
+        table(["NODE", "STATE", "ENGINES", "GPUS", "LAST SEEN"], node_rows, "no nodes"), "",
+        table(["REPLICA", "MODEL", "NODE", "STATE", "UPTIME", "ERROR"], replica_rows,
+              "no replicas"),
+    ])
+
+
+def _gpus(gpus: list[dict[str, Any]]) -> str:
+    if not gpus:
+        return "none (CPU)"
+    return ", ".join(f"{g['name']} {g['memory_mb'] // 1024} GB" for g in gpus)
+
+
+def _uptime(replica: dict[str, Any], now: float) -> str:
+    """How long it has been in its state: the agent reports it only when it changes."""
+    updated = replica.get("updated")
+    return ago(now - updated, suffix="") if updated else "-"

@@ -1,0 +1,199 @@
+"""A small pooled HTTP/1.1 client for the gateway's hot path: replicas only, POST only.
+
+httpx costs the gateway about as much CPU per request as the engine spends on a short
+answer (profiled, issue 11), so the hot path speaks HTTP/1.1 itself over asyncio streams.
+It tells the two failures that matter apart: ConnectFailed (the request never reached
+the engine: safe to try another replica) and UpstreamError (it was sent: never resent,
+so a generation is never run twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from llmgw.errors import Error
+
+# llama-server (cpp-httplib) closes a connection idle for 5 s; a pooled one is dropped
+# sooner, so a request is never written into a socket the engine is closing.
+IDLE_EXPIRY_S = 2.0
+MAX_IDLE_PER_HOST = 64
+
+
+class UpstreamError(Error):
+    """The replica failed after the request was sent: answered nothing, or broke off."""
+
+
+class ConnectFailed(UpstreamError):
+    """The request never reached the replica: connection refused, unreachable, timed out."""
+
+
+@dataclass
+class Timeouts:
+    connect_s: float = 5.0
+    read_s: float = 600.0
+
+
+@dataclass
+class _Conn:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    idle_since: float = 0.0
+
+    def usable(self, now: float) -> bool:
+        return (not self.reader.at_eof() and not self.writer.is_closing()
+                and now - self.idle_since < IDLE_EXPIRY_S)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@dataclass
+class Response:
+    """A replica's answer: status and headers read, the body still on the wire."""
+
+    status: int
+    headers: dict[bytes, bytes]
+    _conn: _Conn
+    _pool: Upstream
+    _key: tuple[str, int]
+    _read_s: float
+    _done: bool = field(default=False)
+
+    @property
+    def chunked(self) -> bool:
+        return self.headers.get(b"transfer-encoding", b"").lower() == b"chunked"
+
+    async def read(self) -> bytes:
+        return b"".join([part async for part in self.iter_raw()])
+
+    async def iter_raw(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive, de-chunked; the connection is pooled after."""
+        try:
+            if self.chunked:
+                async for part in self._chunks():
+                    yield part
+            elif b"content-length" in self.headers:
+                n = int(self.headers[b"content-length"])
+                if n:
+                    yield await self._wait(self._conn.reader.readexactly(n))
+            else:
+                while part := await self._wait(self._conn.reader.read(65536)):
+                    yield part
+                self.headers[b"connection"] = b"close"
+            self._done = True
+        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+            raise UpstreamError(f"the replica broke off its answer: {e!r}") from e
+        finally:
+            self.release()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        reader = self._conn.reader
+        while True:
+            size_line = await self._wait(reader.readuntil(b"\r\n"))
+            size = int(size_line.split(b";", 1)[0], 16)
+            if size == 0:
+                await self._wait(reader.readuntil(b"\r\n"))  # no trailers from llama-server
+                return
+            data = await self._wait(reader.readexactly(size + 2))
+            yield data[:-2]
+
+    async def _wait(self, step):  # type: ignore[no-untyped-def]
+        # asyncio.timeout, not wait_for: wait_for wraps each read in a task (profiled).
+        try:
+            async with asyncio.timeout(self._read_s):
+                return await step
+        except TimeoutError as e:
+            raise UpstreamError(f"the replica sent nothing for {self._read_s:g} s "
+                                "(upstream_read_timeout_s in server.yaml)") from e
+
+    def abort(self) -> None:
+        """Hang up on the replica mid-answer: llama-server stops generating for it."""
+        if self._conn is not None:
+            self._conn.close()
+
+    def release(self) -> None:
+        """Back to the pool when the body was read whole and the replica keeps it open."""
+        if self._conn is None:
+            return
+        keep = self._done and self.headers.get(b"connection", b"").lower() != b"close"
+        self._pool._give_back(self._key, self._conn, keep)
+        self._conn = None  # type: ignore[assignment]
+
+
+class Upstream:
+    """Connections to replicas, kept open between requests and reused."""
+
+    def __init__(self, timeouts: Timeouts | None = None) -> None:
+        self.timeouts = timeouts or Timeouts()
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+
+    async def post(self, endpoint: str, path: str, body: bytes, api_key: str,
+                   content_type: bytes = b"application/json") -> Response:
+        """Send one POST to a replica and read its status and headers."""
+        url = urlsplit(endpoint)
+        key = (url.hostname or "127.0.0.1", url.port or 80)
+        host = url.netloc.encode()
+        head = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host
+                + b"\r\nAuthorization: Bearer " + api_key.encode()
+                + b"\r\nContent-Type: " + content_type
+                + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        conn = await self._checkout(key)
+        try:
+            conn.writer.write(head + body)
+            async with asyncio.timeout(self.timeouts.read_s):
+                status, headers = await self._head(conn.reader)
+        except BaseException as e:
+            conn.close()
+            if isinstance(e, TimeoutError):
+                raise UpstreamError(f"{endpoint} sent no answer within "
+                                    f"{self.timeouts.read_s:g} s (upstream_read_timeout_s "
+                                    "in server.yaml)") from e
+            if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError)):
+                raise UpstreamError(f"{endpoint} took the request and closed the "
+                                    f"connection without an answer: {e!r}") from e
+            raise
+        return Response(status, headers, conn, self, key, self.timeouts.read_s)
+
+    async def _checkout(self, key: tuple[str, int]) -> _Conn:
+        now = time.monotonic()
+        idle = self._idle.get(key, [])
+        while idle:
+            conn = idle.pop()
+            if conn.usable(now):
+                return conn
+            conn.close()
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(*key, limit=1 << 20), self.timeouts.connect_s)
+        except (OSError, TimeoutError) as e:
+            raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {e!r}") from e
+        return _Conn(reader, writer)
+
+    @staticmethod
+    async def _head(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes]]:
+        raw = await reader.readuntil(b"\r\n\r\n")
+        lines = raw[:-4].split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        return status, headers
+
+    def _give_back(self, key: tuple[str, int], conn: _Conn, keep: bool) -> None:
+        idle = self._idle.setdefault(key, [])
+        if keep and len(idle) < MAX_IDLE_PER_HOST:
+            conn.idle_since = time.monotonic()
+            idle.append(conn)
+        else:
+            conn.close()
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()

@@ -1,0 +1,104 @@
+"""Real servers on loopback for the gateway's tests: an ASGI app under uvicorn in a
+thread, and an upstream that answers with exactly the bytes a test scripts."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import uvicorn
+
+from llmgw.netaddr import free_port
+
+
+@contextmanager
+def serve_asgi(app: Any) -> Iterator[str]:
+    """The app on a free loopback port under uvicorn, for the length of the block."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@dataclass
+class Seen:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Upstream:
+    """A scripted replica: `answer(path, body)` returns (status, content type, body parts);
+    parts are sent as separate HTTP chunks, so a test can cut events anywhere. An answer of
+    None takes the request and closes the connection without a word."""
+
+    answer: Callable[[str, bytes], tuple[int, str, list[bytes]] | None]
+    seen: list[Seen] = field(default_factory=list)
+    port: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def scripted_upstream(answer: Callable[[str, bytes], tuple[int, str, list[bytes]] | None]
+                      ) -> Iterator[Upstream]:
+    upstream = Upstream(answer)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            upstream.seen.append(Seen(self.path, dict(self.headers), body))
+            got = upstream.answer(self.path, body)
+            if got is None:
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+                return
+            status, ctype, parts = got
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for part in parts:
+                self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    upstream.port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield upstream
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def refused_endpoint() -> str:
+    """A loopback endpoint nothing listens on: connecting to it is refused."""
+    return f"http://127.0.0.1:{free_port()}"

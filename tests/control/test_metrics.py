@@ -1,0 +1,40 @@
+"""The control plane's metrics: state gauges from the store, engine text relabelled."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from llmgw.control.metrics import ControlPlaneMetrics, relabel
+from llmgw.control.store import Store
+
+ENGINE = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 12
+llamacpp:requests_processing{slot="0"} 1
+"""
+
+
+def test_engine_samples_get_the_replica_labels_and_meta_lines_come_once() -> None:
+    seen: set[str] = set()
+    first = relabel(ENGINE, {"replica": "r1", "model": "m", "node": "n"}, seen)
+    second = relabel(ENGINE, {"replica": "r2", "model": "m", "node": "n"}, seen)
+    assert 'llamacpp:prompt_tokens_total{replica="r1",model="m",node="n"} 12' in first
+    assert 'llamacpp:requests_processing{replica="r1",model="m",node="n",slot="0"} 1' in first
+    assert sum(line.startswith("#") for line in first) == 2
+    assert not any(line.startswith("#") for line in second)
+
+
+def test_nodes_replicas_and_reported_state_changes_are_exported(tmp_path) -> None:
+    store = Store(tmp_path / "db")
+    store.add_model({"name": "m", "aliases": [], "source": "http://x/m.gguf", "profiles": []})
+    store.record_heartbeat("n1", {"engines": ["llamacpp"], "replica_state_changes": {
+        "r1": {"model": "m", "to": {"ready": 2, "starting": 1}}}})
+    store.put_replica({"id": "r1", "model": "m", "node": "n1", "profile": "cpu",
+                       "state": "ready", "endpoint": "http://127.0.0.1:1", "api_key": "k"})
+    text = generate_latest(ControlPlaneMetrics(store, 30.0).registry).decode()
+    assert 'llmgw_nodes{state="ready"} 1.0' in text
+    assert 'llmgw_replicas{model="m",state="ready"} 1.0' in text
+    assert 'llmgw_replicas{model="m",state="failed"} 0.0' in text
+    assert ('llmgw_replica_state_changes_total{model="m",node="n1",replica="r1",to="ready"} 2.0'
+            in text)
+    assert 'llmgw_node_heartbeat_age_seconds{node="n1"}' in text
