@@ -31,6 +31,9 @@ class MirrorRef:
 
     api: str = ""
     listen: str = ""
+    # The bytes server's URL as nodes reach it (http://ADDR:PORT); told to every node in
+    # its heartbeat answer, so a node needs no server.yaml to find the mirror.
+    url: str = ""
 
 
 @dataclass
@@ -44,6 +47,9 @@ class ServerConfig:
     # The address nodes use to reach the agent API; first --advertise name.
     advertise: str = ""
     tls: TLSFiles = field(default_factory=TLSFiles)
+    # The CA key signs joining nodes' CSRs and the revocation list; "" means ca-key.pem
+    # beside tls.ca.
+    ca_key: str = ""
     node_timeout_s: float = 30.0
     tokens: list[str] = field(default_factory=list)
     mirror: MirrorRef = field(default_factory=MirrorRef)
@@ -69,6 +75,8 @@ class AgentConfig:
     tls: TLSFiles = field(default_factory=TLSFiles)
     labels: dict[str, str] = field(default_factory=dict)
     heartbeat_s: float = 5.0
+    # Renew the node's certificate (a CSR over mTLS) when it expires within this many days.
+    renew_before_days: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 

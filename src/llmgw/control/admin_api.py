@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import FastAPI, HTTPException, Query, Response
 from fastapi.responses import JSONResponse
 
+from pydantic import BaseModel, Field
+
+from llmgw.control.agent_api import token_hash
 from llmgw.control.catalog import Model
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
@@ -19,7 +24,16 @@ def public_replica(replica: dict[str, Any]) -> dict[str, Any]:
     return {k: replica[k] for k in _PUBLIC_REPLICA_FIELDS}
 
 
-def make_admin_app(store: Store, *, node_timeout_s: float) -> FastAPI:
+class TokenRequest(BaseModel):
+    ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
+
+
+def make_admin_app(
+    store: Store, *, node_timeout_s: float,
+    on_node_removed: Callable[[list[str]], None] = lambda serials: None,
+) -> FastAPI:
+    """on_node_removed gets a removed node's certificate serials (the agent API refuses
+    them from then on)."""
     app = FastAPI(title="llmgw admin API", version="1")
 
     @app.get("/healthz")
@@ -27,9 +41,26 @@ def make_admin_app(store: Store, *, node_timeout_s: float) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/api/v1/nodes")
-    def nodes() -> list[dict[str, Any]]:
+    def nodes(limit: int | None = Query(None, ge=1, le=10000),
+              after: str = "") -> list[dict[str, Any]]:
+        """Every node by id; with limit, a page of nodes after the id `after`."""
         now = store.clock()
-        return [node_view(n, now, node_timeout_s) for n in store.nodes()]
+        return [node_view(n, now, node_timeout_s) for n in store.nodes(limit, after)]
+
+    @app.delete("/api/v1/nodes/{node_id}")
+    def remove_node(node_id: str) -> dict[str, Any]:
+        serials = store.remove_node(node_id, f"node {node_id} was removed")
+        if serials is None:
+            raise HTTPException(404, f"no node {node_id!r}; GET /api/v1/nodes lists them")
+        on_node_removed(serials)
+        return {"id": node_id, "revoked": serials}
+
+    @app.post("/api/v1/tokens", status_code=201)
+    def create_token(request: TokenRequest) -> dict[str, Any]:
+        """A single-use join token; only its hash is kept."""
+        token = f"{secrets.token_hex(3)}.{secrets.token_hex(16)}"
+        expires = store.add_token(token_hash(token), request.ttl_s)
+        return {"token": token, "expires": expires}
 
     @app.get("/api/v1/models")
     def models() -> list[dict[str, Any]]:

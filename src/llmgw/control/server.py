@@ -12,6 +12,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from llmgw import pki
 from llmgw.config import ServerConfig, parse_listen
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
@@ -48,19 +49,33 @@ async def _schedule(scheduler: Scheduler, stopping: asyncio.Event) -> None:
             pass
 
 
+def _ca(config: ServerConfig) -> pki.KeyPair | None:
+    """The cluster CA with its key, or None (then no node can join here, and says so)."""
+    key = Path(config.ca_key or Path(config.tls.ca).with_name("ca-key.pem"))
+    if not key.exists():
+        log.warning("no CA key at %s: nodes cannot join or renew through this control plane",
+                    key)
+        return None
+    return pki.KeyPair(pki.load_cert(config.tls.ca), pki.load_key(key))
+
+
+def agent_api_server(config: ServerConfig, store: Store) -> AgentAPIServer:
+    host, port = parse_listen(config.agent_listen)
+    tls = (config.tls.ca, config.tls.cert, config.tls.key)
+    api = AgentAPI(store, _ca(config), node_timeout_s=config.node_timeout_s,
+                   mirror_url=config.mirror.url)
+    return AgentAPIServer(host, port, mtls_context(*tls), api, tls=tls)
+
+
 async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT, then stop every listener and close the database."""
     store = Store(Path(config.state_dir) / "control.db")
-    agent_host, agent_port = parse_listen(config.agent_listen)
-    agent_api = AgentAPIServer(
-        agent_host,
-        agent_port,
-        mtls_context(config.tls.ca, config.tls.cert, config.tls.key),
-        AgentAPI(store),
-    )
+    agent_api = agent_api_server(config, store)
     upstream = upstream_client()
+    admin = make_admin_app(store, node_timeout_s=config.node_timeout_s,
+                           on_node_removed=agent_api.revoke)
     servers = [
-        _uvicorn(make_admin_app(store, node_timeout_s=config.node_timeout_s), config.admin_listen),
+        _uvicorn(admin, config.admin_listen),
         _uvicorn(make_gateway_app(store, tokens=config.tokens, upstream=upstream),
                  config.gateway_listen),
     ]
