@@ -22,6 +22,15 @@ class ControlPlane:
     agent_port: int
     ca: pki.KeyPair
     pki_dir: Path
+    server: AgentAPIServer
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.agent_port}"
+
+    @property
+    def ca_hash(self) -> str:
+        return pki.ca_hash(self.ca.cert)
 
     def client_cert(self, cn: str, ca: pki.KeyPair | None = None) -> tuple[str, str]:
         """Write a client certificate for cn (from ca, the cluster CA by default)."""
@@ -32,18 +41,20 @@ class ControlPlane:
 
 @pytest.fixture
 def live_control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
-    """Function: a control plane on a temp SQLite db; admin app via TestClient, agent API live."""
+    """Function: a control plane on a temp SQLite db; admin app via TestClient, agent API live
+    (with the CA key: it admits joins and refuses removed nodes at the handshake)."""
     ca = pki.create_ca()
     ca.write(tmp_path, "ca")
     pki.issue_server(ca, ["127.0.0.1", "localhost"]).write(tmp_path, "server")
     store = Store(tmp_path / "control.db")
-    ctx = mtls_context(str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
-                       str(tmp_path / "server-key.pem"))
-    agent_api = AgentAPIServer("127.0.0.1", 0, ctx, AgentAPI(store))
+    tls = (str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
+           str(tmp_path / "server-key.pem"))
+    agent_api = AgentAPIServer("127.0.0.1", 0, mtls_context(*tls), AgentAPI(store, ca), tls=tls)
     agent_api.start()
-    admin = TestClient(make_admin_app(store, node_timeout_s=30.0))
+    admin = TestClient(make_admin_app(store, node_timeout_s=30.0,
+                                      on_node_removed=agent_api.revoke))
     try:
-        yield ControlPlane(store, admin, agent_api.port, ca, tmp_path)
+        yield ControlPlane(store, admin, agent_api.port, ca, tmp_path, agent_api)
     finally:
         agent_api.stop()
         store.close()

@@ -30,7 +30,10 @@ SELF_PATH = "/api/v1/agent/self"
 RENEW_PATH = "/api/v1/agent/renew"
 JOIN_PATH = "/api/v1/join"
 JOIN_CA_PATH = "/api/v1/join/ca"
-_ANONYMOUS_PATHS = {("GET", JOIN_CA_PATH), ("POST", JOIN_PATH)}
+# The revocation list is public, as any CA's is: a node refused at the handshake reads it
+# to learn why (asyncio drops the TLS alert that would have said so).
+CRL_PATH = "/api/v1/join/crl"
+_ANONYMOUS_PATHS = {("GET", JOIN_CA_PATH), ("POST", JOIN_PATH), ("GET", CRL_PATH)}
 
 REPORTED_FIELDS = ("state", "err", "endpoint", "api_key")
 REPORTED_STATES = ("downloading", "starting", "ready", "failed")
@@ -84,6 +87,7 @@ class AgentAPI:
             ("GET", SELF_PATH): self._self,
             ("POST", RENEW_PATH): self._renew,
             ("GET", JOIN_CA_PATH): self._ca,
+            ("GET", CRL_PATH): self._crl,
             ("POST", JOIN_PATH): self._join,
         }
         action = routes.get(route)
@@ -139,6 +143,11 @@ class AgentAPI:
         if self.ca is None:
             return Reply(503, {"detail": _NO_CA_KEY})
         return Reply(200, {"ca": _pem(self.ca)})
+
+    def _crl(self, request: Request) -> Reply:
+        if self.ca is None:
+            return Reply(503, {"detail": _NO_CA_KEY})
+        return Reply(200, {"crl": pki.make_crl(self.ca, sorted(self.revoked)).decode()})
 
     def _join(self, request: Request) -> Reply:
         body = request.json()
