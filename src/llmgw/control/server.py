@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,8 +68,17 @@ def agent_api_server(config: ServerConfig, store: Store) -> AgentAPIServer:
     return AgentAPIServer(host, port, mtls_context(*tls), api, tls=tls)
 
 
+def _raise_open_files() -> None:
+    """Take the whole hard limit of open files: every node holds a connection open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    log.info("open files: up to %s", hard)
+
+
 async def serve(config: ServerConfig) -> None:
     """Run until SIGTERM or SIGINT, then stop every listener and close the database."""
+    _raise_open_files()
     store = Store(Path(config.state_dir) / "control.db")
     agent_api = agent_api_server(config, store)
     upstream = upstream_client()

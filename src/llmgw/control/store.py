@@ -69,6 +69,7 @@ class Store:
         self._lock = threading.RLock()
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
         self.clock = clock
         self._db.execute("PRAGMA journal_mode=WAL")
         # In WAL, NORMAL syncs at checkpoints, not on every commit: a heartbeat lost to a
@@ -105,12 +106,12 @@ class Store:
         db = getattr(self._local, "db", None)
         if db is None:
             db = self._local.db = self._connect()
-            with self._lock:
+            with self._readers_lock:
                 self._readers.append(db)
         return db.execute(query, args).fetchall()
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._readers_lock:
             for db in self._readers:
                 db.close()
             self._db.close()
