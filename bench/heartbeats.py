@@ -140,12 +140,33 @@ def generator(args: dict[str, Any], out: Any) -> None:
         ctx = ssl.create_default_context(cafile=str(Path(args["pki"]) / "ca.pem"))
         ctx.load_cert_chain(cert, key)
         nodes.append(Node(name, ctx, args["port"], args["keep"]))
-    out.send("ready")
-    start = out.recv()
+    asyncio.run(beats(nodes, args, out))
+
+
+async def connect_all(nodes: list[Node]) -> int:
+    """Open every kept-alive connection before the clock starts; returns the failures."""
+    gate = asyncio.Semaphore(50)
+
+    async def one(node: Node) -> bool:
+        async with gate:
+            try:
+                await asyncio.wait_for(node.connect(), TIMEOUT_S)
+                return True
+            except Exception:  # counted; the node tries again on its first beat
+                node.close()
+                return False
+
+    return sum(not ok for ok in await asyncio.gather(*(one(n) for n in nodes)))
+
+
+async def beats(nodes: list[Node], args: dict[str, Any], out: Any) -> None:
+    failed = await connect_all(nodes) if args["keep"] else 0
+    out.send(failed)
+    start = await asyncio.get_running_loop().run_in_executor(None, out.recv)
     interval = args["interval"]
-    result = asyncio.run(run_nodes(nodes, interval, start, start + interval,
-                                   start + interval + args["duration"]))
-    out.send(result)
+    # The first interval is not measured: beats settle into their slots.
+    out.send(await run_nodes(nodes, interval, start, start + interval,
+                             start + interval + args["duration"]))
 
 
 def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: float,
@@ -163,8 +184,7 @@ def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: flo
         child.start()
         pipes.append(mine)
         children.append(child)
-    for pipe in pipes:
-        pipe.recv()
+    connect_failures = sum(pipe.recv() for pipe in pipes)
     start = time.time() + 1.0
     for pipe in pipes:
         pipe.send(start)
@@ -185,6 +205,7 @@ def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: flo
         "offered": total / interval, "achieved": len(latencies) / duration,
         "failed": sum(failures.values()), "failures": failures,
         "p50": _pct(latencies, 50), "p99": _pct(latencies, 99), "threads": threads,
+        "connect_failures": connect_failures,
     }
 
 
@@ -220,7 +241,9 @@ def main() -> None:
                     kinds = ", ".join(f"{n} {k}" for k, n in r["failures"].items())
                     print(f"| {r['nodes']:,} | {r['mode']} | {r['offered']:.0f} | "
                           f"{r['achieved']:.0f} | {r['failed']}{f' ({kinds})' if kinds else ''}"
-                          f" | {r['p50']:.1f} | {r['p99']:.1f} | {r['threads']} |", flush=True)
+                          f" | {r['p50']:.1f} | {r['p99']:.1f} | {r['threads']} |"
+                          + (f" ({r['connect_failures']} failed to connect before the clock)"
+                             if r["connect_failures"] else ""), flush=True)
         finally:
             cp.stop()
 

@@ -65,7 +65,9 @@ class ControlPlane:
             node_timeout_s=self.node_timeout_s, mirror=MirrorRef(url=self.mirror_url),
         )
         self.config = config
-        self.server_yaml = self.root / "server.yaml"
+        (self.root / "etc").mkdir(exist_ok=True)
+        # Where `llmgw token create --mode local --state-dir ROOT` looks for it.
+        self.server_yaml = self.root / "etc" / "server.yaml"
         self.server_yaml.write_text(render(config, "a test control plane"))
 
     @property
