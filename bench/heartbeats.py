@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw import pki  # noqa: E402
+from llmgw.control._tlsserver import new_event_loop  # noqa: E402
 from llmgw.control.agent_api import HEARTBEAT_PATH  # noqa: E402
 from tests.fleet.cluster import ControlPlane  # noqa: E402
 
@@ -140,7 +141,12 @@ def generator(args: dict[str, Any], out: Any) -> None:
         ctx = ssl.create_default_context(cafile=str(Path(args["pki"]) / "ca.pem"))
         ctx.load_cert_chain(cert, key)
         nodes.append(Node(name, ctx, args["port"], args["keep"]))
-    asyncio.run(beats(nodes, args, out))
+    # uvloop where installed: the load generator should cost less CPU than what it measures.
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(beats(nodes, args, out))
+    finally:
+        loop.close()
 
 
 async def connect_all(nodes: list[Node]) -> int:
@@ -188,10 +194,13 @@ def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: flo
     start = time.time() + 1.0
     for pipe in pipes:
         pipe.send(start)
-    threads = 0
+    threads, cpu = 0, [0.0, 0.0]
+    time.sleep(max(0.0, start + interval - time.time()))
+    cpu[0] = cp.cpu_s()
     while time.time() < start + interval + duration:
         threads = max(threads, cp.threads())
-        time.sleep(1.0)
+        time.sleep(min(1.0, max(0.0, start + interval + duration - time.time())))
+    cpu[1] = cp.cpu_s()
     results = [pipe.recv() for pipe in pipes]
     for child in children:
         child.join()
@@ -206,6 +215,8 @@ def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: flo
         "failed": sum(failures.values()), "failures": failures,
         "p50": _pct(latencies, 50), "p99": _pct(latencies, 99), "threads": threads,
         "connect_failures": connect_failures,
+        "cpu_us": (cpu[1] - cpu[0]) / max(len(latencies), 1) * 1e6,
+        "cpu_share": (cpu[1] - cpu[0]) / duration,
     }
 
 
@@ -229,8 +240,8 @@ def main() -> None:
           f"interval of connecting; {os.cpu_count()} CPUs shared with whatever else runs; "
           f"load from {args.procs} process(es)")
     print("| nodes | mode | offered/s | achieved/s | failed | p50 ms | p99 ms | "
-          "control plane threads |")
-    print("|---|---|---|---|---|---|---|---|")
+          "control plane threads | control plane CPU per beat | its cores busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         cp = ControlPlane(Path(tmp) / "cp").start()
         try:
@@ -241,7 +252,8 @@ def main() -> None:
                     kinds = ", ".join(f"{n} {k}" for k, n in r["failures"].items())
                     print(f"| {r['nodes']:,} | {r['mode']} | {r['offered']:.0f} | "
                           f"{r['achieved']:.0f} | {r['failed']}{f' ({kinds})' if kinds else ''}"
-                          f" | {r['p50']:.1f} | {r['p99']:.1f} | {r['threads']} |"
+                          f" | {r['p50']:.1f} | {r['p99']:.1f} | {r['threads']} | "
+                          f"{r['cpu_us']:.0f} µs | {r['cpu_share']:.2f} |"
                           + (f" ({r['connect_failures']} failed to connect before the clock)"
                              if r["connect_failures"] else ""), flush=True)
         finally:

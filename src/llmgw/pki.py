@@ -278,13 +278,14 @@ def ca_hash(ca_cert: x509.Certificate) -> str:
     return "sha256:" + hashlib.sha256(spki).hexdigest()
 
 
-def make_crl(ca: KeyPair, serials: list[str], days: int = CA_DAYS) -> bytes:
+def make_crl(ca: KeyPair, serials: list[str], days: int = CA_DAYS,
+             last_update: dt.datetime | None = None) -> bytes:
     """A PEM revocation list of the serials (upper-case hex), signed by the CA."""
     now = _now()
     builder = (
         x509.CertificateRevocationListBuilder()
         .issuer_name(ca.cert.subject)
-        .last_update(now - _BACKDATE)
+        .last_update(last_update or now - _BACKDATE)
         .next_update(min(now + dt.timedelta(days=days), ca.cert.not_valid_after_utc))
     )
     for serial in sorted(set(serials)):

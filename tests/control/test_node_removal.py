@@ -104,3 +104,16 @@ def test_a_network_failure_is_not_taken_for_removal(tmp_path: Path, live_control
         client.heartbeat({})
     assert not isinstance(e.value, NodeRemoved)
     client.close()
+
+
+def test_a_second_removal_in_the_same_second_is_refused_too(live_control_plane) -> None:
+    """Each revocation list is strictly newer than the last, so the handshake uses it."""
+    cp = live_control_plane
+    n2, n3 = AgentClient(cp.url, _tls(cp, "n2")), AgentClient(cp.url, _tls(cp, "n3"))
+    n2.heartbeat({}), n3.heartbeat({})
+    cp.admin.delete("/api/v1/nodes/n2")
+    cp.admin.delete("/api/v1/nodes/n3")
+    for client in (n2, n3):
+        with pytest.raises(NodeRemoved):
+            client.heartbeat({})
+        client.close()

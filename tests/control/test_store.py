@@ -81,3 +81,16 @@ def test_an_old_database_gains_the_serial_column(tmp_path: Path) -> None:
     store = Store(tmp_path / "db")
     assert store.node("old")["serial"] == ""
     store.close()
+
+
+def test_the_log_is_checkpointed_off_the_writer(tmp_path: Path) -> None:
+    """Commits never checkpoint (a heartbeat must not wait for a sync); checkpoint() does."""
+    store = Store(tmp_path / "db")
+    for i in range(2000):
+        store.record_heartbeat(f"n{i}", {"pad": "x" * 500})
+    wal = tmp_path / "db-wal"
+    grown = wal.stat().st_size
+    assert grown > 1000 * 4096, "past the default threshold, no commit checkpointed"
+    store.checkpoint()
+    assert len(Store(tmp_path / "db").nodes()) == 2000
+    store.close()

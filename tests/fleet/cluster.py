@@ -112,6 +112,12 @@ class ControlPlane:
                 return int(line.split()[1])
         return 0
 
+    def cpu_s(self) -> float:
+        """CPU seconds the control plane process has used (user + system)."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def issue(self, cn: str, directory: Path) -> TLSFiles:
         """A node identity straight from the CA (as the control plane's own node gets)."""
         directory.mkdir(parents=True, exist_ok=True)

@@ -214,15 +214,21 @@ def _assignments(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class AgentAPIServer:
-    """The agent API on its own thread and event loop; revocations apply at once."""
+    """The agent API on its own thread and event loop; revocations apply at once.
+
+    With tls (ca, cert, key) and the CA key, the handshake checks a revocation list; a
+    removal adds a newer one to the same context, which the next handshake uses (OpenSSL
+    picks the newest list of an issuer), and closes the node's open connections.
+    """
 
     def __init__(self, host: str, port: int, ctx: ssl.SSLContext, api: AgentAPI,
                  *, tls: tuple[str, str, str] | None = None) -> None:
         self.api = api
-        self._tls = tls
         self._crl_dir = tempfile.TemporaryDirectory(prefix="llmgw-crl-")
+        self._crl_at = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
         if tls and api.ca is not None:
-            ctx = self._context()
+            ctx = mtls_context(*tls, crl=self._write_crl())
+        self.ctx = ctx
         self._server = TLSServer(host, port, ctx, api.handle, refused=api.refused)
 
     @property
@@ -242,12 +248,17 @@ class AgentAPIServer:
     def revoke(self, serials: list[str]) -> None:
         """Refuse these serials from the next handshake on, and close their connections."""
         self.api.revoked.update(serials)
-        if self._tls and self.api.ca is not None:
-            self._server.context = self._context()
+        if self.ctx.verify_flags & ssl.VERIFY_CRL_CHECK_LEAF:
+            crl = self._write_crl()
+            self._server.call(lambda: self.ctx.load_verify_locations(crl))
         self._server.drop(set(serials))
 
-    def _context(self) -> ssl.SSLContext:
-        assert self._tls is not None and self.api.ca is not None
-        crl = Path(self._crl_dir.name) / f"crl-{dt.datetime.now().timestamp()}.pem"
-        crl.write_bytes(pki.make_crl(self.api.ca, sorted(self.api.revoked)))
-        return mtls_context(*self._tls, crl=str(crl))
+    def _write_crl(self) -> str:
+        assert self.api.ca is not None
+        # Each list strictly newer than the last (whole seconds), so OpenSSL takes it.
+        self._crl_at = max(self._crl_at + dt.timedelta(seconds=1),
+                           dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5))
+        path = Path(self._crl_dir.name) / f"crl-{self._crl_at.timestamp():.0f}.pem"
+        path.write_bytes(pki.make_crl(self.api.ca, sorted(self.api.revoked),
+                                      last_update=self._crl_at))
+        return str(path)

@@ -70,11 +70,16 @@ class Store:
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
+        self._inventories: dict[str, tuple[str, dict[str, Any]]] = {}
         self.clock = clock
         self._db.execute("PRAGMA journal_mode=WAL")
         # In WAL, NORMAL syncs at checkpoints, not on every commit: a heartbeat lost to a
         # power cut is sent again 5 s later, and an fsync per beat caps the node count.
         self._db.execute("PRAGMA synchronous=NORMAL")
+        # A checkpoint copies the log into the database and syncs it: done inside a commit
+        # it stalls the heartbeat that happened to cross the threshold, so `checkpoint()`
+        # runs it on the scheduler's thread instead.
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._db.executescript(_SCHEMA)
         self._migrate()
 
@@ -109,6 +114,10 @@ class Store:
             with self._readers_lock:
                 self._readers.append(db)
         return db.execute(query, args).fetchall()
+
+    def checkpoint(self) -> None:
+        """Copy the write-ahead log into the database, beside the writer (PASSIVE)."""
+        self._read("PRAGMA wal_checkpoint(PASSIVE)")
 
     def close(self) -> None:
         with self._lock, self._readers_lock:
@@ -162,11 +171,21 @@ class Store:
         query, args = "SELECT * FROM nodes WHERE id > ? ORDER BY id", (after,)
         if limit is not None:
             query, args = query + " LIMIT ?", (after, limit)
-        return [_node(r) for r in self._read(query, args)]
+        return [self._node(r) for r in self._read(query, args)]
 
     def node(self, node_id: str) -> dict[str, Any] | None:
         rows = self._read("SELECT * FROM nodes WHERE id = ?", (node_id,))
-        return _node(rows[0]) if rows else None
+        return self._node(rows[0]) if rows else None
+
+    def _node(self, row: sqlite3.Row) -> dict[str, Any]:
+        # The scheduler reads every node every second; an inventory is parsed again only
+        # when its text changed, so thousands of nodes do not hold the GIL for long.
+        text = row["inventory"]
+        cached = self._inventories.get(row["id"])
+        if cached is None or cached[0] != text:
+            cached = self._inventories[row["id"]] = (text, json.loads(text))
+        return {"id": row["id"], "inventory": cached[1], "first_seen": row["first_seen"],
+                "last_seen": row["last_seen"], "serial": row["serial"]}
 
     def remove_node(self, node_id: str, why: str) -> list[str] | None:
         """Forget a node: stop its replicas with why, revoke its certificates. Returns the
@@ -187,6 +206,7 @@ class Store:
             db.execute("UPDATE replicas SET state = 'stopped', err = ?, updated = ? "
                        "WHERE node = ? AND state != 'stopped'", (why, now, node_id))
             db.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
+        self._inventories.pop(node_id, None)
         return sorted(serials)
 
     # --- certificates and join tokens ---
@@ -295,12 +315,3 @@ class Store:
         with self._tx() as db:
             db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
 
-
-def _node(row: sqlite3.Row) -> dict[str, Any]:
-    return {
-        "id": row["id"],
-        "inventory": json.loads(row["inventory"]),
-        "first_seen": row["first_seen"],
-        "last_seen": row["last_seen"],
-        "serial": row["serial"],
-    }
