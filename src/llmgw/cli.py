@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A line per request would bury what the command says.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.run(args)
     except Error as e:

@@ -143,3 +143,55 @@ def test_renewal_swaps_the_certificate_over_mtls(live_control_plane, tmp_path) -
     assert pki.key_matches(new, pki.load_key(tls.key))
     assert client.heartbeat({})["node_id"] == "n2"
     client.close()
+
+
+def test_an_agent_renews_a_certificate_that_expires_soon(live_control_plane, tmp_path) -> None:
+    from llmgw.agent.agent import Agent
+    from llmgw.agent.engine import LlamaCpp
+    from llmgw.agent.gpus import Discovery
+    from llmgw.config import AgentConfig, EngineConfig
+
+    cp = live_control_plane
+    cert, key = pki.issue_client(cp.ca, "n5", days=10).write(tmp_path, "n5")
+    tls = TLSFiles(ca=str(cp.pki_dir / "ca.pem"), cert=str(cert), key=str(key))
+    agent = Agent(AgentConfig(server=cp.url, node_id="n5", state_dir=str(tmp_path), tls=tls),
+                  engine=LlamaCpp(EngineConfig(cache_dir=str(tmp_path))),
+                  discover=lambda: Discovery())
+    agent.beat()  # registers
+    agent.beat()  # a member now: looks at its certificate, renews it
+    renewed = pki.load_cert(cert)
+    assert not pki.expires_within(renewed, 30) and pki.common_name(renewed) == "n5"
+    assert agent.client.heartbeat({})["node_id"] == "n5", "the new certificate is in use"
+    agent.client.close()
+
+
+def test_negative_control_a_certificate_far_from_expiry_is_kept(live_control_plane,
+                                                                 tmp_path) -> None:
+    from llmgw.agent.agent import Agent
+    from llmgw.agent.engine import LlamaCpp
+    from llmgw.agent.gpus import Discovery
+    from llmgw.config import AgentConfig, EngineConfig
+
+    cp = live_control_plane
+    cert, key = pki.issue_client(cp.ca, "n6").write(tmp_path, "n6")
+    before = pki.load_cert(cert).serial_number
+    agent = Agent(AgentConfig(server=cp.url, node_id="n6", state_dir=str(tmp_path),
+                              tls=TLSFiles(ca=str(cp.pki_dir / "ca.pem"), cert=str(cert),
+                                           key=str(key))),
+                  engine=LlamaCpp(EngineConfig(cache_dir=str(tmp_path))),
+                  discover=lambda: Discovery())
+    agent.beat()
+    agent.beat()
+    agent.client.close()
+    assert pki.load_cert(cert).serial_number == before
+
+
+def test_the_heartbeat_answer_names_the_mirror(tmp_path) -> None:
+    """A node finds the mirror through the control plane, not a local server.yaml."""
+    from llmgw.control.agent_api import AgentAPI
+    from llmgw.control.store import Store
+
+    store = Store(tmp_path / "db")
+    answer = AgentAPI(store, mirror_url="http://10.0.0.1:8081").heartbeat("n1", {})
+    store.close()
+    assert answer["mirror"] == "http://10.0.0.1:8081"

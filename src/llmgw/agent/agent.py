@@ -13,8 +13,8 @@ from typing import Any
 from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
 from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved
-from llmgw.agent.join import needs_renewal, renewal_request
 from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.join import needs_renewal, renewal_request
 from llmgw.agent.replicas import ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig

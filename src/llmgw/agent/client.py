@@ -11,8 +11,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import pki
-from llmgw.config import TLSFiles
 from llmgw._files import atomic_write
+from llmgw.config import TLSFiles
 from llmgw.control.agent_api import CRL_PATH, HEARTBEAT_PATH, RENEW_PATH, SELF_PATH
 from llmgw.errors import Error
 

@@ -8,7 +8,6 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Response
 from fastapi.responses import JSONResponse
-
 from pydantic import BaseModel, Field
 
 from llmgw.control.agent_api import token_hash

@@ -122,10 +122,6 @@ class AgentAPI:
             answer["mirror"] = self.mirror_url
         return answer
 
-    def assignments(self, node_id: str) -> list[dict[str, Any]]:
-        """The replicas this node should run, with what it needs to start each."""
-        return self.heartbeat(node_id, {})["replicas"]
-
     def _self(self, request: Request) -> Reply:
         node = self.store.node(request.peer.cn)
         if node is None:
