@@ -94,3 +94,15 @@ def test_the_log_is_checkpointed_off_the_writer(tmp_path: Path) -> None:
     store.checkpoint()
     assert len(Store(tmp_path / "db").nodes()) == 2000
     store.close()
+
+
+def test_a_changed_inventory_is_read_again_and_an_unchanged_one_is_not(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db")
+    store.record_heartbeat("n1", {"engines": []})
+    first = store.nodes()[0]["inventory"]
+    store.record_heartbeat("n1", {"engines": []})
+    assert store.nodes()[0]["inventory"] is first, "unchanged: the parsed copy is reused"
+    store.record_heartbeat("n1", {"engines": ["llamacpp"]})
+    assert store.nodes()[0]["inventory"] == {"engines": ["llamacpp"]}
+    assert store.node("n1")["inventory"] == {"engines": ["llamacpp"]}
+    store.close()

@@ -52,7 +52,13 @@ CREATE TABLE IF NOT EXISTS tokens (
     used_by TEXT NOT NULL DEFAULT ''
 );
 """
-_NODE_COLUMNS = {"serial": "TEXT NOT NULL DEFAULT ''"}
+# Added after the first release; an older database gains them on open.
+_NODE_COLUMNS = {
+    "serial": "TEXT NOT NULL DEFAULT ''",
+    # Counts changes of the inventory text, so readers fetch and parse only what changed.
+    "inv_version": "INTEGER NOT NULL DEFAULT 0",
+}
+_NODE_META = "id, first_seen, last_seen, serial, inv_version"
 
 
 class Store:
@@ -70,7 +76,7 @@ class Store:
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
-        self._inventories: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._inventories: dict[str, tuple[tuple[float, int], dict[str, Any]]] = {}
         self.clock = clock
         self._db.execute("PRAGMA journal_mode=WAL")
         # In WAL, NORMAL syncs at checkpoints, not on every commit: a heartbeat lost to a
@@ -138,6 +144,7 @@ class Store:
         db.execute(
             "INSERT INTO nodes (id, inventory, first_seen, last_seen, serial) "
             "VALUES (?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+            "inv_version = inv_version + (inventory != excluded.inventory), "
             "inventory=excluded.inventory, last_seen=excluded.last_seen, serial=excluded.serial",
             (node_id, json.dumps(inventory), now, now, serial),
         )
@@ -168,24 +175,30 @@ class Store:
 
     def nodes(self, limit: int | None = None, after: str = "") -> list[dict[str, Any]]:
         """Nodes by id: every one, or a page of at most limit with ids after `after`."""
-        query, args = "SELECT * FROM nodes WHERE id > ? ORDER BY id", (after,)
+        query, args = f"SELECT {_NODE_META} FROM nodes WHERE id > ? ORDER BY id", (after,)
         if limit is not None:
             query, args = query + " LIMIT ?", (after, limit)
-        return [self._node(r) for r in self._read(query, args)]
+        return self._with_inventories(self._read(query, args))
 
     def node(self, node_id: str) -> dict[str, Any] | None:
-        rows = self._read("SELECT * FROM nodes WHERE id = ?", (node_id,))
-        return self._node(rows[0]) if rows else None
+        found = self._with_inventories(
+            self._read(f"SELECT {_NODE_META} FROM nodes WHERE id = ?", (node_id,)))
+        return found[0] if found else None
 
-    def _node(self, row: sqlite3.Row) -> dict[str, Any]:
-        # The scheduler reads every node every second; an inventory is parsed again only
-        # when its text changed, so thousands of nodes do not hold the GIL for long.
-        text = row["inventory"]
-        cached = self._inventories.get(row["id"])
-        if cached is None or cached[0] != text:
-            cached = self._inventories[row["id"]] = (text, json.loads(text))
-        return {"id": row["id"], "inventory": cached[1], "first_seen": row["first_seen"],
-                "last_seen": row["last_seen"], "serial": row["serial"]}
+    def _with_inventories(self, rows: list[sqlite3.Row]) -> list[dict[str, Any]]:
+        # The scheduler reads every node every second: an inventory is fetched and parsed
+        # again only when its text changed, so thousands of nodes hold the GIL briefly.
+        cache = self._inventories
+        stale = [r["id"] for r in rows
+                 if cache.get(r["id"], (None,))[0] != (r["first_seen"], r["inv_version"])]
+        for start in range(0, len(stale), 500):
+            chunk = stale[start:start + 500]
+            for r in self._read("SELECT id, first_seen, inv_version, inventory FROM nodes "
+                                f"WHERE id IN ({', '.join('?' * len(chunk))})", tuple(chunk)):
+                cache[r["id"]] = ((r["first_seen"], r["inv_version"]), json.loads(r["inventory"]))
+        return [{"id": r["id"], "inventory": cache[r["id"]][1], "first_seen": r["first_seen"],
+                 "last_seen": r["last_seen"], "serial": r["serial"]}
+                for r in rows if r["id"] in cache]
 
     def remove_node(self, node_id: str, why: str) -> list[str] | None:
         """Forget a node: stop its replicas with why, revoke its certificates. Returns the
