@@ -123,6 +123,7 @@ class TLSServer:
         self._sock = self._listen(host, port)
         self._server: asyncio.base_events.Server | None = None
         self._conns: dict[asyncio.StreamWriter, Peer] = {}
+        self.accepted = 0  # connections served since start
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-api",
                                         daemon=True)
 
@@ -193,6 +194,7 @@ class TLSServer:
             writer.transport.abort()
             return
         self._conns[writer] = peer
+        self.accepted += 1
         try:
             await self._requests(reader, writer, peer)
         except (OSError, ssl.SSLError, asyncio.IncompleteReadError, TimeoutError):

@@ -232,7 +232,12 @@ class AgentAPIServer:
         return self._server.port
 
     def connections(self) -> int:
+        """Connections open now."""
         return self._server.connections()
+
+    def accepted(self) -> int:
+        """Connections served since start."""
+        return self._server.accepted
 
     def start(self) -> None:
         self._server.start()
