@@ -114,3 +114,16 @@ def test_negative_control_a_client_without_keepalive_connects_per_beat(
         for _ in range(3):
             http.post(f"https://127.0.0.1:{agent_api.port}{HEARTBEAT_PATH}", json={})
     assert agent_api.accepted() == 3
+
+
+def test_the_listen_backlog_holds_a_fleet_connecting_at_once(agent_api: AgentAPIServer) -> None:
+    """The old server's backlog was 5: connect timeouts at 2,000 nodes."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("ss"):
+        pytest.skip("no ss here (iproute2)")
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{agent_api.port}"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    # State, Recv-Q, Send-Q (the backlog of a listening socket), ...
+    assert int(out[2]) >= 2048, out
