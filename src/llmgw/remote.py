@@ -12,24 +12,30 @@ from typing import Any
 import testinfra
 
 CHECK_COMMAND = ("llmgw", "check", "--json")
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 
 
 @dataclass(frozen=True)
 class PromiseRecord:
-    """One promise on one host. `llmgw check --json` prints a JSON list of objects with
-    step, promise, ok and problem; unknown keys are kept in raw."""
+    """One promise on one host, as `llmgw check --json` prints it there: one JSON object a
+    line with step, promise, status (passed, failed or skipped) and message; unknown keys
+    are kept in raw."""
 
     host: str
     step: str
     promise: str
-    ok: bool
-    problem: str = ""
+    status: str
+    message: str = ""
     raw: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def ok(self) -> bool:
+        return self.status == PASSED
+
+    @property
     def test_id(self) -> str:
-        """The host in the id, so a failure says where: `a::node::agent certificate`."""
-        return f"{self.host}::{self.step}::{self.promise}"
+        """The host in the id, so a failure says where: `a::node/agent-cert`."""
+        return f"{self.host}::{self.step}/{self.promise}"
 
 
 def parse_hosts(option: str) -> list[str]:
@@ -54,16 +60,26 @@ def check_host(spec: str, *, command: tuple[str, ...] = CHECK_COMMAND,
         return [_unreachable(name, f"ssh to {spec} failed: {e}")]
     if result.rc == 255:
         return [_unreachable(name, f"ssh to {spec} failed (255): {result.stderr.strip()[-500:]}")]
-    try:
-        found = json.loads(result.stdout)
-        if not isinstance(found, list):
-            raise ValueError(f"a JSON {type(found).__name__}, not a list")
-    except ValueError as e:
+    found = _records(result.stdout)
+    if not found:
         return [_unreachable(name, f"`{shlex.join(command)}` on {spec} exited {result.rc} "
-                                   f"without the JSON list of promises ({e}): "
+                                   "without a JSON record of any promise: "
                                    f"{(result.stderr or result.stdout).strip()[-500:]}; is "
                                    "llmgw installed there, and new enough to have `check`?")]
-    return [_record(name, item) for item in found if isinstance(item, dict)]
+    return [_record(name, item) for item in found]
+
+
+def _records(stdout: str) -> list[dict[str, Any]]:
+    """The JSON objects of stdout, one a line; other lines (there should be none) are left."""
+    found = []
+    for line in stdout.splitlines():
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            found.append(item)
+    return found
 
 
 def check_hosts(specs: list[str], **backend: Any) -> list[PromiseRecord]:
@@ -72,11 +88,12 @@ def check_hosts(specs: list[str], **backend: Any) -> list[PromiseRecord]:
 
 
 def _record(host: str, item: dict[str, Any]) -> PromiseRecord:
+    status = str(item.get("status", ""))
     return PromiseRecord(host=host, step=str(item.get("step", "")),
-                         promise=str(item.get("promise", "")), ok=bool(item.get("ok")),
-                         problem=str(item.get("problem") or ""), raw=item)
+                         promise=str(item.get("promise", "")),
+                         status=status if status in (PASSED, SKIPPED) else FAILED,
+                         message=str(item.get("message") or ""), raw=item)
 
 
 def _unreachable(host: str, why: str) -> PromiseRecord:
-    return PromiseRecord(host=host, step="ssh", promise="the host answers its checks",
-                         ok=False, problem=why)
+    return PromiseRecord(host=host, step="ssh", promise="answers", status=FAILED, message=why)

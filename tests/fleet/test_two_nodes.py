@@ -75,7 +75,7 @@ def _live(admin: AdminClient) -> list[dict[str, Any]]:
 
 
 def test_two_nodes_serve_a_min_two_model_and_survive_losing_one(
-    fleet: dict[str, Any], tiny_gguf: tuple[Path, str]
+    fleet: dict[str, Any], served_gguf: tuple[str, str]
 ) -> None:
     admin, cp, agents = fleet["admin"], fleet["cp"], fleet["agents"]
     ready = until("both nodes ready with llamacpp",
@@ -85,8 +85,8 @@ def test_two_nodes_serve_a_min_two_model_and_survive_losing_one(
     assert not list(fleet["b"].rglob("ca-key.pem"))
     assert (fleet["b"] / "pki" / "agent-key.pem").stat().st_mode & 0o777 == 0o600
 
-    path, digest = tiny_gguf
-    admin.add_model({"name": "tiny", "source": path.as_uri(), "sha256": digest,
+    source, digest = served_gguf
+    admin.add_model({"name": "tiny", "source": source, "sha256": digest,
                      "scaling": {"min": 2, "max": 2},
                      "profiles": [{"name": "cpu", "engine": "llamacpp",
                                    "args": ["--ctx-size", "512", "--threads", "1"]}]})

@@ -75,9 +75,11 @@ class AgentClient:
         """Send the inventory; the answer holds node_id (from the certificate) and replicas."""
         return self._call("POST", HEARTBEAT_PATH, json=inventory)
 
-    def node(self) -> dict[str, Any]:
-        """This node's record as the control plane sees it (GET /api/v1/agent/self)."""
-        return self._call("GET", SELF_PATH)
+    def node(self) -> dict[str, Any] | None:
+        """This node's record as the control plane sees it (GET /api/v1/agent/self); None
+        until it has sent a heartbeat."""
+        response = self._send_or_raise("GET", SELF_PATH)
+        return None if response.status_code == 404 else self._body(response)
 
     def renew(self, key_pem: bytes, csr_pem: bytes) -> None:
         """Swap this node's certificate for a new one over the current mTLS connection; the
@@ -116,8 +118,11 @@ class AgentClient:
             cert.serial_number) is not None
 
     def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        return self._body(self._send_or_raise(method, path, **kw))
+
+    def _send_or_raise(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
-            response = self._send(method, path, **kw)
+            return self._send(method, path, **kw)
         except httpx.HTTPError as e:
             if _REVOKED in str(e).upper().replace(" ", "_") or self._revoked():
                 raise NodeRemoved(
@@ -128,6 +133,8 @@ class AgentClient:
             raise AgentAPIError(
                 f"the control plane at {self.server} did not answer: {e or type(e).__name__}"
             ) from e
+
+    def _body(self, response: httpx.Response) -> dict[str, Any]:
         if response.status_code != 200:
             raise AgentAPIError(
                 f"the control plane at {self.server} answered {response.status_code}: "
