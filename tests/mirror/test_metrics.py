@@ -16,12 +16,18 @@ def metric(text: str, line_start: str) -> float:
     return float(found[0].rsplit(" ", 1)[1])
 
 
+def _metrics(mirror) -> str:  # type: ignore[no-untyped-def]
+    """/metrics with the admin token (every management path but /health needs it)."""
+    return httpx.get(f"{mirror.api_url}/metrics",
+                     headers={"Authorization": f"Bearer {mirror.token}"}).text
+
+
 def test_metrics_count_downloads_by_state_and_the_bytes_served(start_mirror, tmp_path) -> None:
     data = os.urandom(100_000)
     src = tmp_path / "w.gguf"
     src.write_bytes(data)
-    mirror = start_mirror()
-    before = httpx.get(f"{mirror.api_url}/metrics").text
+    mirror = start_mirror(import_dirs=(tmp_path,))
+    before = _metrics(mirror)
     assert metric(before, 'llmgw_mirror_downloads{state="present"}') == 0
     assert metric(before, "llmgw_mirror_served_bytes_total") == 0
     with mirror.client() as api:
@@ -31,7 +37,7 @@ def test_metrics_count_downloads_by_state_and_the_bytes_served(start_mirror, tmp
     assert httpx.get(done.url).content == data
     assert httpx.get(done.url, headers={"Range": "bytes=0-9"}).status_code == 206
     assert httpx.get(done.url + "-nope").status_code == 404
-    text = httpx.get(f"{mirror.api_url}/metrics").text
+    text = _metrics(mirror)
     assert metric(text, 'llmgw_mirror_downloads{state="present"}') == 1
     assert metric(text, "llmgw_mirror_served_bytes_total") == len(data) + 10
     assert metric(text, 'llmgw_mirror_responses_total{status="404"}') == 1
