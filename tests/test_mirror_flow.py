@@ -32,8 +32,9 @@ def test_mirror_provisions_keeps_and_checks_fail_when_it_stops(make_host) -> Non
     etc = host.state_dir / "etc"
     api = f"http://127.0.0.1:{host.ports['mirror-api']}"
     listen = f"127.0.0.1:{host.ports['mirror']}"
+    # url: where nodes download from, told to every node with its heartbeat's answer.
     assert yaml.safe_load((etc / "server.yaml").read_text())["mirror"] == {
-        "api": api, "listen": listen}
+        "api": api, "listen": listen, "url": f"http://{listen}"}
     backups = list(etc.glob("server.yaml.bak-*"))
     assert len(backups) == 1 and "mirror" not in yaml.safe_load(backups[0].read_text())
 
@@ -45,6 +46,16 @@ def test_mirror_provisions_keeps_and_checks_fail_when_it_stops(make_host) -> Non
     assert second.returncode == 0, second.output
     assert second.steps and "done" not in second.statuses(), second.steps
     assert len(list(etc.glob("server.yaml.bak-*"))) == 1, "a second run rewrote server.yaml"
+
+    # A host provisioned before mirror.url existed gets it on its next run.
+    server_yaml = etc / "server.yaml"
+    server_yaml.write_text("".join(line for line in server_yaml.read_text().splitlines(True)
+                                   if not line.strip().startswith("url:")))
+    third = host.provision(*MIRROR_ONLY)
+    assert third.returncode == 0, third.output
+    assert any("tells nodes the mirror is at" in line for line in third.lines("done")), \
+        third.steps
+    assert yaml.safe_load(server_yaml.read_text())["mirror"]["url"] == f"http://{listen}"
 
     _stop_mirror(host)
     broken = host.checks()

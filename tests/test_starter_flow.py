@@ -118,6 +118,10 @@ def test_unknown_model_404_and_a_model_pinned_nowhere_stays_pending_with_503(hos
     try:
         pending = until("a pending replica", lambda: replicas(host, "pinned-nowhere"), 15)
         assert pending[0]["state"] == "pending" and "zone=mars" in pending[0]["err"]
+        # The gateway reads the catalog at most every 0.5 s: the scheduler may be quicker.
+        ask = {"model": "pinned-nowhere", "messages": [{"role": "user", "content": "x"}]}
+        until("the gateway to know pinned-nowhere", lambda: httpx.post(
+            f"{gateway(host)}/v1/chat/completions", json=ask, timeout=10).status_code != 404, 5)
         with pytest.raises(openai.InternalServerError) as err:
             client.chat.completions.create(model="pinned-nowhere",
                                            messages=[{"role": "user", "content": "x"}])

@@ -79,6 +79,35 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_create(args: argparse.Namespace) -> int:
+    import datetime as dt
+
+    from llmgw.fleet import create_token, parse_ttl
+    from llmgw.layout import Layout
+
+    made = create_token(Layout.for_mode(args.mode, args.state_dir), parse_ttl(args.ttl))
+    expires = dt.datetime.fromtimestamp(made.expires, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    print(f"a single-use join token, valid until {expires}; on the new machine run:")
+    print(made.line)
+    return 0
+
+
+def _node_rm(args: argparse.Namespace) -> int:
+    from llmgw.fleet import remove_node
+    from llmgw.layout import Layout
+
+    serials = remove_node(Layout.for_mode(args.mode, args.state_dir), args.node_id)
+    print(f"removed {args.node_id}: its replicas drain elsewhere and its certificate "
+          f"({', '.join(serials) or 'none issued'}) is refused from now on")
+    return 0
+
+
+def _host_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", default="auto", choices=("auto", "system", "local"),
+                        help="where the host's files are (as for pytest provision/)")
+    parser.add_argument("--state-dir", default=None, help="local mode's state dir")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmgw", description=__doc__)
     parser.add_argument("--version", action="version", version=f"llmgw {__version__}")
@@ -133,6 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("pytest_args", nargs="*", metavar="PYTEST_ARG",
                        help="more pytest arguments after --, e.g. -- -k pki")
     check.set_defaults(run=_check)
+
+    token = sub.add_parser("token", help="join tokens for new machines")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", help="a single-use join token and the join line")
+    create.add_argument("--ttl", default="1h", help="how long it is valid (90s, 15m, 1h, 2d)")
+    _host_options(create)
+    create.set_defaults(run=_token_create)
+
+    node = sub.add_parser("node", help="the nodes of this control plane")
+    node_sub = node.add_subparsers(dest="node_command", required=True)
+    rm = node_sub.add_parser("rm", help="remove a node: drain it and refuse its certificate")
+    rm.add_argument("node_id")
+    _host_options(rm)
+    rm.set_defaults(run=_node_rm)
 
     down = sub.add_parser("down", help="stop everything a local-mode host runs")
     down.add_argument("--state-dir", required=True, help="the host's state dir")

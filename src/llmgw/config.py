@@ -55,6 +55,9 @@ class MirrorRef(_Section):
 
     api: StrictStr = ""
     listen: StrictStr = ""
+    # The bytes server's URL as nodes reach it (http://ADDR:PORT); told to every node in
+    # its heartbeat answer, so a node needs no server.yaml to find the mirror.
+    url: StrictStr = ""
 
 
 class ServerConfig(_Section):
@@ -67,6 +70,9 @@ class ServerConfig(_Section):
     # The address nodes use to reach the agent API; first --advertise name.
     advertise: StrictStr = ""
     tls: TLSFiles = Field(default_factory=TLSFiles)
+    # The CA key signs joining nodes' CSRs and the revocation list; "" means ca-key.pem
+    # beside tls.ca.
+    ca_key: StrictStr = ""
     node_timeout_s: float = Field(default=30.0, gt=0)
     # Bearer tokens of the gateway; a number in YAML (`- 12345`) is refused: quote it.
     tokens: list[StrictStr] = Field(default_factory=list)
@@ -111,6 +117,8 @@ class AgentConfig(_Section):
     labels: Annotated[dict[StrictStr, StrictStr], BeforeValidator(_labels)] = Field(
         default_factory=dict)
     heartbeat_s: float = Field(default=5.0, gt=0)
+    # Renew the node's certificate (a CSR over mTLS) when it expires within this many days.
+    renew_before_days: float = Field(default=30.0, gt=0)
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
 

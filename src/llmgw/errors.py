@@ -8,6 +8,8 @@ Error
  ├── agent._build.BuildError
  ├── agent.engine.EngineUnavailable
  ├── agent.client.AgentAPIError
+ │    └── agent.client.NodeRemoved (the control plane revoked this node's certificate)
+ ├── agent.join.JoinError
  ├── waiting.WaitTimeout (also an AssertionError)
  └── APIError (an llmgw API did not answer, or refused)
       ├── control.client.ControlPlaneError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -97,15 +98,13 @@ def _general_name(name: str) -> x509.GeneralName:
         return x509.DNSName(name)
 
 
-def _issue(
-    ca: KeyPair, cn: str, usage: x509.ObjectIdentifier, sans: list[str], days: int
-) -> KeyPair:
-    key = ec.generate_private_key(ec.SECP256R1())
-    builder = (
+def _builder(ca: KeyPair, cn: str, usage: x509.ObjectIdentifier,
+             public: ec.EllipticCurvePublicKey, days: int) -> x509.CertificateBuilder:
+    return (
         x509.CertificateBuilder()
         .subject_name(_name(cn))
         .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
+        .public_key(public)
         .serial_number(x509.random_serial_number())
         .not_valid_before(_now() - _BACKDATE)
         .not_valid_after(_now() + dt.timedelta(days=days))
@@ -124,6 +123,13 @@ def _issue(
             critical=False,
         )
     )
+
+
+def _issue(
+    ca: KeyPair, cn: str, usage: x509.ObjectIdentifier, sans: list[str], days: int
+) -> KeyPair:
+    key = new_key()
+    builder = _builder(ca, cn, usage, key.public_key(), days)
     if sans:
         unique = list(dict.fromkeys(sans))
         builder = builder.add_extension(
@@ -225,3 +231,66 @@ def expires_within(cert: x509.Certificate, days: int) -> bool:
 def key_matches(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> bool:
     fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     return cert.public_key().public_bytes(*fmt) == key.public_key().public_bytes(*fmt)
+
+
+# --- joining and renewing: the node makes its key, the control plane signs a CSR ---
+
+
+def new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def make_csr(key: ec.EllipticCurvePrivateKey, common_name: str) -> bytes:
+    """A PEM certificate request for common_name; the key never leaves the caller."""
+    csr = x509.CertificateSigningRequestBuilder().subject_name(_name(common_name))
+    return csr.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def sign_csr(ca: KeyPair, csr_pem: bytes, common_name: str,
+             days: int = LEAF_DAYS) -> x509.Certificate:
+    """A clientAuth certificate for the CSR's key, with CN = common_name whatever the CSR
+    asks: the control plane decides who a node is."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as e:
+        raise PKIError(f"the certificate request is not a PEM CSR: {e}") from e
+    if not csr.is_signature_valid:
+        raise PKIError("the certificate request's signature does not match its key")
+    public = csr.public_key()
+    if not isinstance(public, ec.EllipticCurvePublicKey):
+        raise PKIError(f"the certificate request holds a {type(public).__name__}; "
+                       "llmgw signs EC P-256 keys only")
+    return _builder(ca, common_name, ExtendedKeyUsageOID.CLIENT_AUTH, public, days).sign(
+        ca.key, hashes.SHA256()
+    )
+
+
+def serial_hex(cert: x509.Certificate) -> str:
+    """The serial as Python's ssl module writes it in getpeercert(): upper-case hex."""
+    return format(cert.serial_number, "X")
+
+
+def ca_hash(ca_cert: x509.Certificate) -> str:
+    """kubeadm's CA pin: sha256 of the CA's DER SubjectPublicKeyInfo, as sha256:HEX."""
+    spki = ca_cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return "sha256:" + hashlib.sha256(spki).hexdigest()
+
+
+def make_crl(ca: KeyPair, serials: list[str], days: int = CA_DAYS,
+             last_update: dt.datetime | None = None) -> bytes:
+    """A PEM revocation list of the serials (upper-case hex), signed by the CA."""
+    now = _now()
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca.cert.subject)
+        .last_update(last_update or now - _BACKDATE)
+        .next_update(min(now + dt.timedelta(days=days), ca.cert.not_valid_after_utc))
+    )
+    for serial in sorted(set(serials)):
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(int(serial, 16))
+            .revocation_date(now - _BACKDATE).build()
+        )
+    return builder.sign(ca.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)

@@ -25,9 +25,18 @@ class ControlPlane:
     # The admin token the admin client sends; anonymous() is a client without it.
     token: str
     app: object
+    server: AgentAPIServer
 
     def anonymous(self) -> TestClient:
         return TestClient(self.app)
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.agent_port}"
+
+    @property
+    def ca_hash(self) -> str:
+        return pki.ca_hash(self.ca.cert)
 
     def client_cert(self, cn: str, ca: pki.KeyPair | None = None) -> tuple[str, str]:
         """Write a client certificate for cn (from ca, the cluster CA by default)."""
@@ -39,23 +48,25 @@ class ControlPlane:
 @pytest.fixture
 def live_control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
     """Function: a control plane on a temp SQLite db; admin app via TestClient (sending the
-    admin token), agent API live."""
+    admin token), agent API live (with the CA key: it admits joins and refuses removed nodes
+    at the handshake)."""
     ca = pki.create_ca()
     ca.write(tmp_path, "ca")
     pki.issue_server(ca, ["127.0.0.1", "localhost"]).write(tmp_path, "server")
     store = Store(tmp_path / "control.db")
-    ctx = mtls_context(str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
-                       str(tmp_path / "server-key.pem"))
-    agent_api = AgentAPIServer("127.0.0.1", 0, ctx, AgentAPI(store))
+    tls = (str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
+           str(tmp_path / "server-key.pem"))
+    agent_api = AgentAPIServer("127.0.0.1", 0, mtls_context(*tls), AgentAPI(store, ca), tls=tls)
     agent_api.start()
     token_path = tmp_path / "etc" / admin_token.TOKEN_FILE
     admin_token.ensure(token_path)
     token = admin_token.read_token(token_path)
     app = make_admin_app(store, node_timeout_s=30.0,
-                         token_hash=admin_token.hash_path_for(token_path))
+                         token_hash=admin_token.hash_path_for(token_path),
+                         on_node_removed=agent_api.revoke)
     admin = TestClient(app, headers={"Authorization": f"Bearer {token}"})
     try:
-        yield ControlPlane(store, admin, agent_api.port, ca, tmp_path, token, app)
+        yield ControlPlane(store, admin, agent_api.port, ca, tmp_path, token, app, agent_api)
     finally:
         agent_api.stop()
         store.close()

@@ -113,3 +113,20 @@ def test_anonymous_writes_are_refused_and_change_nothing(live_control_plane) -> 
 
 def test_healthz_needs_no_token(live_control_plane) -> None:
     assert live_control_plane.anonymous().get("/healthz").json() == {"status": "ok"}
+
+
+def test_nodes_paging_is_opt_in(live_control_plane) -> None:
+    cp = live_control_plane
+    for n in ["a", "b", "c"]:
+        cp.store.record_heartbeat(n, {})
+    assert [n["id"] for n in cp.admin.get("/api/v1/nodes").json()] == ["a", "b", "c"]
+    page = cp.admin.get("/api/v1/nodes", params={"limit": 2}).json()
+    assert [n["id"] for n in page] == ["a", "b"]
+    rest = cp.admin.get("/api/v1/nodes", params={"limit": 2, "after": "b"}).json()
+    assert [n["id"] for n in rest] == ["c"]
+    assert cp.admin.get("/api/v1/nodes", params={"limit": 0}).status_code == 422
+
+
+def test_tokens_need_a_positive_ttl(live_control_plane) -> None:
+    r = live_control_plane.admin.post("/api/v1/tokens", json={"ttl_s": 0})
+    assert r.status_code == 422

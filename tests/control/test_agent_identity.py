@@ -81,3 +81,49 @@ def test_agent_refuses_a_server_from_another_ca(
     with pytest.raises(AgentAPIError):
         client.heartbeat({})
     client.close()
+
+
+def test_the_agent_keeps_one_connection_across_beats(
+    tmp_path: Path, cluster: dict[str, pki.KeyPair], agent_api: AgentAPIServer
+) -> None:
+    """A TLS handshake per beat is what capped the node count: beats share a connection,
+    and it outlives the heartbeat interval."""
+    from llmgw.agent.client import KEEPALIVE_S
+    from llmgw.config import AgentConfig
+
+    assert KEEPALIVE_S > AgentConfig().heartbeat_s
+    client = AgentClient(f"https://127.0.0.1:{agent_api.port}",
+                         node_tls(tmp_path, cluster["ca"], "node-a", "node-a"))
+    for _ in range(5):
+        client.heartbeat({})
+    client.close()
+    assert agent_api.accepted() == 1
+
+
+def test_negative_control_a_client_without_keepalive_connects_per_beat(
+    tmp_path: Path, cluster: dict[str, pki.KeyPair], agent_api: AgentAPIServer
+) -> None:
+    import httpx
+
+    from llmgw.agent.client import client_context
+    from llmgw.control.agent_api import HEARTBEAT_PATH
+
+    tls = node_tls(tmp_path, cluster["ca"], "node-a", "node-a")
+    with httpx.Client(verify=client_context(tls),
+                      limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        for _ in range(3):
+            http.post(f"https://127.0.0.1:{agent_api.port}{HEARTBEAT_PATH}", json={})
+    assert agent_api.accepted() == 3
+
+
+def test_the_listen_backlog_holds_a_fleet_connecting_at_once(agent_api: AgentAPIServer) -> None:
+    """The old server's backlog was 5: connect timeouts at 2,000 nodes."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("ss"):
+        pytest.skip("no ss here (iproute2)")
+    out = subprocess.run(["ss", "-ltnH", f"sport = :{agent_api.port}"], capture_output=True,
+                         text=True, check=True).stdout.split()
+    # State, Recv-Q, Send-Q (the backlog of a listening socket), ...
+    assert int(out[2]) >= 2048, out

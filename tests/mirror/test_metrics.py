@@ -16,23 +16,29 @@ def metric(text: str, line_start: str) -> float:
     return float(found[0].rsplit(" ", 1)[1])
 
 
+def _metrics(mirror) -> str:  # type: ignore[no-untyped-def]
+    """/metrics with the admin token (every management path but /health needs it)."""
+    return httpx.get(f"{mirror.api_url}/metrics",
+                     headers={"Authorization": f"Bearer {mirror.token}"}).text
+
+
 def test_metrics_count_downloads_by_state_and_the_bytes_served(start_mirror, tmp_path) -> None:
     data = os.urandom(100_000)
     src = tmp_path / "w.gguf"
     src.write_bytes(data)
-    mirror = start_mirror()
+    mirror = start_mirror(import_dirs=(tmp_path,))
     assert httpx.get(f"{mirror.api_url}/metrics").status_code == 401  # it needs the token
-    auth = {"Authorization": f"Bearer {mirror.token}"}
-    before = httpx.get(f"{mirror.api_url}/metrics", headers=auth).text
+    before = _metrics(mirror)
     assert metric(before, 'llmgw_mirror_downloads{state="present"}') == 0
     assert metric(before, "llmgw_mirror_served_bytes_total") == 0
     with mirror.client() as api:
-        api.upload(src, model="m", version="v1", sha256=hashlib.sha256(data).hexdigest())
+        api.fetch(source=src.as_uri(), model="m", version="v1",
+                  sha256=hashlib.sha256(data).hexdigest())
     done = mirror.wait_for("m", "v1", PRESENT)
     assert httpx.get(done.url).content == data
     assert httpx.get(done.url, headers={"Range": "bytes=0-9"}).status_code == 206
     assert httpx.get(done.url + "-nope").status_code == 404
-    text = httpx.get(f"{mirror.api_url}/metrics", headers=auth).text
+    text = _metrics(mirror)
     assert metric(text, 'llmgw_mirror_downloads{state="present"}') == 1
     assert metric(text, "llmgw_mirror_served_bytes_total") == len(data) + 10
     assert metric(text, 'llmgw_mirror_responses_total{status="404"}') == 1

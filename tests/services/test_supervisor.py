@@ -50,3 +50,19 @@ def test_stop_daemon_stops_programs(supervisor: Supervisor) -> None:
     assert not supervisor.daemon_running()
     assert not Path(f"/proc/{pid}").exists()
     assert not supervisor.stop_daemon(), "a second stop finds nothing running"
+
+
+def test_programs_inherit_a_raised_open_file_limit(supervisor: Supervisor) -> None:
+    """supervisord raises its limit to minfds and its programs inherit it."""
+    from llmgw.services._supervisor import open_files_limit
+
+    out = supervisor.root / "nofile"
+    code = f"import resource; open({str(out)!r}, 'w').write(str(resource.getrlimit(7)[0]))"
+    supervisor.ensure(ServiceSpec(name="limits", description="limits",
+                                  command=[sys.executable, "-c", code + "; import time; "
+                                           "time.sleep(60)"]))
+    import time
+    deadline = time.monotonic() + 10
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert int(out.read_text()) >= min(open_files_limit(), 4096)

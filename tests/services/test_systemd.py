@@ -55,3 +55,11 @@ def test_unit_is_written_only_when_it_differs_and_the_old_kept(tmp_path) -> None
     assert systemd.write_unit(SPEC)
     assert (tmp_path / "llmgw-test.service.bak").read_text().endswith("# edited by a person\n")
     assert path.read_text() == render_unit(SPEC)
+
+
+def test_units_may_open_enough_files_for_a_fleet() -> None:
+    """The agent API holds a socket per node: 1,024 open files would cap the fleet."""
+    assert "LimitNOFILE=65536\n" in render_unit(SPEC)
+    own = ServiceSpec(name="x", description="x", command=["x"],
+                      systemd_service=["LimitNOFILE=8"])
+    assert render_unit(own).count("LimitNOFILE") == 1

@@ -12,8 +12,9 @@ from typing import Any
 
 from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
-from llmgw.agent.client import AgentAPIError, AgentClient
+from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved
 from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.join import needs_renewal, renewal_request
 from llmgw.agent.replicas import ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
@@ -21,6 +22,8 @@ from llmgw.config import AgentConfig
 log = logging.getLogger("llmgw.agent")
 
 MAX_BACKOFF_S = 15.0
+# How often the agent looks at its certificate's expiry.
+RENEW_CHECK_S = 3600.0
 
 
 def backoff_s(heartbeat_s: float, failures: int) -> float:
@@ -53,6 +56,9 @@ class Agent:
         self.workload: Workload = workload or NoReplicas()
         self.failures = 0
         self.registered = False
+        # Why the control plane refused this node for good ("" while it is a member).
+        self.removed = ""
+        self._renew_checked = float("-inf")
 
     def inventory(self) -> dict[str, Any]:
         """The heartbeat body (DESIGN.md); the control plane names the node by its cert."""
@@ -82,10 +88,39 @@ class Agent:
             )
         return found
 
+    def renew_if_due(self) -> bool:
+        """Renew this node's certificate through the control plane when it expires within
+        renew_before_days; returns whether it did."""
+        now = time.monotonic()
+        if now - self._renew_checked < RENEW_CHECK_S:
+            return False
+        self._renew_checked = now
+        cert = self.config.tls.cert
+        if not cert or not Path(cert).is_file():
+            return False  # the heartbeat says what is wrong with the TLS files
+        if not needs_renewal(cert, self.config.renew_before_days):
+            return False
+        key_pem, csr = renewal_request(self.config.node_id)
+        try:
+            self.client.renew(key_pem, csr)
+        except AgentAPIError as e:
+            log.warning("renewing this node's certificate failed: %s; trying again in %.0fs",
+                        e, RENEW_CHECK_S)
+            return False
+        log.info("renewed this node's certificate (%s)", self.config.tls.cert)
+        return True
+
     def beat(self) -> float:
         """One heartbeat; returns how long to wait before the next."""
         try:
+            if self.registered:
+                self.renew_if_due()
             answer = self.client.heartbeat(self.inventory())
+        except NodeRemoved as e:
+            self.removed = str(e)
+            log.error("%s; stopping this node's engines", e)
+            self.workload.reconcile([])
+            return self.config.heartbeat_s
         except AgentAPIError as e:
             self.failures += 1
             if self.failures == 1:
@@ -117,7 +152,7 @@ class Agent:
             log.warning("%s", warning)
         self.engine.start()
         try:
-            while not stop.is_set():
+            while not stop.is_set() and not self.removed:
                 self._pause(stop, self.beat())
         finally:
             self.engine.stop()

@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 from typing import Any
 
 import httpx
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
 
+from llmgw import pki
+from llmgw._files import atomic_write
 from llmgw.config import TLSFiles
-from llmgw.control.agent_api import HEARTBEAT_PATH
+from llmgw.control.agent_api import CRL_PATH, HEARTBEAT_PATH, RENEW_PATH, SELF_PATH
 from llmgw.errors import Error
 
 
 class AgentAPIError(Error):
     """The control plane's agent API could not be reached, refused us, or answered wrongly."""
+
+
+class NodeRemoved(AgentAPIError):
+    """The control plane revoked this node's certificate: it was removed from the cluster."""
+
+
+# Longer than any heartbeat interval: the connection is kept from beat to beat, not made
+# again each time (a TLS handshake per beat is what capped the node count).
+KEEPALIVE_S = 120.0
+_REVOKED = "CERTIFICATE_REVOKED"
 
 
 def client_context(tls: TLSFiles) -> ssl.SSLContext:
@@ -41,22 +56,85 @@ class AgentClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.server = server.rstrip("/")
-        verify: ssl.SSLContext | bool = client_context(tls) if transport is None else True
-        self._http = httpx.Client(
-            base_url=self.server, verify=verify, timeout=timeout, transport=transport
-        )
+        self.tls = tls
+        self._timeout = timeout
+        self._transport = transport
+        self._http = self._client()
+
+    def _client(self) -> httpx.Client:
+        verify: ssl.SSLContext | bool = (client_context(self.tls) if self._transport is None
+                                         else True)
+        limits = httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_S)
+        return httpx.Client(base_url=self.server, verify=verify, timeout=self._timeout,
+                            transport=self._transport, limits=limits)
 
     def close(self) -> None:
         self._http.close()
 
     def heartbeat(self, inventory: dict[str, Any]) -> dict[str, Any]:
         """Send the inventory; the answer holds node_id (from the certificate) and replicas."""
+        return self._call("POST", HEARTBEAT_PATH, json=inventory)
+
+    def node(self) -> dict[str, Any] | None:
+        """This node's record as the control plane sees it (GET /api/v1/agent/self); None
+        until it has sent a heartbeat."""
+        response = self._send_or_raise("GET", SELF_PATH)
+        return None if response.status_code == 404 else self._body(response)
+
+    def renew(self, key_pem: bytes, csr_pem: bytes) -> None:
+        """Swap this node's certificate for a new one over the current mTLS connection; the
+        new key and certificate replace the files in tls, then new connections use them."""
+        answer = self._call("POST", RENEW_PATH, json={"csr": csr_pem.decode()})
+        atomic_write(self.tls.key + ".new", key_pem, mode=0o600)
+        atomic_write(self.tls.cert, answer["cert"], mode=0o644)
+        Path(self.tls.key + ".new").replace(self.tls.key)
+        self._http.close()
+        self._http = self._client()
+
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
-            response = self._http.post(HEARTBEAT_PATH, json=inventory)
+            return self._http.request(method, path, **kw)
+        except httpx.RemoteProtocolError:
+            # A kept-alive connection the server closed while idle (or because it dropped
+            # this node): one fresh connection says which.
+            return self._http.request(method, path, **kw)
+
+    def _revoked(self) -> bool:
+        """Whether the control plane's revocation list, signed by the cluster CA, names
+        this node's certificate; False when that cannot be told."""
+        try:
+            ctx = ssl.create_default_context(cafile=self.tls.ca)
+            with httpx.Client(verify=ctx, timeout=self._timeout,
+                              transport=self._transport) as anonymous:
+                crl_pem = anonymous.get(f"{self.server}{CRL_PATH}").json()["crl"]
+            crl = x509.load_pem_x509_crl(crl_pem.encode())
+            ca, cert = pki.load_cert(self.tls.ca), pki.load_cert(self.tls.cert)
+            public = ca.public_key()
+            signed = isinstance(public, ec.EllipticCurvePublicKey) and crl.is_signature_valid(
+                public)
+        except (httpx.HTTPError, OSError, ssl.SSLError, ValueError, KeyError, pki.PKIError):
+            return False
+        return signed and crl.get_revoked_certificate_by_serial_number(
+            cert.serial_number) is not None
+
+    def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        return self._body(self._send_or_raise(method, path, **kw))
+
+    def _send_or_raise(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            return self._send(method, path, **kw)
         except httpx.HTTPError as e:
+            if _REVOKED in str(e).upper().replace(" ", "_") or self._revoked():
+                raise NodeRemoved(
+                    f"the control plane at {self.server} refused this node's certificate as "
+                    "revoked: the node was removed (llmgw node rm). Join it again with a new "
+                    "token to serve"
+                ) from e
             raise AgentAPIError(
                 f"the control plane at {self.server} did not answer: {e or type(e).__name__}"
             ) from e
+
+    def _body(self, response: httpx.Response) -> dict[str, Any]:
         if response.status_code != 200:
             raise AgentAPIError(
                 f"the control plane at {self.server} answered {response.status_code}: "

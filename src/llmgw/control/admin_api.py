@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import FastAPI, HTTPException, Query, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
 
 from llmgw.admin_token import RequireAdminToken
+from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import Model
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
@@ -29,7 +33,7 @@ def replica_log(store: Store, rid: str, n: int) -> dict[str, Any]:
     replica = next((r for r in store.replicas() if r["id"] == rid), None)
     if replica is None:
         raise HTTPException(404, f"no replica {rid!r}; GET /api/v1/replicas lists them")
-    node = next((x for x in store.nodes() if x["id"] == replica["node"]), None)
+    node = store.node(replica["node"]) if replica["node"] else None
     logs = (node or {}).get("inventory", {}).get("replica_logs") or {}
     if rid not in logs:
         raise HTTPException(404, f"node {replica['node'] or '(none)'} has sent no log for "
@@ -38,10 +42,20 @@ def replica_log(store: Store, rid: str, n: int) -> dict[str, Any]:
     return {"replica": rid, "node": replica["node"], "lines": logs[rid][-n:] if n > 0 else []}
 
 
-def make_admin_app(store: Store, *, node_timeout_s: float, token_hash: Path | None,
-                   metrics: ControlPlaneMetrics | None = None) -> FastAPI:
+class TokenRequest(BaseModel):
+    ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
+
+
+def make_admin_app(
+    store: Store, *, node_timeout_s: float, token_hash: Path | None,
+    metrics: ControlPlaneMetrics | None = None,
+    on_node_removed: Callable[[list[str]], None] = lambda serials: None,
+) -> FastAPI:
     """The admin API; every path but /healthz needs the admin token whose sha256 is in
-    token_hash (with none, every such request is refused), /metrics too."""
+    token_hash (with none, every such request is refused), /metrics too.
+
+    on_node_removed gets a removed node's certificate serials (the agent API refuses
+    them from then on)."""
     app = FastAPI(title="llmgw admin API", version="1")
     app.add_middleware(RequireAdminToken, hash_path=token_hash)
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
@@ -62,9 +76,26 @@ def make_admin_app(store: Store, *, node_timeout_s: float, token_hash: Path | No
         return {"status": "ok"}
 
     @app.get("/api/v1/nodes")
-    def nodes() -> list[dict[str, Any]]:
+    def nodes(limit: int | None = Query(None, ge=1, le=10000),
+              after: str = "") -> list[dict[str, Any]]:
+        """Every node by id; with limit, a page of nodes after the id `after`."""
         now = store.clock()
-        return [node_view(n, now, node_timeout_s) for n in store.nodes()]
+        return [node_view(n, now, node_timeout_s) for n in store.nodes(limit, after)]
+
+    @app.delete("/api/v1/nodes/{node_id}")
+    def remove_node(node_id: str) -> dict[str, Any]:
+        serials = store.remove_node(node_id, f"node {node_id} was removed")
+        if serials is None:
+            raise HTTPException(404, f"no node {node_id!r}; GET /api/v1/nodes lists them")
+        on_node_removed(serials)
+        return {"id": node_id, "revoked": serials}
+
+    @app.post("/api/v1/tokens", status_code=201)
+    def create_token(request: TokenRequest) -> dict[str, Any]:
+        """A single-use join token; only its hash is kept."""
+        token = f"{secrets.token_hex(3)}.{secrets.token_hex(16)}"
+        expires = store.add_token(join_token_hash(token), request.ttl_s)
+        return {"token": token, "expires": expires}
 
     @app.get("/api/v1/models")
     def models() -> list[dict[str, Any]]:

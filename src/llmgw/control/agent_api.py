@@ -1,191 +1,266 @@
-"""The agent API over mutual TLS: a node is the CN of the client certificate it proved.
+"""The agent API over TLS: a node is the CN of the client certificate it proved.
 
-Served by the standard library's HTTP server rather than uvicorn, because uvicorn does
-not hand the verified client certificate to the app (no ASGI TLS extension); identity
-must come from the handshake, never from a request body.
+Every path needs a client certificate from the cluster CA except the two of joining
+(the CA itself, and signing a new node's CSR against a join token): the handshake asks
+for a certificate but lets a client without one through, and every other path refuses it.
+A removed node's serial is on the revocation list the handshake checks.
 """
 
 from __future__ import annotations
 
-import json
+import datetime as dt
+import hashlib
 import logging
-import socket
 import ssl
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import tempfile
+from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives import serialization
+
+from llmgw import pki
+from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.engine_args import engine_args
+from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.agent_api")
 
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
-_MAX_BODY = 4 * 1024 * 1024
-_HANDSHAKE_TIMEOUT_S = 10.0
+SELF_PATH = "/api/v1/agent/self"
+RENEW_PATH = "/api/v1/agent/renew"
+JOIN_PATH = "/api/v1/join"
+JOIN_CA_PATH = "/api/v1/join/ca"
+# The revocation list is public, as any CA's is: a node refused at the handshake reads it
+# to learn why (asyncio drops the TLS alert that would have said so).
+CRL_PATH = "/api/v1/join/crl"
+_ANONYMOUS_PATHS = {("GET", JOIN_CA_PATH), ("POST", JOIN_PATH), ("GET", CRL_PATH)}
 
 REPORTED_FIELDS = ("state", "err", "endpoint", "api_key")
 REPORTED_STATES = ("downloading", "starting", "ready", "failed")
 
 
-def mtls_context(ca: str, cert: str, key: str) -> ssl.SSLContext:
-    """A server context that requires a client certificate signed by the cluster CA."""
+def token_hash(token: str) -> str:
+    """How a join token is stored: never the token itself."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def mtls_context(ca: str, cert: str, key: str, crl: str | None = None) -> ssl.SSLContext:
+    """A server context that checks a client certificate against the cluster CA (and the
+    revocation list crl, a PEM file, when given). A client may show none: only the join
+    paths serve it."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(cert, key)
     ctx.load_verify_locations(ca)
-    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_mode = ssl.CERT_OPTIONAL
+    if crl:
+        ctx.load_verify_locations(crl)
+        ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
     return ctx
 
 
-def peer_common_name(peercert: dict[str, Any] | None) -> str:
-    for rdn in (peercert or {}).get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName":
-                return str(value)
-    return ""
-
-
 class AgentAPI:
-    """What the agent API does, apart from how it is served."""
+    """What the agent API does, apart from how it is served.
 
-    def __init__(self, store: Store) -> None:
+    ca is the cluster authority with its key, for signing joins and renewals; without it
+    the control plane cannot admit nodes and says so.
+    """
+
+    def __init__(self, store: Store, ca: pki.KeyPair | None = None, *,
+                 node_timeout_s: float = 30.0, mirror_url: str = "") -> None:
         self.store = store
+        self.ca = ca
+        self.node_timeout_s = node_timeout_s
+        self.mirror_url = mirror_url
+        self.revoked = set(store.revoked_serials())
 
-    def heartbeat(self, node_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    # --- routing ---
+
+    def handle(self, request: Request) -> Reply:
+        route = (request.method, request.path)
+        if not request.peer.cn and route not in _ANONYMOUS_PATHS:
+            return Reply(401, {"detail": f"{request.path} needs a client certificate from the "
+                                         f"cluster CA; only {JOIN_PATH} takes none"}, close=True)
+        routes = {
+            ("GET", "/healthz"): lambda r: Reply(200, {"status": "ok", "node_id": r.peer.cn}),
+            ("POST", HEARTBEAT_PATH): self._heartbeat,
+            ("GET", SELF_PATH): self._self,
+            ("POST", RENEW_PATH): self._renew,
+            ("GET", JOIN_CA_PATH): self._ca,
+            ("GET", CRL_PATH): self._crl,
+            ("POST", JOIN_PATH): self._join,
+        }
+        action = routes.get(route)
+        if action is None:
+            return Reply(404, {"detail": f"no such path {request.method} {request.path}"})
+        try:
+            return action(request)
+        except ValueError as e:
+            return Reply(400, {"detail": f"the body is not valid JSON: {e}"})
+
+    def refused(self, peer: Peer) -> str | None:
+        """Why a client that passed the handshake is turned away (a revoked serial that a
+        context without a revocation list let through)."""
+        return "its certificate was revoked" if peer.serial in self.revoked else None
+
+    # --- a node's own paths ---
+
+    def _heartbeat(self, request: Request) -> Reply:
+        body = request.json()
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        return Reply(200, self.heartbeat(request.peer.cn, body, request.peer.serial))
+
+    def heartbeat(self, node_id: str, body: dict[str, Any], serial: str = "") -> dict[str, Any]:
         """Record the node's inventory and replica states; answer with what it should run."""
         inventory = {k: v for k, v in body.items() if k not in ("node_id", "replicas")}
         # A body may say which node it is; the certificate decides.
         inventory["claimed_id"] = body.get("node_id", "")
-        self.store.record_heartbeat(node_id, inventory)
-        self._apply_reports(node_id, body.get("replicas") or [])
-        return {"node_id": node_id, "replicas": self.assignments(node_id)}
+        rows = self.store.heartbeat(node_id, inventory, serial, _reports(body.get("replicas")))
+        answer: dict[str, Any] = {"node_id": node_id, "replicas": _assignments(rows)}
+        if self.mirror_url:
+            answer["mirror"] = self.mirror_url
+        return answer
 
-    def _apply_reports(self, node_id: str, reports: list[dict[str, Any]]) -> None:
-        mine = {r["id"]: r for r in self.store.replicas() if r["node"] == node_id}
-        for report in reports:
-            current = mine.get(str(report.get("id")))
-            # A node reports only on its own replicas, and a stopped one stays stopped.
-            if current is None or current["state"] == "stopped":
-                continue
-            if report.get("state") not in REPORTED_STATES:
-                continue
-            fields = {k: str(report.get(k) or "") for k in REPORTED_FIELDS}
-            if any(current[k] != v for k, v in fields.items()):
-                self.store.update_replica(current["id"], **fields)
+    def _self(self, request: Request) -> Reply:
+        node = self.store.node(request.peer.cn)
+        if node is None:
+            return Reply(404, {"detail": f"{request.peer.cn} has not sent a heartbeat yet"})
+        return Reply(200, node_view(node, self.store.clock(), self.node_timeout_s))
 
-    def assignments(self, node_id: str) -> list[dict[str, Any]]:
-        """The replicas this node should run, with what it needs to start each."""
-        models = {m["name"]: m for m in self.store.models()}
-        result = []
-        for r in self.store.replicas():
-            model = models.get(r["model"])
-            if r["node"] != node_id or r["state"] == "stopped" or model is None:
-                continue
-            profile = next((p for p in model["profiles"] if p["name"] == r["profile"]), None)
-            if profile is None:
-                continue
-            result.append({
-                "id": r["id"], "model": model["name"], "profile": profile["name"],
-                "engine": profile["engine"], "gpu_class": profile["gpu_class"],
-                "source": model["source"], "sha256": model["sha256"],
-                "args": engine_args(model, profile),
-            })
-        return result
+    def _renew(self, request: Request) -> Reply:
+        """A new certificate for the same node, for a key the node made."""
+        csr = str(request.json().get("csr", "")).encode()
+        return self._sign(csr, request.peer.cn)
 
+    # --- joining ---
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _MTLSServer
-    protocol_version = "HTTP/1.1"
+    def _ca(self, request: Request) -> Reply:
+        if self.ca is None:
+            return Reply(503, {"detail": _NO_CA_KEY})
+        return Reply(200, {"ca": _pem(self.ca)})
 
-    def setup(self) -> None:
-        self.request.settimeout(_HANDSHAKE_TIMEOUT_S)
+    def _crl(self, request: Request) -> Reply:
+        if self.ca is None:
+            return Reply(503, {"detail": _NO_CA_KEY})
+        return Reply(200, {"crl": pki.make_crl(self.ca, sorted(self.revoked)).decode()})
+
+    def _join(self, request: Request) -> Reply:
+        body = request.json()
+        node_id, token = str(body.get("node_id", "")), str(body.get("token", ""))
+        if not node_id or not token or not body.get("csr"):
+            return Reply(422, {"detail": "a join needs node_id, token and csr"})
+        if self.store.node_known(node_id):
+            return Reply(409, {"detail": f"a node named {node_id} already exists; join under "
+                                         f"another name (--node-name NAME), or remove it first "
+                                         f"with `llmgw node rm {node_id}` on the control plane"})
+        spent = self.store.use_token(token_hash(token), node_id)
+        if spent != "ok":
+            return Reply(403, {"detail": f"the join token is {spent}; tokens are single use "
+                                         "and expire: run `llmgw token create` on the control "
+                                         "plane for a new one"})
+        log.info("node %s joined from %s", node_id, request.peer.addr)
+        return self._sign(str(body["csr"]).encode(), node_id)
+
+    def _sign(self, csr: bytes, node_id: str) -> Reply:
+        if self.ca is None:
+            return Reply(503, {"detail": _NO_CA_KEY})
         try:
-            self.request.do_handshake()
-        except (ssl.SSLError, OSError) as e:
-            log.info("refused a TLS client from %s: %s", self.client_address[0], e)
-            self.handshake_ok = False
-        else:
-            self.handshake_ok = True
-        super().setup()
-
-    def handle(self) -> None:
-        if self.handshake_ok:
-            super().handle()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.client_address[0], *args)
-
-    def _reply(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        if self.path == "/healthz":
-            self._reply(200, {"status": "ok", "node_id": self._node_id()})
-        else:
-            self._reply(404, {"detail": f"no such path {self.path}"})
-
-    def do_POST(self) -> None:
-        if self.path != HEARTBEAT_PATH:
-            self._reply(404, {"detail": f"no such path {self.path}"})
-            return
-        node_id = self._node_id()
-        if not node_id:
-            self._reply(403, {"detail": "the client certificate has no CN to name a node by"})
-            return
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > _MAX_BODY:
-            self._reply(413, {"detail": f"a heartbeat is at most {_MAX_BODY} bytes"})
-            return
-        try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-        except ValueError as e:
-            self._reply(400, {"detail": f"the heartbeat is not valid JSON: {e}"})
-            return
-        self._reply(200, self.server.api.heartbeat(node_id, body))
-
-    def _node_id(self) -> str:
-        return peer_common_name(self.request.getpeercert())
+            cert = pki.sign_csr(self.ca, csr, node_id)
+        except pki.PKIError as e:
+            return Reply(422, {"detail": str(e)})
+        self.store.add_cert(pki.serial_hex(cert), node_id, cert.not_valid_after_utc.timestamp())
+        pem = cert.public_bytes(serialization.Encoding.PEM).decode()
+        return Reply(200, {"node_id": node_id, "cert": pem, "ca": _pem(self.ca),
+                           "mirror": self.mirror_url})
 
 
-class _MTLSServer(ThreadingHTTPServer):
-    daemon_threads = True
+_NO_CA_KEY = ("this control plane has no CA key to sign with; nodes can join only where "
+              "ca-key.pem is (ca_key in server.yaml)")
 
-    def __init__(self, addr: tuple[str, int], ctx: ssl.SSLContext, api: AgentAPI) -> None:
-        self.address_family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
-        self.ctx = ctx
-        self.api = api
-        super().__init__(addr, _Handler)
 
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, addr = self.socket.accept()
-        # The handshake runs in the handler's thread, so a slow client holds up no one.
-        return self.ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
+def _pem(pair: pki.KeyPair) -> str:
+    return pair.cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def _reports(raw: Any) -> dict[str, dict[str, str]]:
+    """A node's reports on its replicas (id → fields), keeping only states it may report."""
+    found: dict[str, dict[str, str]] = {}
+    for report in raw if isinstance(raw, list) else []:
+        if isinstance(report, dict) and report.get("state") in REPORTED_STATES:
+            found[str(report.get("id"))] = {k: str(report.get(k) or "") for k in REPORTED_FIELDS}
+    return found
+
+
+def _assignments(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    result = []
+    for r in rows:
+        model = r["spec"]
+        profile = next((p for p in (model or {}).get("profiles", [])
+                        if p["name"] == r["profile"]), None)
+        if model is None or profile is None:
+            continue
+        result.append({
+            "id": r["id"], "model": model["name"], "profile": profile["name"],
+            "engine": profile["engine"], "gpu_class": profile["gpu_class"],
+            "source": model["source"], "sha256": model["sha256"],
+            "args": engine_args(model, profile),
+        })
+    return result
 
 
 class AgentAPIServer:
-    """The agent API on a background thread."""
+    """The agent API on its own thread and event loop; revocations apply at once.
 
-    def __init__(self, host: str, port: int, ctx: ssl.SSLContext, api: AgentAPI) -> None:
-        self._server = _MTLSServer((host, port), ctx, api)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="agent-api", daemon=True
-        )
+    With tls (ca, cert, key) and the CA key, the handshake checks a revocation list; a
+    removal adds a newer one to the same context, which the next handshake uses (OpenSSL
+    picks the newest list of an issuer), and closes the node's open connections.
+    """
+
+    def __init__(self, host: str, port: int, ctx: ssl.SSLContext, api: AgentAPI,
+                 *, tls: tuple[str, str, str] | None = None) -> None:
+        self.api = api
+        self._crl_dir = tempfile.TemporaryDirectory(prefix="llmgw-crl-")
+        self._crl_at = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+        if tls and api.ca is not None:
+            ctx = mtls_context(*tls, crl=self._write_crl())
+        self.ctx = ctx
+        self._server = TLSServer(host, port, ctx, api.handle, refused=api.refused)
 
     @property
     def port(self) -> int:
-        return self._server.server_address[1]
+        return self._server.port
+
+    def connections(self) -> int:
+        """Connections open now."""
+        return self._server.connections()
+
+    def accepted(self) -> int:
+        """Connections served since start."""
+        return self._server.accepted
 
     def start(self) -> None:
-        self._thread.start()
+        self._server.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.stop()
+        self._crl_dir.cleanup()
+
+    def revoke(self, serials: list[str]) -> None:
+        """Refuse these serials from the next handshake on, and close their connections."""
+        self.api.revoked.update(serials)
+        if self.ctx.verify_flags & ssl.VERIFY_CRL_CHECK_LEAF:
+            crl = self._write_crl()
+            self._server.call(lambda: self.ctx.load_verify_locations(crl))
+        self._server.drop(set(serials))
+
+    def _write_crl(self) -> str:
+        assert self.api.ca is not None
+        # Each list strictly newer than the last (whole seconds), so OpenSSL takes it.
+        self._crl_at = max(self._crl_at + dt.timedelta(seconds=1),
+                           dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5))
+        path = Path(self._crl_dir.name) / f"crl-{self._crl_at.timestamp():.0f}.pem"
+        path.write_bytes(pki.make_crl(self.api.ca, sorted(self.api.revoked),
+                                      last_update=self._crl_at))
+        return str(path)

@@ -26,8 +26,19 @@ class AdminClient(JSONClient):
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/healthz")
 
-    def nodes(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/api/v1/nodes")
+    def nodes(self, limit: int | None = None, after: str = "") -> list[dict[str, Any]]:
+        params: dict[str, Any] = {}
+        if limit is not None:
+            params = {"limit": limit, "after": after}
+        return self._call("GET", "/api/v1/nodes", params=params)
+
+    def remove_node(self, node_id: str) -> dict[str, Any]:
+        """Drain the node's replicas and refuse its certificate from now on."""
+        return self._call("DELETE", f"/api/v1/nodes/{node_id}")
+
+    def create_token(self, ttl_s: float) -> dict[str, Any]:
+        """A single-use join token: {token, expires}."""
+        return self._call("POST", "/api/v1/tokens", json={"ttl_s": ttl_s})
 
     def node(self, node_id: str) -> dict[str, Any] | None:
         return next((n for n in self.nodes() if n["id"] == node_id), None)

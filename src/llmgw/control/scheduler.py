@@ -161,4 +161,5 @@ class Scheduler:
         for rid, why in p.waiting.items():
             self.store.update_replica(rid, err=why)
         self.store.prune_stopped(KEEP_STOPPED_S)
+        self.store.checkpoint()
         return p

@@ -1,4 +1,5 @@
-"""The control plane's state in SQLite (WAL): nodes, catalog models and replicas."""
+"""The control plane's state in SQLite (WAL): nodes, certificates, join tokens, catalog
+models and replicas."""
 
 from __future__ import annotations
 
@@ -35,20 +36,70 @@ CREATE TABLE IF NOT EXISTS replicas (
     updated REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS replicas_by_model ON replicas (model);
+CREATE INDEX IF NOT EXISTS replicas_by_node ON replicas (node);
+CREATE TABLE IF NOT EXISTS certs (
+    serial TEXT PRIMARY KEY,
+    node TEXT NOT NULL,
+    not_after REAL NOT NULL,
+    revoked REAL
+);
+CREATE INDEX IF NOT EXISTS certs_by_node ON certs (node);
+CREATE TABLE IF NOT EXISTS tokens (
+    hash TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    expires REAL NOT NULL,
+    used REAL,
+    used_by TEXT NOT NULL DEFAULT ''
+);
 """
+# Added after the first release; an older database gains them on open.
+_NODE_COLUMNS = {
+    "serial": "TEXT NOT NULL DEFAULT ''",
+    # Counts changes of the inventory text, so readers fetch and parse only what changed.
+    "inv_version": "INTEGER NOT NULL DEFAULT 0",
+}
+_NODE_META = "id, first_seen, last_seen, serial, inv_version"
 
 
 class Store:
-    """One SQLite database shared by the API threads; every call is one transaction."""
+    """One SQLite database shared by the API threads.
+
+    Writes go through one connection under a lock, one transaction per call; reads use a
+    connection per thread and take no write lock (WAL lets them run beside a writer).
+    """
 
     def __init__(self, path: str | Path, clock: Any = time.time) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
+        self._path = str(path)
+        self._db = self._connect()
         self._lock = threading.RLock()
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._inventories: dict[str, tuple[tuple[float, int], dict[str, Any]]] = {}
         self.clock = clock
         self._db.execute("PRAGMA journal_mode=WAL")
+        # In WAL, NORMAL syncs at checkpoints, not on every commit: a heartbeat lost to a
+        # power cut is sent again 5 s later, and an fsync per beat caps the node count.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        # A checkpoint copies the log into the database and syncs it: done inside a commit
+        # it stalls the heartbeat that happened to cross the threshold, so `checkpoint()`
+        # runs it on the scheduler's thread instead.
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._db.executescript(_SCHEMA)
+        self._migrate()
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA busy_timeout=5000")
+        return db
+
+    def _migrate(self) -> None:
+        have = {r["name"] for r in self._db.execute("PRAGMA table_info(nodes)")}
+        for column, kind in _NODE_COLUMNS.items():
+            if column not in have:
+                self._db.execute(f"ALTER TABLE nodes ADD COLUMN {column} {kind}")
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -61,35 +112,155 @@ class Store:
                 raise
             self._db.execute("COMMIT")
 
+    def _read(self, query: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        """One statement on this thread's own connection: a snapshot, no write lock."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = self._connect()
+            with self._readers_lock:
+                self._readers.append(db)
+        return db.execute(query, args).fetchall()
+
+    def checkpoint(self) -> None:
+        """Copy the write-ahead log into the database, beside the writer (PASSIVE)."""
+        self._read("PRAGMA wal_checkpoint(PASSIVE)")
+
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._readers_lock:
+            for db in self._readers:
+                db.close()
             self._db.close()
 
     # --- nodes ---
 
-    def record_heartbeat(self, node_id: str, inventory: dict[str, Any]) -> None:
-        now = self.clock()
+    def record_heartbeat(self, node_id: str, inventory: dict[str, Any],
+                         serial: str = "") -> None:
         with self._tx() as db:
-            db.execute(
-                "INSERT INTO nodes (id, inventory, first_seen, last_seen) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(id) DO UPDATE SET inventory=excluded.inventory, "
-                "last_seen=excluded.last_seen",
-                (node_id, json.dumps(inventory), now, now),
-            )
+            self._upsert_node(db, node_id, inventory, serial)
 
-    def nodes(self) -> list[dict[str, Any]]:
-        """Every node: id, inventory, first_seen, last_seen."""
+    def _upsert_node(self, db: sqlite3.Connection, node_id: str, inventory: dict[str, Any],
+                     serial: str) -> None:
+        now = self.clock()
+        db.execute(
+            "INSERT INTO nodes (id, inventory, first_seen, last_seen, serial) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+            "inv_version = inv_version + (inventory != excluded.inventory), "
+            "inventory=excluded.inventory, last_seen=excluded.last_seen, serial=excluded.serial",
+            (node_id, json.dumps(inventory), now, now, serial),
+        )
+
+    def heartbeat(self, node_id: str, inventory: dict[str, Any], serial: str,
+                  reports: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
+        """One beat in one transaction: record the inventory, take the node's reports on its
+        own replicas (id → fields; a stopped replica stays stopped), and return the node's
+        live replicas, each with its model's spec (None when the model is gone)."""
         with self._tx() as db:
-            rows = db.execute("SELECT * FROM nodes ORDER BY id").fetchall()
+            self._upsert_node(db, node_id, inventory, serial)
+            rows = db.execute(
+                "SELECT r.*, m.spec AS spec FROM replicas r LEFT JOIN models m "
+                "ON m.name = r.model WHERE r.node = ? AND r.state != 'stopped' ORDER BY r.id",
+                (node_id,),
+            ).fetchall()
+            for row in rows:
+                fields = reports.get(row["id"])
+                if fields and any(row[k] != v for k, v in fields.items()):
+                    sets = ", ".join(f"{k} = ?" for k in fields)
+                    db.execute(f"UPDATE replicas SET {sets}, updated = ? WHERE id = ?",
+                               (*fields.values(), self.clock(), row["id"]))
         return [
-            {
-                "id": r["id"],
-                "inventory": json.loads(r["inventory"]),
-                "first_seen": r["first_seen"],
-                "last_seen": r["last_seen"],
-            }
+            {**{k: r[k] for k in r.keys() if k != "spec"},
+             "spec": json.loads(r["spec"]) if r["spec"] else None}
             for r in rows
         ]
+
+    def nodes(self, limit: int | None = None, after: str = "") -> list[dict[str, Any]]:
+        """Nodes by id: every one, or a page of at most limit with ids after `after`."""
+        query, args = f"SELECT {_NODE_META} FROM nodes WHERE id > ? ORDER BY id", (after,)
+        if limit is not None:
+            query, args = query + " LIMIT ?", (after, limit)
+        return self._with_inventories(self._read(query, args))
+
+    def node(self, node_id: str) -> dict[str, Any] | None:
+        found = self._with_inventories(
+            self._read(f"SELECT {_NODE_META} FROM nodes WHERE id = ?", (node_id,)))
+        return found[0] if found else None
+
+    def _with_inventories(self, rows: list[sqlite3.Row]) -> list[dict[str, Any]]:
+        # The scheduler reads every node every second: an inventory is fetched and parsed
+        # again only when its text changed, so thousands of nodes hold the GIL briefly.
+        cache = self._inventories
+        stale = [r["id"] for r in rows
+                 if cache.get(r["id"], (None,))[0] != (r["first_seen"], r["inv_version"])]
+        for start in range(0, len(stale), 500):
+            chunk = stale[start:start + 500]
+            for r in self._read("SELECT id, first_seen, inv_version, inventory FROM nodes "
+                                f"WHERE id IN ({', '.join('?' * len(chunk))})", tuple(chunk)):
+                cache[r["id"]] = ((r["first_seen"], r["inv_version"]), json.loads(r["inventory"]))
+        return [{"id": r["id"], "inventory": cache[r["id"]][1], "first_seen": r["first_seen"],
+                 "last_seen": r["last_seen"], "serial": r["serial"]}
+                for r in rows if r["id"] in cache]
+
+    def remove_node(self, node_id: str, why: str) -> list[str] | None:
+        """Forget a node: stop its replicas with why, revoke its certificates. Returns the
+        revoked serials, or None when there is no such node."""
+        now = self.clock()
+        with self._tx() as db:
+            row = db.execute("SELECT serial FROM nodes WHERE id = ?", (node_id,)).fetchone()
+            certs = db.execute("SELECT serial FROM certs WHERE node = ? AND revoked IS NULL",
+                               (node_id,)).fetchall()
+            if row is None and not certs:
+                return None
+            serials = {c["serial"] for c in certs} | ({row["serial"]} if row and row["serial"]
+                                                       else set())
+            for serial in serials:
+                db.execute("INSERT INTO certs (serial, node, not_after, revoked) "
+                           "VALUES (?, ?, 0, ?) ON CONFLICT(serial) DO UPDATE SET revoked = ?",
+                           (serial, node_id, now, now))
+            db.execute("UPDATE replicas SET state = 'stopped', err = ?, updated = ? "
+                       "WHERE node = ? AND state != 'stopped'", (why, now, node_id))
+            db.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
+        self._inventories.pop(node_id, None)
+        return sorted(serials)
+
+    # --- certificates and join tokens ---
+
+    def add_cert(self, serial: str, node_id: str, not_after: float) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO certs (serial, node, not_after) VALUES (?, ?, ?)",
+                       (serial, node_id, not_after))
+
+    def revoked_serials(self) -> list[str]:
+        return [r["serial"] for r in
+                self._read("SELECT serial FROM certs WHERE revoked IS NOT NULL ORDER BY serial")]
+
+    def node_known(self, node_id: str) -> bool:
+        """Whether a node of this id has heartbeated or holds a certificate not revoked."""
+        return bool(self._read(
+            "SELECT 1 FROM nodes WHERE id = ? UNION ALL "
+            "SELECT 1 FROM certs WHERE node = ? AND revoked IS NULL", (node_id, node_id)))
+
+    def add_token(self, token_hash: str, ttl_s: float) -> float:
+        """Store a join token by its hash; returns when it expires."""
+        now = self.clock()
+        with self._tx() as db:
+            db.execute("INSERT INTO tokens (hash, created, expires) VALUES (?, ?, ?)",
+                       (token_hash, now, now + ttl_s))
+        return now + ttl_s
+
+    def use_token(self, token_hash: str, node_id: str) -> str:
+        """Spend a token: 'ok', or why not ('unknown', 'used by NODE', 'expired')."""
+        now = self.clock()
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM tokens WHERE hash = ?", (token_hash,)).fetchone()
+            if row is None:
+                return "unknown"
+            if row["used"] is not None:
+                return f"used by {row['used_by']}"
+            if row["expires"] <= now:
+                return "expired"
+            db.execute("UPDATE tokens SET used = ?, used_by = ? WHERE hash = ?",
+                       (now, node_id, token_hash))
+        return "ok"
 
     # --- catalog ---
 
@@ -106,20 +277,17 @@ class Store:
         return True
 
     def models(self) -> list[dict[str, Any]]:
-        with self._tx() as db:
-            rows = db.execute("SELECT spec FROM models ORDER BY created, name").fetchall()
+        rows = self._read("SELECT spec FROM models ORDER BY created, name")
         return [json.loads(r["spec"]) for r in rows]
 
     def created(self) -> dict[str, int]:
         """When each model entered the catalog (unix seconds), for the gateway's `created`."""
-        with self._tx() as db:
-            rows = db.execute("SELECT name, created FROM models").fetchall()
+        rows = self._read("SELECT name, created FROM models")
         return {r["name"]: int(r["created"]) for r in rows}
 
     def model(self, name: str) -> dict[str, Any] | None:
-        with self._tx() as db:
-            row = db.execute("SELECT spec FROM models WHERE name = ?", (name,)).fetchone()
-        return json.loads(row["spec"]) if row else None
+        rows = self._read("SELECT spec FROM models WHERE name = ?", (name,))
+        return json.loads(rows[0]["spec"]) if rows else None
 
     def delete_model(self, name: str) -> bool:
         with self._tx() as db:
@@ -143,9 +311,7 @@ class Store:
         query, args = "SELECT * FROM replicas", ()
         if model is not None:
             query, args = query + " WHERE model = ?", (model,)
-        with self._tx() as db:
-            rows = db.execute(query + " ORDER BY model, id", args).fetchall()
-        return [dict(r) for r in rows]
+        return [dict(r) for r in self._read(query + " ORDER BY model, id", args)]
 
     def update_replica(self, replica_id: str, **fields: str) -> None:
         allowed = {"node", "profile", "state", "err", "endpoint", "api_key"}
@@ -166,3 +332,4 @@ class Store:
     def delete_replica(self, replica_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
+

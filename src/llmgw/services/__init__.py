@@ -12,12 +12,18 @@ from llmgw.errors import Error
 from llmgw.layout import Layout
 
 __all__ = [
+    "OPEN_FILES",
     "ServiceError",
     "ServiceManager",
     "ServiceSpec",
     "llmgw_command",
     "manager_for",
 ]
+
+
+# Open files a service may hold: the agent API keeps a connection (a socket) per node,
+# and 5,000 nodes do not fit the usual default of 1,024.
+OPEN_FILES = 65536
 
 
 class ServiceError(Error):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from supervisor.xmlrpc import SupervisorTransport
 
 from llmgw._files import atomic_write, last_lines
 from llmgw.layout import Layout
-from llmgw.services import ServiceError, ServiceSpec, drift
+from llmgw.services import OPEN_FILES, ServiceError, ServiceSpec, drift
 from llmgw.waiting import Probe, wait_until
 
 _START_TIMEOUT_S = 15.0
@@ -54,6 +55,8 @@ class Supervisor:
                 f"pidfile={self.pidfile}",
                 f"directory={self.root}",
                 "childlogdir=" + str(self.logs),
+                # Programs inherit supervisord's open-file limit (it raises its own to this).
+                f"minfds={open_files_limit()}",
                 "",
                 "[rpcinterface:supervisor]",
                 "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
@@ -250,3 +253,10 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def open_files_limit() -> int:
+    """OPEN_FILES, or the hard limit where that is lower: supervisord refuses to start when
+    minfds is above what it may set (a container's root may not raise its hard limit)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard)

@@ -7,13 +7,15 @@ import subprocess
 from pathlib import Path
 
 from llmgw._files import atomic_write
-from llmgw.services import ServiceError, ServiceSpec, drift
+from llmgw.services import OPEN_FILES, ServiceError, ServiceSpec, drift
 
 UNIT_DIR = Path("/etc/systemd/system")
 
 
 def render_unit(spec: ServiceSpec) -> str:
     env = [f"Environment={shlex.quote(f'{k}={v}')}" for k, v in sorted(spec.environment.items())]
+    limits = [] if any(line.startswith("LimitNOFILE=") for line in spec.systemd_service) else [
+        f"LimitNOFILE={OPEN_FILES}"]
     lines = [
         "[Unit]",
         f"Description={spec.description}",
@@ -25,6 +27,7 @@ def render_unit(spec: ServiceSpec) -> str:
         f"ExecStart={shlex.join(spec.command)}",
         *env,
         *spec.systemd_service,
+        *limits,
         "",
         "[Install]",
         "WantedBy=multi-user.target",

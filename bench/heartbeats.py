@@ -1,0 +1,269 @@
+"""How many nodes the agent API holds: simulated nodes heartbeating over real mutual TLS.
+
+Run on demand, not in the suite:
+    python bench/heartbeats.py --nodes 1000,2000,5000 --duration 30 [--modes keepalive,new]
+
+Starts the real control plane (`llmgw server`, its own CA) and, in separate processes, N
+simulated nodes, each with its own client certificate made at run time with llmgw.pki.
+Every node sends the agent's heartbeat body every --interval seconds, spread evenly over
+the interval; `keepalive` holds one connection per node (as the agent does), `new` opens
+a TCP and TLS connection per beat (as the agent did when httpx's 5 s keep-alive expiry
+equalled the 5 s interval). Connections are made during a first interval that is not
+measured; then for --duration seconds it counts answered beats (200), failures by kind,
+latency (request sent to answer read; including connect in `new` mode) and the control
+plane's thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import multiprocessing
+import os
+import ssl
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llmgw import pki  # noqa: E402
+from llmgw.control._tlsserver import new_event_loop  # noqa: E402
+from llmgw.control.agent_api import HEARTBEAT_PATH  # noqa: E402
+from tests.fleet.cluster import ControlPlane  # noqa: E402
+
+TIMEOUT_S = 10.0
+
+
+def inventory(node: str) -> bytes:
+    """What a CPU node's agent sends: the same fields and about the same size."""
+    return json.dumps({
+        "node_id": node, "gpus": [], "cpus": 2, "memory_mb": 24000,
+        "labels": {"zone": "bench"}, "engines": ["llamacpp"],
+        "provision": [{"engine": "llamacpp", "version": "0.3.36", "state": "ready",
+                       "detail": "/root/.cache/llmgw/engines/llamacpp/0.3.36/llama-server"}],
+        "interface": "eth0", "addr": "10.0.0.1", "warnings": [], "replicas": [],
+    }).encode()
+
+
+def request(node: str, port: int, keep: bool) -> bytes:
+    body = inventory(node)
+    head = (f"POST {HEARTBEAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: {'keep-alive' if keep else 'close'}"
+            "\r\n\r\n")
+    return head.encode() + body
+
+
+async def read_reply(reader: asyncio.StreamReader) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    await reader.readexactly(length)
+    return status
+
+
+class Node:
+    """One simulated node: its TLS identity and its beats."""
+
+    def __init__(self, name: str, ctx: ssl.SSLContext, port: int, keep: bool) -> None:
+        self.name, self.ctx, self.port, self.keep = name, ctx, port, keep
+        self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.payload = request(name, port, keep)
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.conn is None:
+            self.conn = await asyncio.open_connection("127.0.0.1", self.port, ssl=self.ctx,
+                                                      server_hostname="127.0.0.1")
+        return self.conn
+
+    async def beat(self) -> int:
+        reader, writer = await self.connect()
+        writer.write(self.payload)
+        status = await read_reply(reader)
+        if not self.keep:
+            self.close()
+        return status
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn[1].transport.abort()
+            self.conn = None
+
+
+async def run_nodes(nodes: list[Node], interval: float, start: float, measure_from: float,
+                    end: float) -> dict[str, Any]:
+    latencies: list[float] = []
+    failures: dict[str, int] = {}
+    beats = {"sent": 0}
+
+    async def one(i: int, node: Node) -> None:
+        at = start + interval * i / len(nodes)
+        while at < end:
+            await asyncio.sleep(max(0.0, at - time.time()))
+            sent = time.time()
+            try:
+                status = await asyncio.wait_for(node.beat(), TIMEOUT_S)
+                kind = "" if status == 200 else f"HTTP {status}"
+            except Exception as e:  # every failure is counted by its kind
+                node.close()
+                kind = type(e).__name__
+            if sent >= measure_from:
+                beats["sent"] += 1
+                if kind:
+                    failures[kind] = failures.get(kind, 0) + 1
+                else:
+                    latencies.append((time.time() - sent) * 1000)
+            at += interval
+            while at < time.time() - interval:  # a beat that fell a whole interval behind
+                at += interval
+
+    await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
+    for n in nodes:
+        n.close()
+    return {"latencies": latencies, "failures": failures, "sent": beats["sent"]}
+
+
+def generator(args: dict[str, Any], out: Any) -> None:
+    """One load-generator process: makes its nodes' certificates, then beats."""
+    ca = pki.load_pair(args["pki"], "ca")
+    folder = Path(args["dir"])
+    nodes = []
+    for name in args["names"]:
+        cert, key = pki.issue_client(ca, name, days=1).write(folder, name)
+        ctx = ssl.create_default_context(cafile=str(Path(args["pki"]) / "ca.pem"))
+        ctx.load_cert_chain(cert, key)
+        nodes.append(Node(name, ctx, args["port"], args["keep"]))
+    # uvloop where installed: the load generator should cost less CPU than what it measures.
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(beats(nodes, args, out))
+    finally:
+        loop.close()
+
+
+async def connect_all(nodes: list[Node]) -> int:
+    """Open every kept-alive connection before the clock starts; returns the failures."""
+    gate = asyncio.Semaphore(50)
+
+    async def one(node: Node) -> bool:
+        async with gate:
+            try:
+                await asyncio.wait_for(node.connect(), TIMEOUT_S)
+                return True
+            except Exception:  # counted; the node tries again on its first beat
+                node.close()
+                return False
+
+    return sum(not ok for ok in await asyncio.gather(*(one(n) for n in nodes)))
+
+
+async def beats(nodes: list[Node], args: dict[str, Any], out: Any) -> None:
+    failed = await connect_all(nodes) if args["keep"] else 0
+    # The generator's own full collections over thousands of connections would show up
+    # as server latency: freeze what exists now, as the control plane sweeps rarely too.
+    gc.collect()
+    gc.freeze()
+    out.send(failed)
+    start = await asyncio.get_running_loop().run_in_executor(None, out.recv)
+    interval = args["interval"]
+    # The first interval is not measured: beats settle into their slots.
+    out.send(await run_nodes(nodes, interval, start, start + interval,
+                             start + interval + args["duration"]))
+
+
+def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: float,
+        procs: int, work: Path) -> dict[str, Any]:
+    names = [f"bench-{'k' if keep else 'n'}-{total}-{i:05d}" for i in range(total)]
+    pipes, children = [], []
+    for p in range(procs):
+        folder = work / f"gen-{keep}-{total}-{p}"
+        folder.mkdir(parents=True, exist_ok=True)
+        mine, theirs = multiprocessing.Pipe()
+        child = multiprocessing.Process(target=generator, args=({
+            "pki": str(cp.pki), "dir": str(folder), "names": names[p::procs],
+            "port": cp.ports["agent"], "keep": keep, "interval": interval,
+            "duration": duration}, theirs))
+        child.start()
+        pipes.append(mine)
+        children.append(child)
+    connect_failures = sum(pipe.recv() for pipe in pipes)
+    start = time.time() + 1.0
+    for pipe in pipes:
+        pipe.send(start)
+    threads, cpu = 0, [0.0, 0.0]
+    time.sleep(max(0.0, start + interval - time.time()))
+    cpu[0] = cp.cpu_s()
+    while time.time() < start + interval + duration:
+        threads = max(threads, cp.threads())
+        time.sleep(min(1.0, max(0.0, start + interval + duration - time.time())))
+    cpu[1] = cp.cpu_s()
+    results = [pipe.recv() for pipe in pipes]
+    for child in children:
+        child.join()
+    latencies = sorted(x for r in results for x in r["latencies"])
+    failures: dict[str, int] = {}
+    for r in results:
+        for kind, n in r["failures"].items():
+            failures[kind] = failures.get(kind, 0) + n
+    return {
+        "nodes": total, "mode": "keepalive" if keep else "new",
+        "offered": total / interval, "achieved": len(latencies) / duration,
+        "failed": sum(failures.values()), "failures": failures,
+        "p50": _pct(latencies, 50), "p99": _pct(latencies, 99), "threads": threads,
+        "connect_failures": connect_failures,
+        "cpu_us": (cpu[1] - cpu[0]) / max(len(latencies), 1) * 1e6,
+        "cpu_share": (cpu[1] - cpu[0]) / duration,
+    }
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", default="1000,2000,5000", help="comma-separated node counts")
+    parser.add_argument("--modes", default="keepalive,new", help="keepalive, new or both")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between beats")
+    parser.add_argument("--duration", type=float, default=30.0, help="measured seconds")
+    parser.add_argument("--procs", type=int, default=2, help="load-generator processes")
+    args = parser.parse_args()
+    print(f"# heartbeats every {args.interval:g}s, measured {args.duration:g}s after one "
+          f"interval of connecting; {os.cpu_count()} CPUs shared with whatever else runs; "
+          f"load from {args.procs} process(es)")
+    print("| nodes | mode | offered/s | achieved/s | failed | p50 ms | p99 ms | "
+          "control plane threads | control plane CPU per beat | its cores busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
+        cp = ControlPlane(Path(tmp) / "cp").start()
+        try:
+            for mode in args.modes.split(","):
+                for total in (int(n) for n in args.nodes.split(",")):
+                    r = run(cp, total, mode == "keepalive", args.interval, args.duration,
+                            args.procs, Path(tmp))
+                    kinds = ", ".join(f"{n} {k}" for k, n in r["failures"].items())
+                    print(f"| {r['nodes']:,} | {r['mode']} | {r['offered']:.0f} | "
+                          f"{r['achieved']:.0f} | {r['failed']}{f' ({kinds})' if kinds else ''}"
+                          f" | {r['p50']:.1f} | {r['p99']:.1f} | {r['threads']} | "
+                          f"{r['cpu_us']:.0f} µs | {r['cpu_share']:.2f} |"
+                          + (f" ({r['connect_failures']} failed to connect before the clock)"
+                             if r["connect_failures"] else ""), flush=True)
+        finally:
+            cp.stop()
+
+
+if __name__ == "__main__":
+    main()

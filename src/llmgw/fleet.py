@@ -1,0 +1,72 @@
+"""The control plane's side of a fleet: join tokens and the line a new machine runs,
+and removing a node; both through the loopback admin API, with the admin token."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass
+
+from llmgw import pki
+from llmgw.clients import admin_client
+from llmgw.config import ConfigError, ServerConfig, load_server, parse_listen
+from llmgw.layout import Layout
+
+_TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_ttl(text: str) -> float:
+    """'90s', '15m', '1h', '2d' or plain seconds → seconds."""
+    found = _TTL.match(text)
+    if not found or float(found.group(1)) <= 0:
+        raise ConfigError(f"--ttl {text!r} is not a duration; write 90s, 15m, 1h or 2d")
+    return float(found.group(1)) * _UNIT_S[found.group(2)]
+
+
+def advertised_host(config: ServerConfig) -> str:
+    """The name other machines reach this control plane by: the first --advertise name,
+    else the server certificate's first name that is not loopback, else the hostname."""
+    if config.advertise:
+        return config.advertise
+    names = sorted(pki.san_names(pki.load_cert(config.tls.cert)))
+    for name in names:
+        try:
+            if not ipaddress.ip_address(name).is_loopback:
+                return name
+        except ValueError:
+            if name != "localhost":
+                return name
+    return socket.gethostname()
+
+
+def join_line(config: ServerConfig, token: str) -> str:
+    """Exactly what the new machine runs."""
+    host = advertised_host(config)
+    _, port = parse_listen(config.agent_listen)
+    where = f"[{host}]" if ":" in host else host
+    ca_hash = pki.ca_hash(pki.load_cert(config.tls.ca))
+    return (f"pytest provision/ --join https://{where}:{port} --token {token} "
+            f"--ca-hash {ca_hash}")
+
+
+@dataclass(frozen=True)
+class Token:
+    token: str
+    expires: float
+    line: str
+
+
+def create_token(layout: Layout, ttl_s: float) -> Token:
+    """A single-use join token from this machine's control plane, and its join line."""
+    with admin_client(layout) as client:
+        made = client.create_token(ttl_s)
+    config = load_server(layout.server_yaml)
+    return Token(made["token"], made["expires"], join_line(config, made["token"]))
+
+
+def remove_node(layout: Layout, node_id: str) -> list[str]:
+    """Remove a node: its replicas drain and its certificate serials are refused."""
+    with admin_client(layout) as client:
+        return list(client.remove_node(node_id)["revoked"])
