@@ -4,6 +4,7 @@ models and replicas."""
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -11,6 +12,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from llmgw.control.records import (
+    INVENTORY,
+    REPLICA,
+    REPLICA_UPDATE,
+    Inventory,
+    NodeRecord,
+    RecordError,
+    ReplicaRecord,
+    checked,
+)
+
+log = logging.getLogger("llmgw.store")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -76,7 +90,7 @@ class Store:
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
-        self._inventories: dict[str, tuple[tuple[float, int], dict[str, Any]]] = {}
+        self._inventories: dict[str, tuple[tuple[float, int], Inventory]] = {}
         self.clock = clock
         self._db.execute("PRAGMA journal_mode=WAL")
         # In WAL, NORMAL syncs at checkpoints, not on every commit: a heartbeat lost to a
@@ -135,6 +149,9 @@ class Store:
 
     def record_heartbeat(self, node_id: str, inventory: dict[str, Any],
                          serial: str = "") -> None:
+        """Store a node's inventory; RecordError (nothing stored) when a key has the wrong
+        type."""
+        inventory = _inventory_in(node_id, inventory)
         with self._tx() as db:
             self._upsert_node(db, node_id, inventory, serial)
 
@@ -153,7 +170,11 @@ class Store:
                   reports: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
         """One beat in one transaction: record the inventory, take the node's reports on its
         own replicas (id → fields; a stopped replica stays stopped), and return the node's
-        live replicas, each with its model's spec (None when the model is gone)."""
+        live replicas, each with its model's spec (None when the model is gone).
+        RecordError, and nothing stored, when the inventory or a report is invalid."""
+        inventory = _inventory_in(node_id, inventory)
+        for rid, fields in reports.items():
+            checked(REPLICA_UPDATE, fields, f"node {node_id}'s report on replica {rid}")
         with self._tx() as db:
             self._upsert_node(db, node_id, inventory, serial)
             rows = db.execute(
@@ -173,19 +194,19 @@ class Store:
             for r in rows
         ]
 
-    def nodes(self, limit: int | None = None, after: str = "") -> list[dict[str, Any]]:
+    def nodes(self, limit: int | None = None, after: str = "") -> list[NodeRecord]:
         """Nodes by id: every one, or a page of at most limit with ids after `after`."""
         query, args = f"SELECT {_NODE_META} FROM nodes WHERE id > ? ORDER BY id", (after,)
         if limit is not None:
             query, args = query + " LIMIT ?", (after, limit)
         return self._with_inventories(self._read(query, args))
 
-    def node(self, node_id: str) -> dict[str, Any] | None:
+    def node(self, node_id: str) -> NodeRecord | None:
         found = self._with_inventories(
             self._read(f"SELECT {_NODE_META} FROM nodes WHERE id = ?", (node_id,)))
         return found[0] if found else None
 
-    def _with_inventories(self, rows: list[sqlite3.Row]) -> list[dict[str, Any]]:
+    def _with_inventories(self, rows: list[sqlite3.Row]) -> list[NodeRecord]:
         # The scheduler reads every node every second: an inventory is fetched and parsed
         # again only when its text changed, so thousands of nodes hold the GIL briefly.
         cache = self._inventories
@@ -195,7 +216,8 @@ class Store:
             chunk = stale[start:start + 500]
             for r in self._read("SELECT id, first_seen, inv_version, inventory FROM nodes "
                                 f"WHERE id IN ({', '.join('?' * len(chunk))})", tuple(chunk)):
-                cache[r["id"]] = ((r["first_seen"], r["inv_version"]), json.loads(r["inventory"]))
+                cache[r["id"]] = ((r["first_seen"], r["inv_version"]),
+                                  _inventory_out(r["id"], r["inventory"]))
         return [{"id": r["id"], "inventory": cache[r["id"]][1], "first_seen": r["first_seen"],
                  "last_seen": r["last_seen"], "serial": r["serial"]}
                 for r in rows if r["id"] in cache]
@@ -297,6 +319,9 @@ class Store:
     # --- replicas ---
 
     def put_replica(self, replica: dict[str, Any]) -> None:
+        """Insert or replace a replica; RecordError (nothing stored) for an unknown state,
+        a wrong type or an unknown key."""
+        replica = checked(REPLICA, replica, f"replica {replica.get('id', '(no id)')!r}")
         fields = ("id", "model", "node", "profile", "state", "err", "endpoint", "api_key")
         values = [replica.get(f, "") for f in fields]
         with self._tx() as db:
@@ -306,17 +331,20 @@ class Store:
                 (*values, self.clock()),
             )
 
-    def replicas(self, model: str | None = None) -> list[dict[str, Any]]:
-        """Replicas (with their api_key: callers decide what leaves the process)."""
+    def replicas(self, model: str | None = None) -> list[ReplicaRecord]:
+        """Replicas (with their api_key: callers decide what leaves the process); a row
+        that is not a valid record raises RecordError naming it."""
         query, args = "SELECT * FROM replicas", ()
         if model is not None:
             query, args = query + " WHERE model = ?", (model,)
-        return [dict(r) for r in self._read(query + " ORDER BY model, id", args)]
+        return [checked(REPLICA, dict(r), f"stored replica {r['id']!r}")
+                for r in self._read(query + " ORDER BY model, id", args)]
 
     def update_replica(self, replica_id: str, **fields: str) -> None:
         allowed = {"node", "profile", "state", "err", "endpoint", "api_key"}
         if not fields or set(fields) - allowed:
             raise ValueError(f"replica fields to update must be among {sorted(allowed)}")
+        checked(REPLICA_UPDATE, fields, f"update of replica {replica_id!r}")
         sets = ", ".join(f"{k} = ?" for k in fields)
         with self._tx() as db:
             db.execute(f"UPDATE replicas SET {sets}, updated = ? WHERE id = ?",
@@ -333,3 +361,17 @@ class Store:
         with self._tx() as db:
             db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
 
+
+
+def _inventory_in(node_id: str, inventory: dict[str, Any]) -> Inventory:
+    return checked(INVENTORY, inventory, f"node {node_id}'s inventory")
+
+
+def _inventory_out(node_id: str, text: str) -> Inventory:
+    """A stored inventory; one stored before inventories were checked and now invalid is
+    shown as a warning, so one node's old row never stops the scheduler or the admin API."""
+    try:
+        return _inventory_in(node_id, json.loads(text))
+    except (RecordError, ValueError) as e:
+        log.warning("%s", e)
+        return {"warnings": [f"{e}; the node's next heartbeat replaces it"]}
