@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, HTTPException, Query, Response
-from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
@@ -18,15 +17,16 @@ from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import Model
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
+from llmgw.control.records import NodeView, PublicReplica
 from llmgw.control.store import Store
 
 _PUBLIC_REPLICA_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint",
                           "updated")
 
 
-def public_replica(replica: dict[str, Any]) -> dict[str, Any]:
+def public_replica(replica: Mapping[str, Any]) -> PublicReplica:
     """A replica as the admin API shows it: never its api_key."""
-    return {k: replica[k] for k in _PUBLIC_REPLICA_FIELDS if k in replica}
+    return {k: replica[k] for k in _PUBLIC_REPLICA_FIELDS if k in replica}  # type: ignore[return-value]
 
 
 def replica_log(store: Store, rid: str, n: int) -> dict[str, Any]:
@@ -77,7 +77,7 @@ def make_admin_app(
 
     @app.get("/api/v1/nodes")
     def nodes(limit: int | None = Query(None, ge=1, le=10000),
-              after: str = "") -> list[dict[str, Any]]:
+              after: str = "") -> list[NodeView]:
         """Every node by id; with limit, a page of nodes after the id `after`."""
         now = store.clock()
         return [node_view(n, now, node_timeout_s) for n in store.nodes(limit, after)]
@@ -130,7 +130,9 @@ def make_admin_app(
         return Response(status_code=204)
 
     @app.get("/api/v1/replicas")
-    def replicas(model: str | None = None) -> JSONResponse:
-        return JSONResponse([public_replica(r) for r in store.replicas(model)])
+    def replicas(model: str | None = None) -> list[PublicReplica]:
+        """Replicas by model and id; never their api_key (PublicReplica has none, and
+        FastAPI serializes by it)."""
+        return [public_replica(r) for r in store.replicas(model)]
 
     return app

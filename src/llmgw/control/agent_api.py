@@ -22,6 +22,7 @@ from llmgw import pki
 from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.engine_args import engine_args
 from llmgw.control.nodes import node_view
+from llmgw.control.records import RecordError
 from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.agent_api")
@@ -110,7 +111,12 @@ class AgentAPI:
         body = request.json()
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
-        return Reply(200, self.heartbeat(request.peer.cn, body, request.peer.serial))
+        try:
+            return Reply(200, self.heartbeat(request.peer.cn, body, request.peer.serial))
+        except RecordError as e:
+            # An agent's body is untrusted: refused whole, naming each bad key; nothing stored.
+            return Reply(422, {"detail": f"{e}; fix the agent (or upgrade it to match "
+                                         "this control plane)"})
 
     def heartbeat(self, node_id: str, body: dict[str, Any], serial: str = "") -> dict[str, Any]:
         """Record the node's inventory and replica states; answer with what it should run."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from llmgw.control.records import NodeRecord, NodeView
 
 STATES = ("registering", "provisioning", "ready", "not_ready")
 
 
-def reported_state(inventory: dict[str, Any]) -> str:
+def reported_state(inventory: Mapping[str, Any]) -> str:
     """What the heartbeat says: ready with an engine, provisioning one, or just registered."""
     if inventory.get("engines"):
         return "ready"
@@ -16,7 +19,7 @@ def reported_state(inventory: dict[str, Any]) -> str:
     return "registering"
 
 
-def node_view(node: dict[str, Any], now: float, timeout_s: float) -> dict[str, Any]:
+def node_view(node: NodeRecord, now: float, timeout_s: float) -> NodeView:
     """The admin API's view of a stored node (DESIGN.md wire contract)."""
     inv = node["inventory"]
     silent = now - node["last_seen"] > timeout_s
