@@ -130,3 +130,14 @@ def test_nodes_paging_is_opt_in(live_control_plane) -> None:
 def test_tokens_need_a_positive_ttl(live_control_plane) -> None:
     r = live_control_plane.admin.post("/api/v1/tokens", json={"ttl_s": 0})
     assert r.status_code == 422
+
+
+def test_openapi_names_the_node_and_replica_fields(live_control_plane) -> None:
+    """The admin API declares its records, so clients read their shapes from /openapi.json;
+    the public replica has no api_key there either."""
+    schemas = live_control_plane.admin.get("/openapi.json").json()["components"]["schemas"]
+    node, replica = schemas["NodeView"]["properties"], schemas["PublicReplica"]["properties"]
+    assert {"id", "state", "engines", "gpus", "labels", "memory_mb", "last_seen"} <= set(node)
+    assert set(node["state"]["enum"]) == {"registering", "provisioning", "ready", "not_ready"}
+    assert {"id", "model", "node", "profile", "state", "err", "endpoint"} <= set(replica)
+    assert "stopped" in replica["state"]["enum"] and "api_key" not in replica

@@ -88,3 +88,23 @@ def test_bad_json_is_400(live_control_plane) -> None:
     with _client(cp, cp.client_cert("n")) as c:
         r = c.post(f"https://127.0.0.1:{cp.agent_port}{HEARTBEAT_PATH}", content=b"[1,")
     assert r.status_code == 400 and "JSON" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("body, key", [
+    ({"cpus": "lots"}, "cpus"),
+    ({"gpus": [{"index": "zero"}]}, "gpus.0.index"),
+    ({"labels": {"zone": 3}}, "labels.zone"),
+    ({"replica_logs": {"r1": "not a list"}}, "replica_logs.r1"),
+])
+def test_a_heartbeat_with_a_wrong_type_is_422_naming_the_key_and_nothing_is_stored(
+    live_control_plane, body, key
+) -> None:
+    """A heartbeat is untrusted input: refused whole, never a 500 or a stored bad record."""
+    cp = live_control_plane
+    r = _heartbeat(cp, cp.client_cert("node-a"), body)
+    assert r.status_code == 422, r.text
+    assert f"{key}: Input should be a valid" in r.json()["detail"], r.text
+    assert cp.admin.get("/api/v1/nodes").json() == []
+    # Negative control: the same node with valid values is recorded.
+    assert _heartbeat(cp, cp.client_cert("node-a"), {"cpus": 4}).status_code == 200
+    assert [n["id"] for n in cp.admin.get("/api/v1/nodes").json()] == ["node-a"]

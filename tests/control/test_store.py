@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import threading
 from pathlib import Path
 
+import pytest
+
+from llmgw.control.records import RecordError
 from llmgw.control.store import Store
 
 SPEC = {"name": "m", "source": "http://mirror/m.gguf", "sha256": "",
@@ -105,4 +110,82 @@ def test_a_changed_inventory_is_read_again_and_an_unchanged_one_is_not(tmp_path:
     store.record_heartbeat("n1", {"engines": ["llamacpp"]})
     assert store.nodes()[0]["inventory"] == {"engines": ["llamacpp"]}
     assert store.node("n1")["inventory"] == {"engines": ["llamacpp"]}
+    store.close()
+
+
+def test_a_replica_with_an_unknown_state_or_key_is_refused_and_not_stored(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "db")
+    row = {"id": "r1", "model": "m", "node": "", "profile": "cpu", "state": "pending"}
+    with pytest.raises(RecordError, match="state: Input should be 'pending'.*found 'paused'"):
+        store.put_replica({**row, "state": "paused"})
+    with pytest.raises(RecordError, match="colour: Extra inputs are not permitted"):
+        store.put_replica({**row, "colour": "red"})
+    assert store.replicas() == []
+    store.put_replica(row)  # negative control: the valid record is stored
+    with pytest.raises(RecordError, match="state"):
+        store.update_replica("r1", state="paused")
+    assert [r["state"] for r in store.replicas()] == ["pending"]
+    store.close()
+
+
+def test_an_inventory_with_a_wrong_type_is_refused_naming_the_key(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db")
+    with pytest.raises(RecordError, match=r"node n1's inventory refused: memory_mb: .*'lots'"):
+        store.record_heartbeat("n1", {"memory_mb": "lots"})
+    with pytest.raises(RecordError, match="replica r1"):
+        store.heartbeat("n1", {}, "", {"r1": {"state": "gone"}})
+    assert store.nodes() == []
+    # A key a newer agent adds is kept as sent.
+    store.record_heartbeat("n1", {"memory_mb": 512, "future": {"x": 1}})
+    assert store.node("n1")["inventory"] == {"memory_mb": 512, "future": {"x": 1}}
+    store.close()
+
+
+def _old_database(path: Path, inventory: str) -> None:
+    """Rows as the previous main wrote them: plain JSON text, no inv_version or serial."""
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE nodes (id TEXT PRIMARY KEY, inventory TEXT NOT NULL, "
+        "first_seen REAL NOT NULL, last_seen REAL NOT NULL);"
+        "CREATE TABLE replicas (id TEXT PRIMARY KEY, model TEXT NOT NULL, node TEXT NOT NULL, "
+        "profile TEXT NOT NULL, state TEXT NOT NULL, err TEXT NOT NULL DEFAULT '', "
+        "endpoint TEXT NOT NULL DEFAULT '', api_key TEXT NOT NULL DEFAULT '', "
+        "updated REAL NOT NULL);")
+    db.execute("INSERT INTO nodes VALUES ('n1', ?, 1, 2)", (inventory,))
+    db.execute("INSERT INTO replicas VALUES ('r1', 'm', 'n1', 'cpu', 'ready', '', "
+               "'http://127.0.0.1:9', 'k', 3)")
+    db.commit()
+    db.close()
+
+
+def test_a_database_written_by_the_previous_release_loads(tmp_path: Path) -> None:
+    inventory = {"node_id": "n1", "claimed_id": "n1", "cpus": 2, "memory_mb": 2048,
+                 "gpus": [{"index": 0, "name": "NVIDIA H100", "memory_mb": 81559,
+                           "uuid": "GPU-1", "class": "h100-80gb"}],
+                 "labels": {"zone": "a"}, "engines": ["llamacpp"],
+                 "provision": [{"engine": "llamacpp", "version": "0.3.36", "state": "ready",
+                                "detail": ""}],
+                 "interface": "lo", "addr": "127.0.0.1", "warnings": [],
+                 "replica_state_changes": {"r1": {"model": "m", "to": {"ready": 1}}},
+                 "replica_logs": {"r1": ["line"]}}
+    _old_database(tmp_path / "db", json.dumps(inventory))
+    store = Store(tmp_path / "db")
+    assert store.node("n1") == {"id": "n1", "inventory": inventory, "first_seen": 1,
+                                "last_seen": 2, "serial": ""}
+    assert store.replicas() == [{"id": "r1", "model": "m", "node": "n1", "profile": "cpu",
+                                 "state": "ready", "err": "", "endpoint": "http://127.0.0.1:9",
+                                 "api_key": "k", "updated": 3}]
+    store.close()
+
+
+def test_an_old_invalid_inventory_is_shown_as_a_warning_not_a_crash(tmp_path: Path) -> None:
+    """One bad row stored before inventories were checked never stops the readers."""
+    _old_database(tmp_path / "db", json.dumps({"cpus": "many"}))
+    store = Store(tmp_path / "db")
+    (warning,) = store.node("n1")["inventory"]["warnings"]
+    assert "cpus" in warning and "next heartbeat replaces it" in warning
+    store.record_heartbeat("n1", {"cpus": 2})
+    assert store.node("n1")["inventory"] == {"cpus": 2}
     store.close()
