@@ -4,6 +4,7 @@ Error
  ├── pki.PKIError
  ├── config.ConfigError
  ├── services.ServiceError
+ ├── install.InstallError
  ├── agent._build.BuildError
  ├── agent.engine.EngineUnavailable
  ├── agent.client.AgentAPIError

@@ -58,8 +58,14 @@ class ServiceManager(Protocol):
         """The command a person runs to start the service."""
 
 
-def llmgw_command(*args: str) -> list[str]:
-    """The argv that runs `llmgw ARGS` with this very installation."""
+def llmgw_command(*args: str, mode: str = "local") -> list[str]:
+    """The argv that runs `llmgw ARGS`: in system mode the installed llmgw (/opt/llmgw,
+    linked from /usr/local/bin), which every service user can run; in local mode this
+    very installation."""
+    if mode == "system":
+        from llmgw.install import LINK
+
+        return [str(LINK), *args]
     script = Path(sys.executable).parent / "llmgw"
     if script.exists():
         return [str(script), *args]
