@@ -47,7 +47,8 @@ def _down_system() -> Iterator[str]:
         if proc.returncode != 0:
             raise ServiceError(f"systemctl disable --now {unit} failed ({proc.returncode}): "
                                f"{proc.stderr.strip()}; see `journalctl -u {unit}`")
-        yield f"stopped and disabled {unit}" if unit in active else f"{unit} was not running; disabled it"
+        yield (f"stopped and disabled {unit}" if unit in active
+               else f"{unit} was not running; disabled it")
 
 
 def _systemctl(*args: str) -> subprocess.CompletedProcess[str]:
