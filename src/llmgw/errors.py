@@ -5,6 +5,7 @@ Error
  ├── config.ConfigError
  ├── services.ServiceError
  ├── install.InstallError
+ ├── accounts.AccountError
  ├── agent._build.BuildError
  ├── agent.engine.EngineUnavailable
  ├── agent.client.AgentAPIError
