@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from llmgw._files import atomic_write
 from llmgw.errors import Error
 from llmgw.layout import Layout
 
@@ -17,6 +18,7 @@ __all__ = [
     "ServiceSpec",
     "llmgw_command",
     "manager_for",
+    "write_environment_file",
 ]
 
 
@@ -34,6 +36,9 @@ class ServiceSpec:
     # Lines for the [Service] section of a systemd unit, in order; local mode ignores them.
     systemd_service: list[str] = field(default_factory=list)
     environment: dict[str, str] = field(default_factory=dict)
+    # systemd only: a root-only file of KEY=VALUE lines read at start, for secrets that
+    # must not be in the unit text (every user can read units). Optional: "-" prefixed.
+    environment_file: str = ""
 
 
 class ServiceManager(Protocol):
@@ -73,6 +78,23 @@ def llmgw_command(*args: str, mode: str = "local") -> list[str]:
     if found:
         return [found, *args]
     return [sys.executable, "-m", "llmgw", *args]
+
+
+def write_environment_file(path: Path, env: dict[str, str]) -> bool:
+    """Write env as a root-only (0600) systemd EnvironmentFile when it differs; whether it
+    did. Values are double-quoted, with quotes and backslashes escaped."""
+    def quoted(value: str) -> str:
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    text = "".join(f"{k}={quoted(v)}\n" for k, v in sorted(env.items()))
+    try:
+        same = path.read_text() == text and path.stat().st_mode & 0o777 == 0o600
+    except FileNotFoundError:
+        same = False
+    if same:
+        return False
+    atomic_write(path, text, mode=0o600)
+    return True
 
 
 def manager_for(layout: Layout) -> ServiceManager:
