@@ -27,8 +27,8 @@ DEFAULT_PORTS = (9090, 7443, 8080, 8081, 8082)
 SYSTEM_PATHS = ("/etc/llmgw", "/srv/models", "/var/lib/llmgw", "/var/lib/llmgw-agent",
                 "/opt/llmgw", "/usr/local/bin/llmgw", "/etc/systemd/system/llmgw-server.service")
 # The environment of commands run inside: this machine's, less what ties it to the
-# pytest and the venv running here.
-_DROP_ENV = ("PYTEST_", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "COV_", "_PYTEST")
+# pytest and the venv running here, and the hub settings a test gives explicitly.
+_DROP_ENV = ("PYTEST_", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "COV_", "_PYTEST", "HF_")
 
 
 class CannotBoot(Exception):

@@ -28,10 +28,16 @@ UP_TIMEOUT_S = 1800
 WRITTEN = ("/etc/llmgw", "/etc/systemd/system", "/opt/llmgw/llmgw-install.json")
 
 
-def up(c: SystemdContainer, steps_json: str, cwd: str = CLONE) -> tuple[Any, list[dict]]:
+# The first run is given the hub's address and a token, as a user with a gated model
+# would; the starter comes from a file, so the hub is never asked.
+HUB_ENV = {"HF_TOKEN": "hf_system_test_token", "HF_ENDPOINT": "http://127.0.0.1:9"}
+
+
+def up(c: SystemdContainer, steps_json: str, cwd: str = CLONE,
+       env: dict[str, str] | None = None) -> tuple[Any, list[dict]]:
     proc = c.run("bash", "scripts/up", "--advertise", "127.0.0.1", "--starter-source",
                  f"file://{MODEL}", f"--steps-json={steps_json}", cwd=cwd, check=False,
-                 timeout=UP_TIMEOUT_S)
+                 timeout=UP_TIMEOUT_S, env=env)
     steps_file = c.path(steps_json)
     steps = json.loads(steps_file.read_text()) if steps_file.exists() else []
     return proc, steps
@@ -103,7 +109,7 @@ def host(systemd_container: SystemdContainer) -> Iterator[SystemdContainer]:
     model.chmod(0o644)
     model.parent.chmod(0o755)
     began = time.monotonic()
-    proc, steps = up(c, "/root/up-1.json")
+    proc, steps = up(c, "/root/up-1.json", env=HUB_ENV)
     c.first_up = (proc, steps, time.monotonic() - began)  # type: ignore[attr-defined]
     yield c
 
@@ -141,6 +147,30 @@ def test_the_mirror_runs_as_llmgw_hardened(host: SystemdContainer) -> None:
     assert props["ReadWritePaths"] == "/srv/models", props
     user = host.run("ps", "-o", "user=", "-p", props["MainPID"]).stdout.strip()
     assert user == "llmgw", user
+
+
+def test_the_control_plane_runs_as_llmgw_hardened(host: SystemdContainer) -> None:
+    props = host.show("llmgw-server", "User", "NoNewPrivileges", "ProtectSystem",
+                      "ProtectHome", "StateDirectory", "MainPID")
+    assert (props["User"], props["NoNewPrivileges"], props["ProtectSystem"],
+            props["ProtectHome"], props["StateDirectory"]) == (
+        "llmgw", "yes", "strict", "yes", "llmgw"), props
+    user = host.run("ps", "-o", "user=", "-p", props["MainPID"]).stdout.strip()
+    assert user == "llmgw", user
+    ca_key = host.run("stat", "-c", "%U %a", "/etc/llmgw/pki/ca-key.pem").stdout.split()
+    assert ca_key == ["root", "600"], ca_key
+
+
+def test_the_hub_token_reaches_the_mirror_through_a_root_only_file(host: SystemdContainer) -> None:
+    """Never through the unit text, which every user can read."""
+    env_file = host.run("stat", "-c", "%U %a", "/etc/llmgw/mirror.env").stdout.split()
+    assert env_file == ["root", "600"], env_file
+    unit = host.run("systemctl", "cat", "llmgw-mirror").stdout
+    assert HUB_ENV["HF_TOKEN"] not in unit and "EnvironmentFile=-/etc/llmgw/mirror.env" in unit
+    pid = main_pid(host, "llmgw-mirror")
+    environ = host.path(f"/proc/{pid}/environ")
+    seen = host.run("cat", f"/proc/{pid}/environ").stdout.split("\0")
+    assert f"HF_TOKEN={HUB_ENV['HF_TOKEN']}" in seen, environ
 
 
 def test_the_agent_unit_keeps_engines_and_unlocks_memory(host: SystemdContainer) -> None:
@@ -185,6 +215,24 @@ def test_checks_name_a_stopped_mirror(host: SystemdContainer) -> None:
         host.run("systemctl", "start", "llmgw-mirror")
     assert proc.returncode != 0, proc.stdout[-3000:]
     assert "llmgw-mirror" in proc.stdout and "inactive" in proc.stdout, proc.stdout[-6000:]
+
+
+def test_a_newer_checkout_is_installed_and_the_units_restarted(host: SystemdContainer) -> None:
+    """A commit in the clone, then scripts/up: `done llmgw … installed (was …)`, the three
+    units restarted onto it, the engine kept, and the checks agree with the checkout."""
+    init = f"{CLONE}/src/llmgw/__init__.py"
+    host.path(init).write_text(host.path(init).read_text() + "# a newer release\n")
+    host.run("git", "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qam",
+             "a newer release", cwd=CLONE)
+    pids, engines = {u: main_pid(host, u) for u in UNITS}, engine_pids(host)
+    proc, steps = up(host, "/root/up-3.json")
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    done = [s["message"] for s in steps if s["status"] == "done"]
+    assert len(done) == 1 and "installed in /opt/llmgw (was 0.1.0 (" in done[0], done
+    assert "restarted llmgw-server, llmgw-mirror, llmgw-agent" in done[0], done
+    assert all(main_pid(host, u) != pids[u] for u in UNITS)
+    assert engine_pids(host) == engines
+    assert checks(host).returncode == 0
 
 
 def test_the_host_serves_without_its_clone(host: SystemdContainer) -> None:
