@@ -49,11 +49,13 @@ def _fresh_host_problem() -> str:
             "system-mode llmgw") if there else ""
 
 
-@pytest.fixture(scope="session")
-def systemd_container(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemdContainer]:
-    """Session: a booted systemd container over a throwaway overlay of this machine's /,
+@pytest.fixture(scope="module")
+def systemd_container() -> Iterator[SystemdContainer]:
+    """Module: a booted systemd container over a throwaway overlay of this machine's /,
     sharing its network, with this checkout cloned to /root/llmgw and the engine cache
     seeded. Changes nothing on this machine beyond the overlay's dirs (removed after).
+    One per module, so each module starts from a fresh host (a boot takes seconds); two
+    never run at once, since they would share the ports.
 
     Skipped, saying why, where it cannot run: not root, no overlayfs, nspawn cannot boot.
     Fails when one of the default ports is taken here (the container would fight for it).
