@@ -53,7 +53,9 @@ def main_pid(c: SystemdContainer, unit: str) -> str:
 
 
 def replicas(c: SystemdContainer) -> list[dict]:
-    r = httpx.get(f"http://127.0.0.1:9090/api/v1/replicas?model={STARTER}", timeout=10)
+    token = c.path("/etc/llmgw/admin-token").read_text().strip()
+    r = httpx.get(f"http://127.0.0.1:9090/api/v1/replicas?model={STARTER}", timeout=10,
+                  headers={"Authorization": f"Bearer {token}"})
     r.raise_for_status()
     return [x for x in r.json() if x["state"] != "stopped"]
 
