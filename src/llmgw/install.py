@@ -46,9 +46,11 @@ CANDIDATES = ("/usr/bin/python3.11", "/usr/bin/python3", "/usr/local/bin/python3
 MIN_PYTHON = (3, 11)
 HOMES = ("/root", "/home", "/run/user")
 INSTALL_HINT = "apt-get install python3 python3-venv (Debian/Ubuntu; Python 3.11 or newer)"
-# What a checkout ships into the venv (pyproject.toml names README.md as the readme); a
-# change to pyproject.toml or src/ is a new release, a change to the README is not.
+# What a checkout ships into the venv (pyproject.toml names README.md as the readme, and
+# the harness, fixtures/, travels as llmgw_harness for `llmgw check`); a change to
+# pyproject.toml or a package folder is a new release, a change to the README is not.
 PACKAGE_FILES = ("pyproject.toml", "README.md")
+PACKAGE_DIRS = ("src", "fixtures")
 RELEASE_FILES = ("pyproject.toml",)
 PIP_TIMEOUT_S = 600
 
@@ -98,9 +100,10 @@ def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
 
 def _source_files(checkout: Path) -> list[Path]:
     files = [checkout / name for name in RELEASE_FILES if (checkout / name).is_file()]
-    files += sorted(p for p in (checkout / "src").rglob("*")
-                    if p.is_file() and "__pycache__" not in p.parts
-                    and ".egg-info" not in str(p.relative_to(checkout)))
+    for folder in PACKAGE_DIRS:
+        files += sorted(p for p in (checkout / folder).rglob("*")
+                        if p.is_file() and "__pycache__" not in p.parts
+                        and ".egg-info" not in str(p.relative_to(checkout)))
     return files
 
 
@@ -253,8 +256,10 @@ def _pip_install(venv: Path, checkout: Path, run: Runner) -> None:
         for name in PACKAGE_FILES:
             if (checkout / name).is_file():
                 shutil.copy2(checkout / name, src / name)
-        shutil.copytree(checkout / "src", src / "src",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        for folder in PACKAGE_DIRS:
+            if (checkout / folder).is_dir():
+                shutil.copytree(checkout / folder, src / folder,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         # Dependencies already there are kept (only-if-needed), so an upgrade needs the
         # package index only for what changed; --force-reinstall of llmgw alone, since an
         # unchanged version number would otherwise be taken as installed already.
