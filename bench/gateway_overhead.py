@@ -146,14 +146,15 @@ def serve_gateway(work: Path, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def start(work: Path, width: int) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes],
-                                           str, str, str]:
+def start(work: Path, width: int, threads: int
+          ) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str, str, str]:
     gguf = work / "tiny.gguf"
     write_tiny_gguf(gguf)
     key, engine_port, gw_port = secrets.token_urlsafe(16), free_port(), free_port()
     engine = subprocess.Popen(
         [engine_binary(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(engine_port),
-         "--api-key", key, "--metrics", "--ctx-size", "2048", "--parallel", str(width)],
+         "--api-key", key, "--metrics", "--ctx-size", "2048", "--parallel", str(width),
+         *(["--threads", str(threads)] if threads else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     store = Store(work / "control.db")
     store.add_model({"name": "tiny", "aliases": [], "source": gguf.as_uri(), "sha256": "",
@@ -184,12 +185,16 @@ def main() -> None:
     parser.add_argument("--gateway-nice", type=int, default=0,
                         help="run the gateway at this nice value (negative: ahead of the "
                              "engine's threads when both want the CPU)")
+    parser.add_argument("--engine-threads", type=int, default=0,
+                        help="llama-server's --threads (default: its own choice). On 2 cores "
+                             "an engine on both leaves the gateway and the load generator "
+                             "none at 1 in flight; 1 leaves them a core")
     args = parser.parse_args()
     load = hey if shutil.which("hey") else python_load
     print(f"load generator: {'hey' if load is hey else 'Python, in its own process'}; "
           f"{args.pairs} pairs of {args.seconds:.0f} s per width, medians of the pairs")
     engine, gateway, key, direct, via = start(Path(tempfile.mkdtemp(prefix="llmgw-bench-")),
-                                              max(WIDTHS))
+                                              max(WIDTHS), args.engine_threads)
     if args.gateway_nice:
         os.setpriority(os.PRIO_PROCESS, gateway.pid, args.gateway_nice)
     results: dict[tuple[str, int], list[Run]] = {}

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import uvicorn
@@ -40,3 +40,15 @@ def on_stop_signals(log: logging.Logger, stop: Callable[[], None]) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, received, sig)
+
+
+def run_service(main: Coroutine[Any, Any, None]) -> None:
+    """Run a service's main coroutine to its end on uvloop (what uvicorn.run picks too; it
+    halves the event loop's cost per request), or on asyncio's own loop without it."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)

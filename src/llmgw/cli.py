@@ -17,13 +17,14 @@ from llmgw.layout import MODES
 def _server(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from llmgw._serving import run_service
     from llmgw.admin_token import server_hash_path
     from llmgw.config import load_server
     from llmgw.control.server import serve
 
     config = load_server(args.config)
     token_hash = server_hash_path(Path(args.config), config.admin_token_hash)
-    asyncio.run(serve(config, admin_token_hash=token_hash))
+    run_service(serve(config, admin_token_hash=token_hash))
     return 0
 
 
@@ -37,6 +38,7 @@ def _mirror_serve(args: argparse.Namespace) -> int:
         admin_token_hash=Path(args.admin_token_hash) if args.admin_token_hash else None,
         import_dirs=tuple(Path(d) for d in args.import_dir),
     )
+    # asyncio's own loop: the bytes server relies on its loop.sendfile (kernel sendfile).
     asyncio.run(serve(options))
     return 0
 
