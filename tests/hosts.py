@@ -82,7 +82,8 @@ class ThrowawayHost:
 
     def down(self) -> str:
         proc = subprocess.run(
-            [sys.executable, "-m", "llmgw", "down", f"--state-dir={self.state_dir}"],
+            [sys.executable, "-m", "llmgw", "down", "--mode=local",
+             f"--state-dir={self.state_dir}"],
             capture_output=True, text=True, timeout=120,
         )
         return proc.stdout + proc.stderr

@@ -17,13 +17,23 @@ def last_lines(path: str | os.PathLike[str], n: int) -> str:
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o644) -> None:
-    """Write data to path through a temporary file in the same folder, fsync and rename."""
+    """Write data to path through a temporary file in the same folder, fsync and rename.
+
+    A file written over keeps its owner and group (where we may set them): a key or a
+    config shared with a service user stays readable by it after a rewrite.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, str):
         data = data.encode()
+    try:
+        old = path.stat()
+    except FileNotFoundError:
+        old = None
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if old is not None and os.geteuid() == 0:
+            os.fchown(fd, old.st_uid, old.st_gid)
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)

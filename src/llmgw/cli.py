@@ -1,4 +1,4 @@
-"""The `llmgw` command: every service of a host, and `down` to stop a local one."""
+"""The `llmgw` command: every service of a host, and `down` to stop them all."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from llmgw import __version__
 from llmgw.commands import add_day2
 from llmgw.commands._admin import EXIT_UNREACHABLE, Unreachable
 from llmgw.errors import Error
+from llmgw.layout import MODES
 
 
 def _server(args: argparse.Namespace) -> int:
@@ -74,7 +75,7 @@ def _check(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     from llmgw.down import down
 
-    for line in down(args.state_dir):
+    for line in down(args.state_dir, args.mode):
         print(line)
     return 0
 
@@ -177,8 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     _host_options(rm)
     rm.set_defaults(run=_node_rm)
 
-    down = sub.add_parser("down", help="stop everything a local-mode host runs")
-    down.add_argument("--state-dir", required=True, help="the host's state dir")
+    down = sub.add_parser("down", help="stop everything the host runs; its data stays")
+    down.add_argument("--mode", choices=MODES, default="auto",
+                      help="system (systemd units), local (supervisord in --state-dir), or "
+                           "auto: system when root and systemd is PID 1")
+    down.add_argument("--state-dir", default=None,
+                      help="local mode: the host's state dir (default ~/.local/state/llmgw)")
     down.set_defaults(run=_down)
     add_day2(sub)
     return parser

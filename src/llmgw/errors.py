@@ -5,6 +5,8 @@ Error
  ├── config.ConfigError
  ├── admin_token.AdminTokenError
  ├── services.ServiceError
+ ├── install.InstallError
+ ├── accounts.AccountError
  ├── agent._build.BuildError
  ├── agent.engine.EngineUnavailable
  ├── agent.client.AgentAPIError

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
-from llmgw.errors import Error
+from llmgw.errors import APIError, Error
 
 
 class WaitTimeout(Error, AssertionError):
@@ -58,3 +58,27 @@ def wait_until(
             f"gave up waiting for {what} after {timeout_s:.0f}s; last seen: {seen}; "
             "run again to keep waiting"
         ) from None
+
+
+def transient(e: APIError) -> bool:
+    """An API error worth waiting through: no answer (a restart) or a 5xx."""
+    return e.status is None or e.status >= 500
+
+
+def through_api_errors(probe: Callable[[], Probe]) -> Callable[[], Probe]:
+    """probe, with a transient API error taken as one more look that is not there yet,
+    showing the error as the state seen; any other error still ends the wait at once.
+
+    A long wait (a 30-minute download, a replica starting) must outlast a restart of
+    the service it polls.
+    """
+
+    def look() -> Probe:
+        try:
+            return probe()
+        except APIError as e:
+            if not transient(e):
+                raise
+            return Probe(False, f"{e} (will ask again)")
+
+    return look

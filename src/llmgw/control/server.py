@@ -64,7 +64,12 @@ def _ca(config: ServerConfig) -> pki.KeyPair | None:
         log.warning("no CA key at %s: nodes cannot join or renew through this control plane",
                     key)
         return None
-    return pki.KeyPair(pki.load_cert(config.tls.ca), pki.load_key(key))
+    try:
+        return pki.KeyPair(pki.load_cert(config.tls.ca), pki.load_key(key))
+    except PermissionError:
+        log.warning("cannot read the CA key %s as this user: nodes cannot join or renew "
+                    "through this control plane; `pytest provision/` shares it with llmgw", key)
+        return None
 
 
 def agent_api_server(config: ServerConfig, store: Store,

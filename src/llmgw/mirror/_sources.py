@@ -1,4 +1,5 @@
-"""Sources a model is downloaded from: hf:ORG/REPO/FILE, https://, http:// and file:///."""
+"""Sources a model is downloaded from: hf:ORG/REPO/FILE[@REVISION], https://, http://
+and file:///."""
 
 from __future__ import annotations
 
@@ -28,26 +29,37 @@ def hub_endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or HUB_DEFAULT).rstrip("/")
 
 
+HUB_ENV = ("HF_ENDPOINT", "HF_TOKEN")
+
+
+def hub_token() -> str:
+    """The hub's access token (HF_TOKEN, as the hub's own client reads it); '' when none."""
+    return os.environ.get("HF_TOKEN", "").strip()
+
+
+def hub_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Those of HF_ENDPOINT and HF_TOKEN that are set: what the mirror service needs."""
+    environ = dict(os.environ) if environ is None else environ
+    return {k: environ[k] for k in HUB_ENV if environ.get(k)}
+
+
 @dataclass(frozen=True)
 class Source:
-    """A source as given, the URL it is read from, and the file name it gets in the mirror."""
+    """A source as given, the URL it is read from, the file name it gets in the mirror,
+    and the bearer token sent with it (the hub's, to the hub only)."""
 
     spec: str
     url: str
     file_name: str
+    token: str = field(default="", repr=False)
 
 
 def parse(spec: str) -> Source:
     """Turn a source as written in a fetch into a URL and a file name; SourceError if it cannot."""
+    token = ""
     if spec.startswith("hf:"):
-        parts = spec[3:].split("/")
-        if len(parts) < 3 or not all(parts):
-            raise SourceError(
-                f"source {spec!r} is not hf:ORG/REPO/FILE; write e.g. "
-                "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf"
-            )
-        repo, file = "/".join(parts[:2]), "/".join(parts[2:])
-        url = f"{hub_endpoint()}/{quote(repo)}/resolve/main/{quote(file)}"
+        url = _hub_url(spec)
+        token = hub_token()
     elif spec.startswith(("https://", "http://", "file:///")):
         url = spec
     else:
@@ -61,7 +73,22 @@ def parse(spec: str) -> Source:
             f"source {spec!r} ends in {name!r}, which cannot be a file name in the mirror "
             "(letters, digits, . _ + - only, not starting with a dot); name the file itself"
         )
-    return Source(spec, url, name)
+    return Source(spec, url, name, token)
+
+
+def _hub_url(spec: str) -> str:
+    """hf:ORG/REPO/FILE[@REVISION] → the hub's resolve URL (revision main by default)."""
+    path, at, revision = spec[3:].partition("@")
+    parts = path.split("/")
+    if len(parts) < 3 or not all(parts) or (at and not revision):
+        raise SourceError(
+            f"source {spec!r} is not hf:ORG/REPO/FILE[@REVISION]; write e.g. "
+            "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf (or "
+            "…@main, @a commit, @refs/pr/1)"
+        )
+    repo, file = "/".join(parts[:2]), "/".join(parts[2:])
+    return f"{hub_endpoint()}/{quote(repo)}/resolve/{quote(revision or 'main', safe='')}/" \
+        f"{quote(file)}"
 
 
 def stated_digest(value: str | None) -> str | None:
@@ -107,7 +134,7 @@ def open_at(source: Source, offset: int, validator: str | None, client: httpx.Cl
     """Open the source from offset on. Opened.start is 0 when the source sent the whole file."""
     if source.url.startswith("file://"):
         return _open_file(Path(unquote(urlsplit(source.url).path)), offset, validator)
-    return _open_http(source.url, offset, validator, client)
+    return _open_http(source.url, offset, validator, client, source.token)
 
 
 def _open_file(path: Path, offset: int, validator: str | None) -> Opened:
@@ -132,9 +159,14 @@ def _digest_in(response: httpx.Response) -> str | None:
     return None
 
 
-def _open_http(url: str, offset: int, validator: str | None, client: httpx.Client) -> Opened:
+def _open_http(url: str, offset: int, validator: str | None, client: httpx.Client,
+               token: str = "") -> Opened:
     # Identity, so the bytes hashed are the file's bytes, never a compressed form of them.
     headers = {"Accept-Encoding": "identity"}
+    if token:
+        # httpx drops it on a redirect to another origin (the hub's CDN), so it reaches
+        # the hub only.
+        headers["Authorization"] = f"Bearer {token}"
     if offset:
         headers["Range"] = f"bytes={offset}-"
         if validator:

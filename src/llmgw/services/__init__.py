@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from llmgw._files import atomic_write
 from llmgw.errors import Error
 from llmgw.layout import Layout
 
@@ -18,6 +19,8 @@ __all__ = [
     "ServiceSpec",
     "llmgw_command",
     "manager_for",
+    "environment_file_drift",
+    "write_environment_file",
 ]
 
 
@@ -40,6 +43,9 @@ class ServiceSpec:
     # Lines for the [Service] section of a systemd unit, in order; local mode ignores them.
     systemd_service: list[str] = field(default_factory=list)
     environment: dict[str, str] = field(default_factory=dict)
+    # systemd only: a root-only file of KEY=VALUE lines read at start, for secrets that
+    # must not be in the unit text (every user can read units). Optional: "-" prefixed.
+    environment_file: str = ""
 
 
 class ServiceManager(Protocol):
@@ -77,8 +83,14 @@ def drift(path: Path, text: str) -> str:
     return f"{path} differs from what this llmgw writes"
 
 
-def llmgw_command(*args: str) -> list[str]:
-    """The argv that runs `llmgw ARGS` with this very installation."""
+def llmgw_command(*args: str, mode: str = "local") -> list[str]:
+    """The argv that runs `llmgw ARGS`: in system mode the installed llmgw (/opt/llmgw,
+    linked from /usr/local/bin), which every service user can run; in local mode this
+    very installation."""
+    if mode == "system":
+        from llmgw.install import LINK
+
+        return [str(LINK), *args]
     script = Path(sys.executable).parent / "llmgw"
     if script.exists():
         return [str(script), *args]
@@ -86,6 +98,33 @@ def llmgw_command(*args: str) -> list[str]:
     if found:
         return [found, *args]
     return [sys.executable, "-m", "llmgw", *args]
+
+
+def render_environment_file(env: dict[str, str]) -> str:
+    """env as systemd EnvironmentFile lines: values double-quoted, quotes and backslashes
+    escaped."""
+    def quoted(value: str) -> str:
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    return "".join(f"{k}={quoted(v)}\n" for k, v in sorted(env.items()))
+
+
+def environment_file_drift(path: Path, env: dict[str, str]) -> str:
+    """Why path does not hold env, root-only (0600); '' when it does (read only)."""
+    found = drift(path, render_environment_file(env))
+    if found:
+        return found
+    mode = path.stat().st_mode & 0o777
+    return f"{path} has mode {mode:o}, not 600" if mode != 0o600 else ""
+
+
+def write_environment_file(path: Path, env: dict[str, str]) -> bool:
+    """Write env as a root-only (0600) systemd EnvironmentFile when it differs; whether it
+    did."""
+    if not environment_file_drift(path, env):
+        return False
+    atomic_write(path, render_environment_file(env), mode=0o600)
+    return True
 
 
 def manager_for(layout: Layout) -> ServiceManager:

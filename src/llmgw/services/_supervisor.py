@@ -99,7 +99,7 @@ class Supervisor:
                 return False
         except FileNotFoundError:
             pass
-        atomic_write(path, text)
+        atomic_write(path, text, mode=0o600)  # a program's environment may hold a token
         return True
 
     # --- the daemon ---

@@ -26,6 +26,7 @@ def render_unit(spec: ServiceSpec) -> str:
         "# Written by llmgw; an edited copy is kept beside it as .bak when llmgw rewrites it.",
         f"ExecStart={shlex.join(spec.command)}",
         *env,
+        *([f"EnvironmentFile=-{spec.environment_file}"] if spec.environment_file else []),
         *spec.systemd_service,
         *limits,
         "",
