@@ -141,11 +141,21 @@ class Upstream:
                 + b"\r\nAuthorization: Bearer " + api_key.encode()
                 + b"\r\nContent-Type: " + content_type
                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
-        conn = await self._checkout(key)
+        conn, reused = await self._checkout(key)
         try:
             conn.writer.write(head + body)
             async with asyncio.timeout(self.timeouts.read_s):
                 status, headers = await self._head(conn.reader)
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            conn.close()
+            if not reused or (isinstance(e, asyncio.IncompleteReadError) and e.partial):
+                raise UpstreamError(f"{endpoint} took the request and closed the "
+                                    f"connection without an answer: {e!r}") from e
+            # A pooled connection the replica had already closed (its engine restarted or
+            # died, or it dropped the idle connection): nothing of an answer came, so the
+            # request never reached a live engine. Send it once on a new connection, which
+            # fails as ConnectFailed when the engine is gone (the gateway then moves on).
+            return await self._post_fresh(endpoint, key, head + body)
         except BaseException as e:
             conn.close()
             if isinstance(e, TimeoutError):
@@ -158,14 +168,33 @@ class Upstream:
             raise
         return Response(status, headers, conn, self, key, self.timeouts.read_s)
 
-    async def _checkout(self, key: tuple[str, int]) -> _Conn:
+    async def _post_fresh(self, endpoint: str, key: tuple[str, int],
+                          request: bytes) -> Response:
+        conn = await self._connect(key)
+        try:
+            conn.writer.write(request)
+            async with asyncio.timeout(self.timeouts.read_s):
+                status, headers = await self._head(conn.reader)
+        except BaseException as e:
+            conn.close()
+            if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError, TimeoutError)):
+                raise UpstreamError(f"{endpoint} took the request and closed the "
+                                    f"connection without an answer: {e!r}") from e
+            raise
+        return Response(status, headers, conn, self, key, self.timeouts.read_s)
+
+    async def _checkout(self, key: tuple[str, int]) -> tuple[_Conn, bool]:
+        """A pooled connection (and True), else a new one (and False)."""
         now = time.monotonic()
         idle = self._idle.get(key, [])
         while idle:
             conn = idle.pop()
             if conn.usable(now):
-                return conn
+                return conn, True
             conn.close()
+        return await self._connect(key), False
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(*key, limit=1 << 20), self.timeouts.connect_s)
