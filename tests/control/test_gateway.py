@@ -280,3 +280,45 @@ def test_the_read_timeout_from_server_yaml_ends_a_silent_replica_with_502(store)
             r = gw.post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 502
     assert "no answer within 0.5 s (upstream_read_timeout_s" in r.json()["error"]["message"]
+
+
+@contextmanager
+def closes_after_each_answer() -> Iterator[tuple[str, list[bytes]]]:
+    """A replica that answers the first request of each connection with keep-alive headers
+    and hangs up on the next one without a byte of an answer, as a connection the engine
+    dropped while it sat in the gateway's pool looks from the gateway."""
+    import socket
+    import threading
+
+    seen: list[bytes] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+    body = json_answer()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                seen.append(conn.recv(65536))
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                conn.recv(65536)  # the next request on this connection: hung up on, unread
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
+    finally:
+        listener.close()
+
+
+def test_a_pooled_connection_the_replica_closed_is_sent_once_on_a_new_one(store) -> None:
+    """No byte of an answer came on a reused connection the replica had closed: the request
+    never reached a live engine, so it goes once on a new connection (200, seen once)."""
+    with closes_after_each_answer() as (endpoint, seen):
+        ready(store, "r1", endpoint)
+        with gateway(store) as gw:
+            first = gw.post("/v1/completions", json=CHAT).status_code
+            second = gw.post("/v1/completions", json=CHAT).status_code
+    assert (first, second) == (200, 200) and len(seen) == 2
