@@ -22,6 +22,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -143,10 +143,11 @@ def serve_gateway(work: Path, port: int) -> None:
 
     app = make_gateway_app(Store(work / "control.db"), tokens=[], upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    from llmgw._serving import quiet_server, run_service
+    run_service(quiet_server(app, f"127.0.0.1:{port}").serve())
 
 
-def start(work: Path, width: int, threads: int
+def start(work: Path, width: int, engine_args: list[str]
           ) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str, str, str]:
     gguf = work / "tiny.gguf"
     write_tiny_gguf(gguf)
@@ -154,7 +155,7 @@ def start(work: Path, width: int, threads: int
     engine = subprocess.Popen(
         [engine_binary(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(engine_port),
          "--api-key", key, "--metrics", "--ctx-size", "2048", "--parallel", str(width),
-         *(["--threads", str(threads)] if threads else [])],
+         *engine_args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     store = Store(work / "control.db")
     store.add_model({"name": "tiny", "aliases": [], "source": gguf.as_uri(), "sha256": "",
@@ -185,16 +186,16 @@ def main() -> None:
     parser.add_argument("--gateway-nice", type=int, default=0,
                         help="run the gateway at this nice value (negative: ahead of the "
                              "engine's threads when both want the CPU)")
-    parser.add_argument("--engine-threads", type=int, default=0,
-                        help="llama-server's --threads (default: its own choice). On 2 cores "
-                             "an engine on both leaves the gateway and the load generator "
-                             "none at 1 in flight; 1 leaves them a core")
+    parser.add_argument("--engine-args", default="",
+                        help="more llama-server flags, as one string: '--threads 1' leaves "
+                             "the gateway and the load generator a core of 2; '--poll 0' "
+                             "stops the engine's threads spinning while they wait for work")
     args = parser.parse_args()
     load = hey if shutil.which("hey") else python_load
     print(f"load generator: {'hey' if load is hey else 'Python, in its own process'}; "
           f"{args.pairs} pairs of {args.seconds:.0f} s per width, medians of the pairs")
     engine, gateway, key, direct, via = start(Path(tempfile.mkdtemp(prefix="llmgw-bench-")),
-                                              max(WIDTHS), args.engine_threads)
+                                              max(WIDTHS), shlex.split(args.engine_args))
     if args.gateway_nice:
         os.setpriority(os.PRIO_PROCESS, gateway.pid, args.gateway_nice)
     results: dict[tuple[str, int], list[Run]] = {}

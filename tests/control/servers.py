@@ -12,17 +12,16 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import uvicorn
-
+from llmgw._serving import quiet_server
 from llmgw.netaddr import free_port
 
 
 @contextmanager
 def serve_asgi(app: Any) -> Iterator[str]:
-    """The app on a free loopback port under uvicorn, for the length of the block."""
+    """The app on a free loopback port under uvicorn, as the services serve it (their
+    protocol and settings), for the length of the block."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False))
+    server = quiet_server(app, f"127.0.0.1:{port}")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
