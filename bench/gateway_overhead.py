@@ -1,15 +1,23 @@
 """What the gateway costs a chat completion, direct and through it side by side in one run.
 
-Run on demand, not in the suite:  python bench/gateway_overhead.py [--seconds 4] [--pairs 5]
+Run on demand, not in the suite:
 
-Serves the tests' tiny GGUF with the real llama-server (a few ms per 8-token answer, so
-the gateway's own cost is visible) and the real gateway app under uvicorn in its own
-process, then loads both at 1 and at 16 requests in flight in --pairs short pairs
-(direct, then gateway, back to back) and reports the median of the pairs' ratios: on a
-shared, noisy machine the load drifts from second to second, and a pair measured back to
-back sees nearly the same drift on both sides. The load comes from `hey`
-where it is installed (apt install hey), else from a Python generator in its own process;
-the first line printed says which. The last line is:
+    python bench/gateway_overhead.py [--seconds 3] [--pairs 15]      # its own engine and gateway
+    python bench/gateway_overhead.py --host [--state-dir DIR]        # a provisioned host's
+
+By default it serves the tests' tiny GGUF with the real llama-server (a few ms per 8-token
+answer, so the gateway's own cost is visible) and the real gateway app in its own process,
+served as `llmgw server` serves it. With --host it measures what a provisioned host runs:
+its `llmgw server` (the gateway in server.yaml, with its first token) against the engine
+of a ready replica on this machine, called directly with the replica's own key from the
+control plane's database (read-only; run as the user who provisioned, or root).
+
+It loads both sides at 1 and at 16 requests in flight in --pairs short pairs (direct,
+then gateway, back to back) and reports the median of the pairs' ratios: on a shared,
+noisy machine the load drifts from second to second, and a pair measured back to back
+sees nearly the same drift on both sides. The load comes from `hey` where it is installed
+(apt install hey), else from a Python generator in its own process; the first line printed
+says which. The last line is:
 
     gateway/direct: throughput 0.NN× at 16, 0.NN× at 1; p50 +N.N ms at 1
 """
@@ -19,11 +27,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
+import resource
 import secrets
 import shlex
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -37,17 +48,31 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw.agent.engine import LlamaCpp  # noqa: E402
-from llmgw.config import EngineConfig  # noqa: E402
+from llmgw.config import EngineConfig, connect_host, load_server  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
 from llmgw.control.gateway import make_gateway_app  # noqa: E402
 from llmgw.control.metrics import GatewayMetrics  # noqa: E402
 from llmgw.control.store import Store  # noqa: E402
+from llmgw.layout import Layout  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
-BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
-        "temperature": 0}
 WIDTHS = (1, 16)
+
+
+def request_body(model: str) -> str:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 8, "temperature": 0})
+
+
+@dataclass(frozen=True)
+class Side:
+    """One way to a chat completion: its URL, the bearer key it takes, and the process
+    whose CPU it costs (0 when not known)."""
+
+    url: str
+    key: str
+    pid: int
 
 
 @dataclass
@@ -56,7 +81,7 @@ class Run:
     p50_ms: float
     non_200: int
     count: int = 0
-    # CPU seconds per request, by process (engine, gateway): robust where wall time is not.
+    # CPU ms per request, by process (engine, gateway, load): robust where wall time is not.
     cpu_ms: dict[str, float] | None = None
 
 
@@ -64,6 +89,35 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds a process has used (/proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished children: the load generator's runs."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def listener_pid(port: int) -> int:
+    """The process listening on a local TCP port, from /proc (0 when none is visible)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return int(proc.name)
+        except OSError:
+            continue
+    return 0
 
 
 def engine_binary() -> str:
@@ -86,10 +140,11 @@ def wait_ok(url: str) -> None:
     sys.exit(f"{url} did not answer within 60s")
 
 
-def hey(url: str, key: str, width: int, seconds: float) -> Run:
+def hey(side: Side, body: str, width: int, seconds: float) -> Run:
     out = subprocess.run(
         ["hey", "-z", f"{seconds}s", "-c", str(width), "-m", "POST", "-T", "application/json",
-         "-H", f"Authorization: Bearer {key}", "-d", json.dumps(BODY), url],
+         *(["-H", f"Authorization: Bearer {side.key}"] if side.key else []), "-d", body,
+         side.url],
         capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1])
     p50 = float(re.search(r"50%+ in ([\d.]+) secs", out)[1]) * 1000
@@ -97,9 +152,9 @@ def hey(url: str, key: str, width: int, seconds: float) -> Run:
     return Run(rps, p50, sum(n for c, n in codes.items() if c != 200), sum(codes.values()))
 
 
-async def _generate(url: str, key: str, width: int, seconds: float) -> Run:
+async def _generate(url: str, key: str, body: str, width: int, seconds: float) -> Run:
     """The fallback generator: width keep-alive connections, each one request at a time."""
-    upstream, body = Upstream(), json.dumps(BODY).encode()
+    upstream, data = Upstream(), body.encode()
     base, path = url.split("/v1/", 1)
     times: list[float] = []
     bad = 0
@@ -109,7 +164,7 @@ async def _generate(url: str, key: str, width: int, seconds: float) -> Run:
         nonlocal bad
         while time.perf_counter() < deadline:
             start = time.perf_counter()
-            response = await upstream.post(base, "/v1/" + path, body, key)
+            response = await upstream.post(base, "/v1/" + path, data, key)
             await response.read()
             times.append(time.perf_counter() - start)
             bad += response.status != 200
@@ -121,34 +176,41 @@ async def _generate(url: str, key: str, width: int, seconds: float) -> Run:
     return Run(len(times) / elapsed, statistics.median(times) * 1000, bad, len(times))
 
 
-def python_load(url: str, key: str, width: int, seconds: float) -> Run:
+def python_load(side: Side, body: str, width: int, seconds: float) -> Run:
     """The fallback generator in its own process, so it shares no GIL with anything."""
-    out = subprocess.run([sys.executable, __file__, "--generate", url, key, str(width),
-                          str(seconds)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, __file__, "--generate", side.url, side.key, body,
+                          str(width), str(seconds)],
+                         capture_output=True, text=True, check=True).stdout
     return Run(**json.loads(out))
 
 
-def measured(load, url: str, key: str, width: int, seconds: float,  # type: ignore[no-untyped-def]
+def measured(load, side: Side, body: str, width: int, seconds: float,  # type: ignore[no-untyped-def]
              pids: dict[str, int]) -> Run:
+    """One load of side, with the CPU each process spent per request."""
+    pids = {name: pid for name, pid in pids.items() if pid}
     before = {name: cpu_s(pid) for name, pid in pids.items()}
-    run = load(url, key, width, seconds)
-    run.cpu_ms = {name: (cpu_s(pid) - before[name]) * 1000 / max(run.count, 1)
-                  for name, pid in pids.items()}
+    load_before = children_cpu_s()
+    run = load(side, body, width, seconds)
+    per = max(run.count, 1)
+    run.cpu_ms = {name: (cpu_s(pid) - before[name]) * 1000 / per for name, pid in pids.items()}
+    run.cpu_ms["load"] = (children_cpu_s() - load_before) * 1000 / per
     return run
 
 
 def serve_gateway(work: Path, port: int) -> None:
-    """The real gateway app on uvicorn, over the bench's store, as `llmgw server` runs it."""
+    """The real gateway app over the bench's store, served as `llmgw server` serves it."""
     from prometheus_client import CollectorRegistry
+
+    from llmgw._serving import quiet_server, run_service
 
     app = make_gateway_app(Store(work / "control.db"), tokens=[], upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
-    from llmgw._serving import quiet_server, run_service
     run_service(quiet_server(app, f"127.0.0.1:{port}").serve())
 
 
-def start(work: Path, width: int, engine_args: list[str]
-          ) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str, str, str]:
+def start_own(work: Path, width: int, engine_args: list[str]
+              ) -> tuple[list[subprocess.Popen[bytes]], Side, Side, str]:
+    """A llama-server on the tiny GGUF and a gateway in front of it, both started here."""
     gguf = work / "tiny.gguf"
     write_tiny_gguf(gguf)
     key, engine_port, gw_port = secrets.token_urlsafe(16), free_port(), free_port()
@@ -168,8 +230,39 @@ def start(work: Path, width: int, engine_args: list[str]
                                 str(gw_port)])
     wait_ok(f"http://127.0.0.1:{engine_port}/health")
     wait_ok(f"http://127.0.0.1:{gw_port}/healthz")
-    return (engine, gateway, key, f"http://127.0.0.1:{engine_port}/v1/chat/completions",
-            f"http://127.0.0.1:{gw_port}/v1/chat/completions")
+    return ([gateway, engine],
+            Side(f"http://127.0.0.1:{engine_port}/v1/chat/completions", key, engine.pid),
+            Side(f"http://127.0.0.1:{gw_port}/v1/chat/completions", "", gateway.pid),
+            request_body("tiny"))
+
+
+def on_host(layout: Layout, model: str) -> tuple[Side, Side, str]:
+    """A provisioned host's gateway, and the engine of one of its ready replicas."""
+    config = load_server(layout.server_yaml)
+    db = Path(config.state_dir) / "control.db"
+    if not db.exists():
+        sys.exit(f"no control plane database at {db}: is this host provisioned "
+                 "(pytest provision/ with the same --state-dir or --mode)?")
+    query = "SELECT id, model, endpoint, api_key FROM replicas WHERE state = 'ready'"
+    try:
+        # Read-only: the database belongs to the control plane (in system mode, its user).
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+            ready = conn.execute(query).fetchall()
+    except sqlite3.Error as e:
+        sys.exit(f"cannot read {db}: {e}; run as the user who provisioned the host, or root")
+    ready = [r for r in ready if r[2] and (not model or r[1] == model)]
+    if not ready:
+        sys.exit(f"no ready replica{f' of {model}' if model else ''} in {db}: `llmgw "
+                 "status` shows what runs; wait for one or name another with --model")
+    rid, name, endpoint, api_key = ready[0]
+    port = int(endpoint.rsplit(":", 1)[1])
+    gateway = connect_host(config.gateway_listen)
+    gw_port = int(gateway.rsplit(":", 1)[1])
+    print(f"host {layout.etc}: replica {rid} of {name} at {endpoint}, gateway {gateway}")
+    return (Side(f"{endpoint}/v1/chat/completions", api_key, listener_pid(port)),
+            Side(f"http://{gateway}/v1/chat/completions",
+                 config.tokens[0] if config.tokens else "", listener_pid(gw_port)),
+            request_body(name))
 
 
 def main() -> None:
@@ -177,39 +270,55 @@ def main() -> None:
         serve_gateway(Path(sys.argv[2]), int(sys.argv[3]))
         return
     if sys.argv[1:2] == ["--generate"]:
-        url, key, width, seconds = sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
-        print(json.dumps(asyncio.run(_generate(url, key, width, seconds)).__dict__))
+        url, key, body, width, seconds = sys.argv[2:7]
+        print(json.dumps(asyncio.run(_generate(url, key, body, int(width),
+                                               float(seconds))).__dict__))
         return
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--seconds", type=float, default=4.0, help="per measurement")
-    parser.add_argument("--pairs", type=int, default=5, help="direct/gateway pairs per width")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    parser.add_argument("--pairs", type=int, default=15,
+                        help="direct/gateway pairs per width: on 2 shared cores, 5 pairs' "
+                             "medians swung by ±0.05 from run to run")
     parser.add_argument("--gateway-nice", type=int, default=0,
-                        help="run the gateway at this nice value (negative: ahead of the "
-                             "engine's threads when both want the CPU)")
+                        help="run the bench's gateway at this nice value (negative: ahead of "
+                             "the engine's threads when both want the CPU)")
     parser.add_argument("--engine-args", default="",
-                        help="more llama-server flags, as one string: '--threads 1' leaves "
-                             "the gateway and the load generator a core of 2; '--poll 0' "
-                             "stops the engine's threads spinning while they wait for work")
+                        help="more flags for the bench's llama-server, as one string: "
+                             "'--threads 1' leaves the gateway and the load generator a core "
+                             "of 2; '--poll 0' stops its threads spinning while they wait")
+    parser.add_argument("--host", action="store_true",
+                        help="measure this provisioned host's gateway and engine instead")
+    parser.add_argument("--mode", default="auto", help="with --host: as pytest's --mode")
+    parser.add_argument("--state-dir", default=None,
+                        help="with --host: as pytest's --state-dir (local mode)")
+    parser.add_argument("--model", default="",
+                        help="with --host: the model whose replica to use (default: the "
+                             "first ready one)")
     args = parser.parse_args()
     load = hey if shutil.which("hey") else python_load
     print(f"load generator: {'hey' if load is hey else 'Python, in its own process'}; "
           f"{args.pairs} pairs of {args.seconds:.0f} s per width, medians of the pairs")
-    engine, gateway, key, direct, via = start(Path(tempfile.mkdtemp(prefix="llmgw-bench-")),
-                                              max(WIDTHS), shlex.split(args.engine_args))
-    if args.gateway_nice:
-        os.setpriority(os.PRIO_PROCESS, gateway.pid, args.gateway_nice)
+    procs: list[subprocess.Popen[bytes]] = []
+    if args.host:
+        direct, via, body = on_host(Layout.for_mode(args.mode, args.state_dir), args.model)
+    else:
+        procs, direct, via, body = start_own(Path(tempfile.mkdtemp(prefix="llmgw-bench-")),
+                                             max(WIDTHS), shlex.split(args.engine_args))
+        if args.gateway_nice:
+            os.setpriority(os.PRIO_PROCESS, via.pid, args.gateway_nice)
     results: dict[tuple[str, int], list[Run]] = {}
+    pids = {"engine": direct.pid, "gateway": via.pid}
     try:
-        for url in (direct, via):
-            load(url, key, 4, 1.0)  # warm both
+        for side in (direct, via):
+            load(side, body, 4, 1.0)  # warm both
         for width in WIDTHS:
             for _ in range(args.pairs):
-                for side, url in (("direct", direct), ("gateway", via)):
-                    results.setdefault((side, width), []).append(
-                        measured(load, url, key, width, args.seconds,
-                                 {"engine": engine.pid, "gateway": gateway.pid}))
+                for name, side in (("direct", direct), ("gateway", via)):
+                    results.setdefault((name, width), []).append(
+                        measured(load, side, body, width, args.seconds, pids))
     finally:
-        for proc in (gateway, engine):
+        for proc in procs:
             proc.terminate()
             proc.wait(10)
     report(results)
@@ -226,13 +335,23 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
         pairs = zip(results[("gateway", width)], results[("direct", width)], strict=True)
         return statistics.median(g.rps / d.rps for g, d in pairs)
 
+    def cpu(side: str, width: int, process: str) -> float:
+        return statistics.median((r.cpu_ms or {}).get(process, math.nan)
+                                 for r in results[(side, width)])
+
     for width in WIDTHS:
-        engine = statistics.median(r.cpu_ms["engine"] for r in results[("direct", width)])
-        via = results[("gateway", width)]
-        own = statistics.median(r.cpu_ms["gateway"] for r in via)
-        print(f"CPU per request at {width}: engine {engine:.2f} ms direct, "
-              f"{statistics.median(r.cpu_ms['engine'] for r in via):.2f} ms through the "
-              f"gateway; the gateway's own {own:.2f} ms")
+        print(f"CPU ms per request at {width}: engine {cpu('direct', width, 'engine'):.2f} "
+              f"direct, {cpu('gateway', width, 'engine'):.2f} through the gateway; the "
+              f"gateway's own {cpu('gateway', width, 'gateway'):.2f}; the load generator "
+              f"{cpu('direct', width, 'load'):.2f} direct, {cpu('gateway', width, 'load'):.2f}")
+    # At 16 in flight a small engine keeps every core busy: each side's throughput is then
+    # the CPUs over what a request costs them all, and the gateway's share sets the ratio.
+    direct16 = cpu("direct", 16, "engine") + cpu("direct", 16, "load")
+    via16 = sum(cpu("gateway", 16, p) for p in ("engine", "gateway", "load"))
+    if math.isfinite(direct16 + via16):
+        print(f"at 16, were the CPUs all that limited both sides: {direct16 / via16:.2f}× "
+              f"(the gateway's share of a request's CPU: "
+              f"{cpu('gateway', 16, 'gateway') / via16:.0%})")
     pairs = zip(results[("gateway", 1)], results[("direct", 1)], strict=True)
     added = statistics.median(g.p50_ms - d.p50_ms for g, d in pairs)
     t16, t1 = ratio(16), ratio(1)
