@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -20,7 +21,15 @@ from llmgw.errors import Error
 # llama-server (cpp-httplib) closes a connection idle for 5 s; a pooled one is dropped
 # sooner, so a request is never written into a socket the engine is closing.
 IDLE_EXPIRY_S = 2.0
-MAX_IDLE_PER_HOST = 64
+# cpp-httplib gives each open connection one of the engine's HTTP threads for as long as
+# requests keep coming on it; a connection beyond the threads waits, unserved, until one
+# frees. With 32 busy keep-alive connections on a default engine (6 threads: slots + 2) a
+# new connection waited 5-7 s, and so did the agent's /health probe, on its own fresh
+# connection (measured, issue 11). So the gateway opens at most this many connections to
+# one replica, in use and idle together, and the agent starts engines with more HTTP
+# threads than this (control/engine_args.py HTTP_THREADS): some are always free for the
+# probe. A request beyond them waits in the gateway for a connection, not in the engine.
+MAX_CONNECTIONS_PER_REPLICA = 64
 
 
 class UpstreamError(Error):
@@ -28,7 +37,8 @@ class UpstreamError(Error):
 
 
 class ConnectFailed(UpstreamError):
-    """The request never reached the replica: connection refused, unreachable, timed out."""
+    """The request never reached the replica: connection refused, unreachable, timed out,
+    or no connection to it freed in time."""
 
 
 @dataclass
@@ -37,18 +47,48 @@ class Timeouts:
     read_s: float = 600.0
 
 
+class _Replica:
+    """One replica's connections: the idle ones, how many are open, and the requests
+    waiting for one (each is handed a connection, or a free place to open one)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.idle: list[_Conn] = []
+        self.open = 0
+        self.waiters: deque[asyncio.Future[_Conn | None]] = deque()
+
+    def hand_over(self, conn: _Conn | None) -> bool:
+        """Give a connection (or, for None, its place) to the first waiter, if any."""
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return True
+        return False
+
+    def closed(self) -> None:
+        """A connection closed: its place goes to a waiter, or is free."""
+        if not self.hand_over(None):
+            self.open -= 1
+
+
 @dataclass
 class _Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    replica: _Replica
     idle_since: float = 0.0
+    _closed: bool = False
 
     def usable(self, now: float) -> bool:
         return (not self.reader.at_eof() and not self.writer.is_closing()
                 and now - self.idle_since < IDLE_EXPIRY_S)
 
     def close(self) -> None:
-        self.writer.close()
+        if not self._closed:
+            self._closed = True
+            self.writer.close()
+            self.replica.closed()
 
 
 @dataclass
@@ -59,7 +99,6 @@ class Response:
     headers: dict[bytes, bytes]
     _conn: _Conn
     _pool: Upstream
-    _key: tuple[str, int]
     _read_s: float
     _done: bool = field(default=False)
 
@@ -120,16 +159,18 @@ class Response:
         if self._conn is None:
             return
         keep = self._done and self.headers.get(b"connection", b"").lower() != b"close"
-        self._pool._give_back(self._key, self._conn, keep)
+        self._pool._give_back(self._conn, keep)
         self._conn = None  # type: ignore[assignment]
 
 
 class Upstream:
     """Connections to replicas, kept open between requests and reused."""
 
-    def __init__(self, timeouts: Timeouts | None = None) -> None:
+    def __init__(self, timeouts: Timeouts | None = None,
+                 max_connections: int = MAX_CONNECTIONS_PER_REPLICA) -> None:
         self.timeouts = timeouts or Timeouts()
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self.max_connections = max_connections
+        self._replicas: dict[tuple[str, int], _Replica] = {}
 
     async def post(self, endpoint: str, path: str, body: bytes, api_key: str,
                    content_type: bytes = b"application/json") -> Response:
@@ -166,11 +207,11 @@ class Upstream:
                 raise UpstreamError(f"{endpoint} took the request and closed the "
                                     f"connection without an answer: {e!r}") from e
             raise
-        return Response(status, headers, conn, self, key, self.timeouts.read_s)
+        return Response(status, headers, conn, self, self.timeouts.read_s)
 
     async def _post_fresh(self, endpoint: str, key: tuple[str, int],
                           request: bytes) -> Response:
-        conn = await self._connect(key)
+        conn, _ = await self._checkout(key, pooled=False)
         try:
             conn.writer.write(request)
             async with asyncio.timeout(self.timeouts.read_s):
@@ -181,26 +222,62 @@ class Upstream:
                 raise UpstreamError(f"{endpoint} took the request and closed the "
                                     f"connection without an answer: {e!r}") from e
             raise
-        return Response(status, headers, conn, self, key, self.timeouts.read_s)
+        return Response(status, headers, conn, self, self.timeouts.read_s)
 
-    async def _checkout(self, key: tuple[str, int]) -> tuple[_Conn, bool]:
-        """A pooled connection (and True), else a new one (and False)."""
+    async def _checkout(self, key: tuple[str, int], pooled: bool = True
+                        ) -> tuple[_Conn, bool]:
+        """A pooled connection (and True), else a new one (and False); at the replica's
+        limit, the first connection given back or the place of one that closed."""
+        replica = self._replicas.setdefault(key, _Replica(self.max_connections))
         now = time.monotonic()
-        idle = self._idle.get(key, [])
-        while idle:
-            conn = idle.pop()
+        while pooled and replica.idle:
+            conn = replica.idle.pop()
             if conn.usable(now):
                 return conn, True
             conn.close()
-        return await self._connect(key), False
+        if replica.open < replica.limit:
+            replica.open += 1
+        else:
+            handed = await self._wait_turn(key, replica)
+            if handed is not None:
+                return handed, True
+        try:
+            return await self._connect(key, replica), False
+        except BaseException:
+            replica.closed()
+            raise
 
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
+    async def _wait_turn(self, key: tuple[str, int], replica: _Replica) -> _Conn | None:
+        waiter: asyncio.Future[_Conn | None] = asyncio.get_running_loop().create_future()
+        replica.waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.timeouts.read_s):
+                return await waiter
+        except BaseException as e:
+            if waiter.done() and not waiter.cancelled():
+                # Handed a connection or a place just as the wait ended: pass it on.
+                handed = waiter.result()
+                if handed is None:
+                    replica.closed()
+                else:
+                    self._give_back(handed, keep=True)
+            if isinstance(e, TimeoutError):
+                raise ConnectFailed(
+                    f"all {replica.limit} connections to {key[0]}:{key[1]} stayed busy for "
+                    f"{self.timeouts.read_s:g} s (upstream_read_timeout_s in server.yaml); "
+                    "the request was not sent") from e
+            raise
+        finally:
+            if waiter in replica.waiters:
+                replica.waiters.remove(waiter)
+
+    async def _connect(self, key: tuple[str, int], replica: _Replica) -> _Conn:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(*key, limit=1 << 20), self.timeouts.connect_s)
         except (OSError, TimeoutError) as e:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {e!r}") from e
-        return _Conn(reader, writer)
+        return _Conn(reader, writer, replica)
 
     @staticmethod
     async def _head(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes]]:
@@ -213,16 +290,16 @@ class Upstream:
             headers[name.strip().lower()] = value.strip()
         return status, headers
 
-    def _give_back(self, key: tuple[str, int], conn: _Conn, keep: bool) -> None:
-        idle = self._idle.setdefault(key, [])
-        if keep and len(idle) < MAX_IDLE_PER_HOST:
-            conn.idle_since = time.monotonic()
-            idle.append(conn)
-        else:
+    def _give_back(self, conn: _Conn, keep: bool) -> None:
+        if not keep:
             conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        if not conn.replica.hand_over(conn):
+            conn.replica.idle.append(conn)
 
     async def aclose(self) -> None:
-        for idle in self._idle.values():
-            for conn in idle:
+        for replica in self._replicas.values():
+            for conn in replica.idle:
                 conn.close()
-        self._idle.clear()
+            replica.idle.clear()
