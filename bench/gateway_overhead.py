@@ -13,9 +13,9 @@ of a ready replica on this machine, called directly with the replica's own key f
 control plane's database (read-only; run as the user who provisioned, or root).
 
 It loads both sides at 1 and at 16 requests in flight in --pairs short pairs (direct,
-then gateway, back to back) and reports the median of the pairs' ratios: on a shared,
-noisy machine the load drifts from second to second, and a pair measured back to back
-sees nearly the same drift on both sides. The load comes from `hey` where it is installed
+then gateway, or the other way round in every other pair, back to back) and reports the
+median of the pairs' ratios: on a shared, noisy machine the load drifts from second to
+second, and a pair measured back to back sees nearly the same drift on both sides. The load comes from `hey` where it is installed
 (apt install hey), else from a Python generator in its own process; the first line printed
 says which. The last line is:
 
@@ -313,8 +313,11 @@ def main() -> None:
         for side in (direct, via):
             load(side, body, 4, 1.0)  # warm both
         for width in WIDTHS:
-            for _ in range(args.pairs):
-                for name, side in (("direct", direct), ("gateway", via)):
+            for i in range(args.pairs):
+                # Each side goes first in every other pair, so a load that rises or falls
+                # through the run favours neither.
+                order = [("direct", direct), ("gateway", via)]
+                for name, side in order if i % 2 == 0 else order[::-1]:
                     results.setdefault((name, width), []).append(
                         measured(load, side, body, width, args.seconds, pids))
     finally:
