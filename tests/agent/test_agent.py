@@ -17,6 +17,7 @@ from llmgw.agent.engine import LlamaCpp
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.control.engine_args import HTTP_THREADS
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 from tests.agent.conftest import FakeBinary
@@ -94,7 +95,9 @@ def test_heartbeat_carries_the_inventory_and_hands_assignments_to_the_workload(
     assert "a warning" in view["warnings"]
     assert store.replicas()[0]["state"] == "ready", "the workload's report reached the store"
     told = workload.told[-1]
-    assert [(a["id"], a["model"], a["args"]) for a in told] == [("r1", "m", ["-c", "512"])]
+    # The profile's args, and what the control plane adds to every engine's.
+    assert [(a["id"], a["model"], a["args"]) for a in told] == [
+        ("r1", "m", ["-c", "512", "--threads-http", str(HTTP_THREADS)])]
 
 
 class _DownClient:
