@@ -15,9 +15,9 @@ control plane's database (read-only; run as the user who provisioned, or root).
 It loads both sides at 1 and at 16 requests in flight in --pairs short pairs (direct,
 then gateway, or the other way round in every other pair, back to back) and reports the
 median of the pairs' ratios: on a shared, noisy machine the load drifts from second to
-second, and a pair measured back to back sees nearly the same drift on both sides. The load comes from `hey` where it is installed
-(apt install hey), else from a Python generator in its own process; the first line printed
-says which. The last line is:
+second, and a pair measured back to back sees nearly the same drift on both sides. The
+load comes from `hey` where it is installed (apt install hey), else from a Python
+generator in its own process; the first line printed says which. The last line is:
 
     gateway/direct: throughput 0.NN× at 16, 0.NN× at 1; p50 +N.N ms at 1
 """
