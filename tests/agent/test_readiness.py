@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import subprocess
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -74,3 +76,56 @@ def test_every_state_change_is_logged_with_its_reason_and_counted(sup, caplog) -
     assert "replica r1: starting -> ready" in caplog.text
     assert sup.facts()["replica_state_changes"] == {
         "r1": {"model": "m", "to": {"starting": 1, "ready": 1}}}
+
+
+class HangingEngines:
+    """A port whose connections are accepted and never answered, counting how many are
+    open at once: engines that hang."""
+
+    def __init__(self) -> None:
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(64)
+        self.port = self.server.getsockname()[1]
+        self.open_now = self.most_open = 0
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.open_now += 1
+            self.most_open = max(self.most_open, self.open_now)
+        with conn:
+            while conn.recv(4096):  # until the prober hangs up
+                pass
+        with self.lock:
+            self.open_now -= 1
+
+
+@pytest.mark.parametrize("count", [3, 1], ids=["three-replicas", "control-one-replica"])
+def test_every_replica_is_probed_at_once_so_hung_engines_do_not_add_up(tmp_path, count) -> None:
+    """The control: one replica's probe is the only one open."""
+    engines = HangingEngines()
+    sup = ReplicaSupervisor(state_dir=tmp_path, weights_dir=tmp_path / "w", engine=lambda: None,
+                            bind_host="127.0.0.1", probe_timeout_s=0.5)
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        for i in range(count):
+            r = ready_replica(engines.port)
+            r.record.id, r.proc = f"r{i}", alive
+            sup.replicas[r.record.id] = r
+        sup.watch()
+    finally:
+        alive.kill()
+        alive.wait()
+        engines.server.close()
+    assert engines.most_open == count
+    assert all(r.probe_failures == 1 and r.state == "ready" for r in sup.replicas.values())

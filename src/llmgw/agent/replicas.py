@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ _LOG_TAIL = 8
 # and one slow answer said nothing about whether the engine serves (issue 11).
 PROBE_FAILURES_TO_LEAVE = 3
 PROBE_TIMEOUT_S = 5.0
+MAX_PROBES_AT_ONCE = 16
 
 
 @dataclass
@@ -285,6 +287,7 @@ class ReplicaSupervisor:
         A ready replica that is only slow to answer the probe stays ready (see _probed)."""
         with self._lock:
             replicas = list(self.replicas.values())
+        probed: list[Replica] = []
         for r in replicas:
             if r.worker is not None and r.worker.is_alive():
                 continue
@@ -298,7 +301,18 @@ class ReplicaSupervisor:
                 tail = last_lines(self.dir / f"{r.record.id}.log", _LOG_TAIL)
                 self._failed(r, f"llama-server exited with code {code}; its last lines: {tail}")
                 continue
-            self._probed(r, *self._health(r.record))
+            probed.append(r)
+        for r, (outcome, why) in zip(probed, self._probe_all(probed), strict=True):
+            self._probed(r, outcome, why)
+
+    def _probe_all(self, replicas: list[Replica]) -> list[tuple[str, str]]:
+        """Every replica probed at once: an engine that hangs costs the heartbeat one probe
+        timeout, not one for each replica probed after it."""
+        if len(replicas) < 2:
+            return [self._health(r.record) for r in replicas]
+        with ThreadPoolExecutor(max_workers=min(len(replicas), MAX_PROBES_AT_ONCE),
+                                thread_name_prefix="llmgw-probe") as pool:
+            return list(pool.map(lambda r: self._health(r.record), replicas))
 
     def _probed(self, r: Replica, outcome: str, why: str) -> None:
         """Apply one probe's outcome: ok, loading (503), refused, or slow (timeout, error)."""
