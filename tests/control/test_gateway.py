@@ -109,6 +109,15 @@ def test_no_ready_replica_is_503_naming_the_states(store) -> None:
     assert "r1 on n1: downloading" in r.json()["error"]["message"]
 
 
+def test_when_no_ready_replica_takes_the_request_the_503_says_why(store) -> None:
+    ready(store, "r1", refused_endpoint())
+    with gateway(store) as gw:
+        r = gw.post("/v1/chat/completions", json=CHAT)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 503 and "no replica of tiny could take the request" in message
+    assert "r1 on n1: ready; the last one tried: cannot connect to 127.0.0.1:" in message
+
+
 def test_a_chat_model_refuses_embeddings_and_an_embedding_model_chat(store) -> None:
     with gateway(store) as gw:
         wrong = gw.post("/v1/embeddings", json={"model": "tiny", "input": "hi"})

@@ -214,21 +214,23 @@ class Gateway:
     async def _send_to_replica(self, model: str, path: str, raw: bytes) -> Response:
         """The first ready replica that takes the connection; a request that reached one
         is never sent to another (no generation runs twice)."""
+        refused = ""
         for replica in self.router.order(model):
             try:
                 return await self.upstream.post(replica["endpoint"], path, raw,
                                                 replica["api_key"])
             except ConnectFailed as e:
-                log.warning("replica %s of %s refused the connection, trying the next: %s",
-                            replica["id"], model, e)
+                log.warning("replica %s of %s could not take the request, trying the next: "
+                            "%s", replica["id"], model, e)
+                refused = f"; the last one tried: {e}"
             except UpstreamError as e:
                 log.warning("replica %s of %s failed after the request was sent: %s",
                             replica["id"], model, e)
                 raise GatewayError(502, f"replica {replica['id']} of {model} failed while "
                                    f"answering: {e}; the request was not retried, so it may "
                                    "have run once", "upstream_error", "replica_failed") from e
-        raise GatewayError(503, f"no replica of {model} is ready: "
-                           f"{self.router.states(model)}; try again shortly",
+        raise GatewayError(503, f"no replica of {model} could take the request: "
+                           f"{self.router.states(model)}{refused}; try again shortly",
                            "service_unavailable", "no_ready_replica")
 
     async def _body(self, scope: dict[str, Any], receive: Receive) -> bytes:
