@@ -1,8 +1,8 @@
-"""Downloads into the models dir: one per model version, resumed, checked, then renamed."""
+"""The model versions the mirror holds, one download or import each: recorded on disk,
+checked against sha256, then renamed into place. Bringing a source's bytes is _transfer.py's."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -14,16 +14,14 @@ from typing import IO, Any
 from urllib.parse import unquote, urlsplit
 
 import httpx
-from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
 from llmgw.mirror import _sources as sources
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT, Disk, Record
 from llmgw.mirror._errors import Forbidden, MirrorError
+from llmgw.mirror._transfer import MAX_STALLS, Download, Interrupted, Stopped, Transfer, hash_of
 
 log = logging.getLogger("llmgw.mirror")
 
-# A download gives up after this many attempts in a row that brought no new byte.
-MAX_STALLS = 8
 # The source recorded for a file uploaded through the API (`llmgw mirror import`).
 IMPORT_PREFIX = "import:"
 
@@ -40,44 +38,12 @@ class WrongOffset(Conflict):
         self.have = have
 
 
-class Stopped(Exception):
-    """The mirror is shutting down; the partial file stays for the next start."""
-
-
-class _Interrupted(Exception):
-    """The connection ended before the whole file came; resume from where it stopped."""
-
-
 @dataclass(frozen=True)
 class Servable:
     """A finished, checked file the bytes server may send."""
 
     path: Path
     sha256: str
-
-
-class Download:
-    """One model version: its record, the bytes so far, and the thread fetching the rest."""
-
-    def __init__(self, rec: Record, have: int = 0) -> None:
-        self.rec = rec
-        self.bytes = have
-        self.thread: threading.Thread | None = None
-
-    def status(self) -> dict[str, Any]:
-        rec = self.rec
-        total = rec.total
-        percent = None
-        if rec.state == DOWNLOADING and total:
-            percent = min(100, self.bytes * 100 // total)
-        return {
-            "state": rec.state,
-            "bytes": self.bytes,
-            "total": total,
-            "sha256": rec.sha256 or rec.expected_sha256,
-            "err": rec.err,
-            "percent": percent,
-        }
 
 
 class Manager:
@@ -100,9 +66,10 @@ class Manager:
         self._client = client or httpx.Client(
             follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0)
         )
-        self._sleep = sleep
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._transfer = Transfer(self._client, self._stop, sleep, self.check_readable,
+                                  self._set)
         self._downloads: dict[tuple[str, str], Download] = {}
 
     # --- life ---
@@ -259,7 +226,7 @@ class Manager:
             with partial.open("rb") as f:
                 os.fsync(f.fileno())
             if dl.bytes == dl.rec.total:
-                self._finish(dl, _hash_of(partial, dl).hexdigest())
+                self._finish(dl, hash_of(partial, dl).hexdigest())
         except (MirrorError, OSError) as e:
             self._set(dl, state=FAILED, err=str(e))
         finally:
@@ -276,7 +243,7 @@ class Manager:
 
     def _run(self, dl: Download) -> None:
         try:
-            sha256 = self._download(dl)
+            sha256 = self._transfer.run(dl, self.disk.partial(dl.rec))
             self._finish(dl, sha256)
         except Stopped:
             log.info("stopped %s/%s at byte %d", dl.rec.model, dl.rec.version, dl.bytes)
@@ -290,69 +257,6 @@ class Manager:
         with self._lock:
             dl.rec = replace(dl.rec, **changes)
             self.disk.save(dl.rec)
-
-    def _download(self, dl: Download) -> str:
-        partial = self.disk.partial(dl.rec)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        hasher = _hash_of(partial, dl)
-        stalls = [0]
-
-        def attempt() -> None:
-            before = dl.bytes
-            try:
-                self._fetch_rest(dl, partial, hasher)
-            except _Interrupted:
-                stalls[0] = 0 if dl.bytes > before else stalls[0] + 1
-                raise
-
-        retrying = Retrying(
-            stop=lambda _state: stalls[0] >= MAX_STALLS or self._stop.is_set(),
-            wait=wait_exponential(multiplier=0.2, max=10),
-            retry=retry_if_exception_type(_Interrupted),
-            sleep=self._sleep,
-            reraise=True,
-        )
-        retrying(attempt)
-        return hasher.hexdigest()
-
-    def _fetch_rest(self, dl: Download, partial: Path, hasher: _Digest) -> None:
-        source = sources.parse(dl.rec.source)
-        try:
-            self.check_readable(source)  # again: a link may have moved since the fetch
-        except Forbidden as e:
-            raise sources.Gone(str(e)) from e
-        try:
-            opened = sources.open_at(source, dl.bytes, dl.rec.validator, self._client)
-        except sources.Changed:
-            _restart(dl, partial, hasher)
-            raise _Interrupted from None
-        except (httpx.TransportError, sources.Unavailable) as e:
-            raise _Interrupted(str(e)) from e
-        with opened:
-            if opened.start != dl.bytes:
-                _restart(dl, partial, hasher)
-            if (opened.total, opened.validator) != (dl.rec.total, dl.rec.validator):
-                self._set(dl, total=opened.total, validator=opened.validator)
-            if opened.digest and not dl.rec.expected_sha256:
-                self._set(dl, expected_sha256=opened.digest)
-            self._copy(opened, dl, partial, hasher)
-
-    def _copy(self, opened: sources.Opened, dl: Download, partial: Path, hasher: _Digest) -> None:
-        with partial.open("ab") as out:
-            try:
-                for chunk in opened.chunks:
-                    if self._stop.is_set():
-                        raise Stopped
-                    out.write(chunk)
-                    hasher.update(chunk)
-                    dl.bytes += len(chunk)
-            except (httpx.TransportError, httpx.StreamError) as e:
-                raise _Interrupted(str(e)) from e
-            finally:
-                out.flush()
-                os.fsync(out.fileno())
-        if dl.rec.total is not None and dl.bytes < dl.rec.total:
-            raise _Interrupted(f"the source closed at byte {dl.bytes} of {dl.rec.total}")
 
     def _finish(self, dl: Download, sha256: str) -> None:
         rec, partial = dl.rec, self.disk.partial(dl.rec)
@@ -395,48 +299,12 @@ def _agree_import(held: Record, wanted: Record) -> None:
         )
 
 
-class _Digest:
-    """A sha256 that can start over (hashlib's objects cannot be reset)."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self._h = hashlib.sha256()
-
-    def update(self, data: bytes) -> None:
-        self._h.update(data)
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
-def _hash_of(partial: Path, dl: Download) -> _Digest:
-    """The sha256 of what a previous attempt left, so a resumed download is checked whole."""
-    hasher = _Digest()
-    if not partial.is_file():
-        dl.bytes = 0
-        return hasher
-    with partial.open("rb") as f:
-        while chunk := f.read(sources.CHUNK):
-            hasher.update(chunk)
-    dl.bytes = partial.stat().st_size
-    return hasher
-
-
-def _restart(dl: Download, partial: Path, hasher: _Digest) -> None:
-    # The source changed or ignored the range: what we have cannot be continued.
-    partial.unlink(missing_ok=True)
-    dl.bytes = 0
-    hasher.reset()
-
-
 def _reason(rec: Record, e: Exception) -> str:
     if isinstance(e, MirrorError):
         return str(e)
     if isinstance(e, sources.Gone):
         return f"cannot download {rec.source}: {e}; check the source, then fetch again"
-    if isinstance(e, _Interrupted):
+    if isinstance(e, Interrupted):
         return (
             f"the download of {rec.source} stopped {MAX_STALLS} times without progress "
             f"(last: {e}); fetch again to resume from where it stopped"
