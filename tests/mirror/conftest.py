@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fixtures._wait import Probe, wait_until
 from llmgw import admin_token
 from llmgw.mirror import MirrorClient, MirrorError, MirrorModel
+from llmgw.waiting import Probe, wait_until
 from tests.hosts import free_port
 
 

@@ -2,8 +2,8 @@
 
 Every heartbeat the agent calls `report()` and sends the result as `replicas` in its
 body, then hands the control plane's answer (`replicas`: the assignments for this node)
-to `reconcile()`. `NoReplicas` runs nothing: it is what the agent uses until the replica
-supervisor (`llmgw.agent.replicas`, issue 5) takes its place.
+to `reconcile()`. `run_agent` gives the agent the replica supervisor
+(`llmgw.agent.replicas`); `NoReplicas` runs nothing, for an agent built without one (tests).
 """
 
 from __future__ import annotations
