@@ -33,8 +33,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw import pki  # noqa: E402
+from llmgw.contract import AgentPaths  # noqa: E402
 from llmgw.control._tlsserver import new_event_loop  # noqa: E402
-from llmgw.control.agent_api import HEARTBEAT_PATH  # noqa: E402
 from tests.fleet.cluster import ControlPlane  # noqa: E402
 
 TIMEOUT_S = 10.0
@@ -53,7 +53,7 @@ def inventory(node: str) -> bytes:
 
 def request(node: str, port: int, keep: bool) -> bytes:
     body = inventory(node)
-    head = (f"POST {HEARTBEAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    head = (f"POST {AgentPaths.HEARTBEAT} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
             "Content-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nConnection: {'keep-alive' if keep else 'close'}"
             "\r\n\r\n")

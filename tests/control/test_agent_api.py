@@ -9,7 +9,7 @@ import pytest
 
 from fixtures._tls import anonymous_request
 from llmgw import pki
-from llmgw.control.agent_api import HEARTBEAT_PATH
+from llmgw.contract import AgentPaths
 
 
 def _client(cp, cert: tuple[str, str]) -> httpx.Client:
@@ -20,7 +20,7 @@ def _client(cp, cert: tuple[str, str]) -> httpx.Client:
 
 def _heartbeat(cp, cert: tuple[str, str], body: dict) -> httpx.Response:
     with _client(cp, cert) as client:
-        return client.post(f"https://127.0.0.1:{cp.agent_port}{HEARTBEAT_PATH}", json=body)
+        return client.post(f"https://127.0.0.1:{cp.agent_port}{AgentPaths.HEARTBEAT}", json=body)
 
 
 def test_heartbeat_is_recorded_under_the_certificate_cn(live_control_plane) -> None:
@@ -86,7 +86,7 @@ def test_node_turns_not_ready_when_silent(live_control_plane) -> None:
 def test_bad_json_is_400(live_control_plane) -> None:
     cp = live_control_plane
     with _client(cp, cp.client_cert("n")) as c:
-        r = c.post(f"https://127.0.0.1:{cp.agent_port}{HEARTBEAT_PATH}", content=b"[1,")
+        r = c.post(f"https://127.0.0.1:{cp.agent_port}{AgentPaths.HEARTBEAT}", content=b"[1,")
     assert r.status_code == 400 and "JSON" in r.json()["detail"]
 
 

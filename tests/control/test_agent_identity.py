@@ -106,13 +106,13 @@ def test_negative_control_a_client_without_keepalive_connects_per_beat(
     import httpx
 
     from llmgw.agent.client import client_context
-    from llmgw.control.agent_api import HEARTBEAT_PATH
+    from llmgw.contract import AgentPaths
 
     tls = node_tls(tmp_path, cluster["ca"], "node-a", "node-a")
     with httpx.Client(verify=client_context(tls),
                       limits=httpx.Limits(max_keepalive_connections=0)) as http:
         for _ in range(3):
-            http.post(f"https://127.0.0.1:{agent_api.port}{HEARTBEAT_PATH}", json={})
+            http.post(f"https://127.0.0.1:{agent_api.port}{AgentPaths.HEARTBEAT}", json={})
     assert agent_api.accepted() == 3
 
 

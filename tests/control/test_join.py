@@ -12,7 +12,7 @@ from llmgw import pki
 from llmgw.agent.client import AgentClient
 from llmgw.agent.join import JoinError, join
 from llmgw.config import TLSFiles
-from llmgw.control.agent_api import HEARTBEAT_PATH, JOIN_PATH
+from llmgw.contract import AgentPaths
 
 
 def _token(cp, ttl_s: float = 600) -> str:
@@ -110,8 +110,8 @@ def test_a_client_without_a_certificate_reaches_the_join_paths_only(live_control
     cp = live_control_plane
     ctx = ssl.create_default_context(cafile=str(cp.pki_dir / "ca.pem"))
     with httpx.Client(verify=ctx, timeout=5) as anon:
-        beat = anon.post(f"{cp.url}{HEARTBEAT_PATH}", json={"node_id": "sneaky"})
-        refused_join = anon.post(f"{cp.url}{JOIN_PATH}", json={})
+        beat = anon.post(f"{cp.url}{AgentPaths.HEARTBEAT}", json={"node_id": "sneaky"})
+        refused_join = anon.post(f"{cp.url}{AgentPaths.JOIN}", json={})
     assert beat.status_code == 401 and "client certificate" in beat.json()["detail"]
     assert refused_join.status_code == 422
     assert cp.admin.get("/api/v1/nodes").json() == []
@@ -124,7 +124,7 @@ def test_the_csr_subject_does_not_choose_the_identity(live_control_plane) -> Non
     ctx = ssl.create_default_context(cafile=str(cp.pki_dir / "ca.pem"))
     body = {"token": _token(cp), "node_id": "n9", "csr": pki.make_csr(key, "admin").decode()}
     with httpx.Client(verify=ctx, timeout=5) as anon:
-        r = anon.post(f"{cp.url}{JOIN_PATH}", json=body)
+        r = anon.post(f"{cp.url}{AgentPaths.JOIN}", json=body)
     from cryptography import x509
     assert pki.common_name(x509.load_pem_x509_certificate(r.json()["cert"].encode())) == "n9"
 

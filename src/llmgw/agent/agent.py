@@ -18,6 +18,7 @@ from llmgw.agent.join import needs_renewal, renewal_request
 from llmgw.agent.replicas import ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
+from llmgw.contract import EngineState
 
 log = logging.getLogger("llmgw.agent")
 
@@ -70,7 +71,7 @@ class Agent:
             "cpus": host.cpus(),
             "memory_mb": host.memory_mb(),
             "labels": dict(self.config.labels),
-            "engines": [status.engine] if status.state == "ready" else [],
+            "engines": [status.engine] if status.state == EngineState.READY else [],
             "provision": [status.as_dict()],
             "interface": interface,
             "addr": addr,

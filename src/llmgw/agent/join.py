@@ -17,7 +17,7 @@ from cryptography import x509
 
 from llmgw import pki
 from llmgw._files import atomic_write
-from llmgw.control.agent_api import JOIN_CA_PATH, JOIN_PATH
+from llmgw.contract import AgentPaths
 from llmgw.errors import Error
 
 
@@ -47,7 +47,7 @@ def join(
     body = {"token": token, "node_id": node_id, "csr": pki.make_csr(key, node_id).decode()}
     verify = ssl.create_default_context(cadata=ca_pem)
     with httpx.Client(verify=verify, timeout=timeout, transport=transport) as http:
-        answer = _post(http, f"{url}{JOIN_PATH}", body)
+        answer = _post(http, f"{url}{AgentPaths.JOIN}", body)
     cert = x509.load_pem_x509_certificate(answer["cert"].encode())
     if not pki.key_matches(cert, key) or pki.common_name(cert) != node_id:
         raise JoinError(f"the control plane at {url} answered a certificate for "
@@ -64,7 +64,7 @@ def _pinned_ca(url: str, expected: str, timeout: float) -> str:
     # Not verified on purpose: nothing is trusted yet; the hash below is the trust.
     with httpx.Client(verify=False, timeout=timeout) as http:  # noqa: S501
         try:
-            response = http.get(f"{url}{JOIN_CA_PATH}")
+            response = http.get(f"{url}{AgentPaths.JOIN_CA}")
         except httpx.HTTPError as e:
             raise JoinError(f"the control plane at {url} did not answer: {e}; check --join "
                             "and that port 7443 is reachable from this machine") from e

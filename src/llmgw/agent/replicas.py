@@ -28,6 +28,7 @@ import httpx
 
 from llmgw._files import atomic_write, last_lines
 from llmgw.agent import engine_log
+from llmgw.contract import ReplicaState
 from llmgw.engine_args import check_engine_args
 from llmgw.netaddr import free_port
 
@@ -64,7 +65,7 @@ class Record:
 @dataclass
 class Replica:
     record: Record
-    state: str = "downloading"
+    state: str = ReplicaState.DOWNLOADING
     err: str = ""
     proc: subprocess.Popen[bytes] | None = None
     failures: int = 0
@@ -179,16 +180,18 @@ class ReplicaSupervisor:
             except (OSError, ValueError, TypeError) as e:
                 log.warning("ignoring unreadable replica record %s: %s", path, e)
                 continue
-            replica = Replica(record, state="starting")
+            replica = Replica(record, state=ReplicaState.STARTING)
             if pid_is_engine(record.pid, record.port):
                 # Asked now, so a serving replica is reported ready from the first heartbeat.
                 outcome, why = self._health(record)
-                self.set_state(replica, "ready" if outcome == "ok" else "starting", why)
+                self.set_state(replica, ReplicaState.READY if outcome == "ok"
+                               else ReplicaState.STARTING, why)
                 log.info("adopted replica %s: llama-server pid %d on port %d, %s",
                          record.id, record.pid, record.port, replica.state)
             else:
                 # Its engine died while no agent watched; start it again.
-                self.set_state(replica, "failed", "the engine was gone when the agent started")
+                self.set_state(replica, ReplicaState.FAILED,
+                               "the engine was gone when the agent started")
                 replica.retry_at = self.clock()
             self.replicas[record.id] = replica
 
@@ -208,7 +211,7 @@ class ReplicaSupervisor:
     def _prepare_and_start(self, replica: Replica) -> None:
         try:
             if not replica.record.weights or not Path(replica.record.weights).exists():
-                self.set_state(replica, "downloading")
+                self.set_state(replica, ReplicaState.DOWNLOADING)
                 replica.record.weights = str(self.fetch_weights(replica.record))
             self.start_engine(replica)
         except Exception as e:  # reported to the control plane, retried with backoff
@@ -268,12 +271,12 @@ class ReplicaSupervisor:
         record.pid = replica.proc.pid
         atomic_write(self.dir / f"{record.id}.json", json.dumps(asdict(record)), mode=0o600)
         replica.probe_failures = 0
-        self.set_state(replica, "starting", "llama-server started, loading the model")
+        self.set_state(replica, ReplicaState.STARTING, "llama-server started, loading the model")
         log.info("replica %s: started llama-server pid %d on port %d", record.id, record.pid,
                  record.port)
 
     def _failed(self, replica: Replica, why: str) -> None:
-        self.set_state(replica, "failed", why)
+        self.set_state(replica, ReplicaState.FAILED, why)
         replica.failures += 1
         replica.retry_at = self.clock() + min(MAX_BACKOFF_S, 2.0 ** (replica.failures - 1))
 
@@ -291,7 +294,7 @@ class ReplicaSupervisor:
         for r in replicas:
             if r.worker is not None and r.worker.is_alive():
                 continue
-            if r.state == "failed":
+            if r.state == ReplicaState.FAILED:
                 if self.clock() >= r.retry_at:
                     self._launch(r)
                 continue
@@ -318,17 +321,17 @@ class ReplicaSupervisor:
         """Apply one probe's outcome: ok, loading (503), refused, or slow (timeout, error)."""
         if outcome == "ok":
             r.probe_failures, r.failures = 0, 0
-            self.set_state(r, "ready")
+            self.set_state(r, ReplicaState.READY)
         elif outcome in ("loading", "refused"):
             r.probe_failures = 0
-            self.set_state(r, "starting", why)
-        elif r.state != "ready":
+            self.set_state(r, ReplicaState.STARTING, why)
+        elif r.state != ReplicaState.READY:
             self.set_state(r, r.state, why)
         else:
             r.probe_failures += 1
             if r.probe_failures >= PROBE_FAILURES_TO_LEAVE:
-                self.set_state(r, "starting", f"{r.probe_failures} health probes in a row "
-                               f"failed, the last: {why}")
+                self.set_state(r, ReplicaState.STARTING, f"{r.probe_failures} health probes in a "
+                               f"row failed, the last: {why}")
             else:
                 log.info("replica %s: health probe %d of %d failed, still ready: %s",
                          r.record.id, r.probe_failures, PROBE_FAILURES_TO_LEAVE, why)

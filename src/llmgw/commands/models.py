@@ -9,6 +9,7 @@ import yaml
 
 from llmgw.commands import _admin
 from llmgw.commands._table import table
+from llmgw.contract import ReplicaState
 from llmgw.errors import Error
 
 
@@ -30,8 +31,9 @@ def _ls(args: argparse.Namespace) -> int:
         models, replicas = _call(client, client.models), _call(client, client.replicas)
     rows = []
     for m in models:
-        mine = [r for r in replicas if r["model"] == m["name"] and r["state"] != "stopped"]
-        ready = sum(r["state"] == "ready" for r in mine)
+        mine = [r for r in replicas
+                if r["model"] == m["name"] and r["state"] != ReplicaState.STOPPED]
+        ready = sum(r["state"] == ReplicaState.READY for r in mine)
         rows.append([m["name"], ",".join(m.get("aliases", [])) or "-",
                      m.get("routing_profile", "chat"), f"{ready}/{len(mine)}", m["source"]])
     print(table(["NAME", "ALIASES", "ROUTING", "READY", "SOURCE"], rows, "no models"))

@@ -10,6 +10,7 @@ from typing import Any
 
 from llmgw.commands import _admin
 from llmgw.commands._table import ago, table
+from llmgw.contract import ReplicaState
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,7 +39,7 @@ def render(nodes: list[dict[str, Any]], replicas: list[dict[str, Any]], now: flo
     node_rows = [[n["id"], n["state"], ",".join(n["engines"]) or "-", _gpus(n["gpus"]),
                   ago(now - n["last_seen"])] for n in nodes]
     replica_rows = [[r["id"], r["model"], r["node"] or "-", r["state"], _uptime(r, now),
-                     r["err"][:60]] for r in replicas if r["state"] != "stopped"]
+                     r["err"][:60]] for r in replicas if r["state"] != ReplicaState.STOPPED]
     return "\n".join([
         table(["NODE", "STATE", "ENGINES", "GPUS", "LAST SEEN"], node_rows, "no nodes"), "",
         table(["REPLICA", "MODEL", "NODE", "STATE", "UPTIME", "ERROR"], replica_rows,

@@ -19,6 +19,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 
 from llmgw import pki
+from llmgw.contract import REPORTED_REPLICA_STATES, AgentPaths
 from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.engine_args import engine_args
 from llmgw.control.nodes import node_view
@@ -27,18 +28,10 @@ from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.agent_api")
 
-HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
-SELF_PATH = "/api/v1/agent/self"
-RENEW_PATH = "/api/v1/agent/renew"
-JOIN_PATH = "/api/v1/join"
-JOIN_CA_PATH = "/api/v1/join/ca"
-# The revocation list is public, as any CA's is: a node refused at the handshake reads it
-# to learn why (asyncio drops the TLS alert that would have said so).
-CRL_PATH = "/api/v1/join/crl"
-_ANONYMOUS_PATHS = {("GET", JOIN_CA_PATH), ("POST", JOIN_PATH), ("GET", CRL_PATH)}
+_ANONYMOUS_PATHS = {("GET", AgentPaths.JOIN_CA), ("POST", AgentPaths.JOIN),
+                    ("GET", AgentPaths.CRL)}
 
 REPORTED_FIELDS = ("state", "err", "endpoint", "api_key")
-REPORTED_STATES = ("downloading", "starting", "ready", "failed")
 
 
 def token_hash(token: str) -> str:
@@ -81,16 +74,18 @@ class AgentAPI:
     def handle(self, request: Request) -> Reply:
         route = (request.method, request.path)
         if not request.peer.cn and route not in _ANONYMOUS_PATHS:
-            return Reply(401, {"detail": f"{request.path} needs a client certificate from the "
-                                         f"cluster CA; only {JOIN_PATH} takes none"}, close=True)
+            return Reply(401, {"detail": f"{request.path} needs a client certificate from "
+                                         f"the cluster CA; only {AgentPaths.JOIN} takes none"},
+                         close=True)
         routes = {
-            ("GET", "/healthz"): lambda r: Reply(200, {"status": "ok", "node_id": r.peer.cn}),
-            ("POST", HEARTBEAT_PATH): self._heartbeat,
-            ("GET", SELF_PATH): self._self,
-            ("POST", RENEW_PATH): self._renew,
-            ("GET", JOIN_CA_PATH): self._ca,
-            ("GET", CRL_PATH): self._crl,
-            ("POST", JOIN_PATH): self._join,
+            ("GET", AgentPaths.HEALTH):
+                lambda r: Reply(200, {"status": "ok", "node_id": r.peer.cn}),
+            ("POST", AgentPaths.HEARTBEAT): self._heartbeat,
+            ("GET", AgentPaths.SELF): self._self,
+            ("POST", AgentPaths.RENEW): self._renew,
+            ("GET", AgentPaths.JOIN_CA): self._ca,
+            ("GET", AgentPaths.CRL): self._crl,
+            ("POST", AgentPaths.JOIN): self._join,
         }
         action = routes.get(route)
         if action is None:
@@ -194,7 +189,7 @@ def _reports(raw: Any) -> dict[str, dict[str, str]]:
     """A node's reports on its replicas (id → fields), keeping only states it may report."""
     found: dict[str, dict[str, str]] = {}
     for report in raw if isinstance(raw, list) else []:
-        if isinstance(report, dict) and report.get("state") in REPORTED_STATES:
+        if isinstance(report, dict) and report.get("state") in REPORTED_REPLICA_STATES:
             found[str(report.get("id"))] = {k: str(report.get(k) or "") for k in REPORTED_FIELDS}
     return found
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from llmgw.contract import ReplicaState
 from llmgw.control import _wire
 from llmgw.control._upstream import ConnectFailed, Response, Upstream, UpstreamError
 from llmgw.control.metrics import GatewayMetrics
@@ -71,7 +72,7 @@ class Router:
             for name in [model["name"], *model.get("aliases", [])]:
                 names[name] = model
         for r in self.store.replicas():
-            if r["state"] == "ready" and r["endpoint"]:
+            if r["state"] == ReplicaState.READY and r["endpoint"]:
                 ready.setdefault(r["model"], []).append(r)
         self.created = self.store.created()
         self._names, self._ready, self._read_at = names, ready, time.monotonic()
@@ -94,7 +95,7 @@ class Router:
         return ready[start:] + ready[:start]
 
     def states(self, model: str) -> str:
-        reps = [r for r in self.store.replicas(model) if r["state"] != "stopped"]
+        reps = [r for r in self.store.replicas(model) if r["state"] != ReplicaState.STOPPED]
         if not reps:
             return "no replica is scheduled"
         return "; ".join(

@@ -12,11 +12,10 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from llmgw.control.nodes import STATES as NODE_STATES
+from llmgw.contract import NodeState, ReplicaState
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 
-REPLICA_STATES = ("pending", "downloading", "starting", "ready", "failed", "stopped")
 ENGINE_SCRAPE_TIMEOUT_S = 2.0
 
 
@@ -66,7 +65,7 @@ class StateCollector:
         nodes = self.store.nodes()
         views = [node_view(n, now, self.node_timeout_s) for n in nodes]
         by_state = GaugeMetricFamily("llmgw_nodes", "Nodes by state", labels=["state"])
-        for state in NODE_STATES:
+        for state in NodeState:
             by_state.add_metric([state], sum(v["state"] == state for v in views))
         yield by_state
         age = GaugeMetricFamily("llmgw_node_heartbeat_age_seconds", "Seconds since each "
@@ -82,7 +81,7 @@ class StateCollector:
                                    labels=["model", "state"])
         counts: dict[tuple[str, str], int] = {}
         for m in self.store.models():
-            for state in REPLICA_STATES:
+            for state in ReplicaState:
                 counts[(m["name"], state)] = 0
         for r in self.store.replicas():
             counts[(r["model"], r["state"])] = counts.get((r["model"], r["state"]), 0) + 1
@@ -147,7 +146,7 @@ def _escape(value: str) -> str:
 
 async def engine_metrics(store: Store, client: httpx.AsyncClient) -> str:
     """Every ready replica's /metrics, fetched at once with its key and relabelled."""
-    ready = [r for r in store.replicas() if r["state"] == "ready" and r["endpoint"]]
+    ready = [r for r in store.replicas() if r["state"] == ReplicaState.READY and r["endpoint"]]
 
     async def one(r: dict[str, Any]) -> str:
         try:

@@ -5,18 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from llmgw.contract import NodeState
 from llmgw.control.records import NodeRecord, NodeView
 
-STATES = ("registering", "provisioning", "ready", "not_ready")
 
-
-def reported_state(inventory: Mapping[str, Any]) -> str:
+def reported_state(inventory: Mapping[str, Any]) -> NodeState:
     """What the heartbeat says: ready with an engine, provisioning one, or just registered."""
     if inventory.get("engines"):
-        return "ready"
+        return NodeState.READY
     if inventory.get("provision"):
-        return "provisioning"
-    return "registering"
+        return NodeState.PROVISIONING
+    return NodeState.REGISTERING
 
 
 def node_view(node: NodeRecord, now: float, timeout_s: float) -> NodeView:
@@ -25,7 +24,7 @@ def node_view(node: NodeRecord, now: float, timeout_s: float) -> NodeView:
     silent = now - node["last_seen"] > timeout_s
     return {
         "id": node["id"],
-        "state": "not_ready" if silent else reported_state(inv),
+        "state": NodeState.NOT_READY if silent else reported_state(inv),
         "engines": list(inv.get("engines", [])),
         "provision": list(inv.get("provision", [])),
         "gpus": list(inv.get("gpus", [])),

@@ -8,13 +8,12 @@ its known keys are typed, and keys a newer agent adds are kept as sent.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired
+from typing import Any, NotRequired
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
-ReplicaState = Literal["pending", "downloading", "starting", "ready", "failed", "stopped"]
-NodeState = Literal["registering", "provisioning", "ready", "not_ready"]
+from llmgw.contract import NodeState, ReplicaState
 
 _OPEN = ConfigDict(extra="allow")
 _CLOSED = ConfigDict(extra="forbid")
@@ -29,6 +28,7 @@ Gpu = with_config(_OPEN)(TypedDict("Gpu", {"index": int, "name": str, "memory_mb
 class EngineStatus(TypedDict, total=False):
     engine: str
     version: str
+    # Not EngineState: a newer agent may report a state this release does not know.
     state: str
     detail: str
 

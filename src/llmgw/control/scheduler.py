@@ -11,12 +11,12 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmgw.contract import LIVE_REPLICA_STATES, NodeState, ReplicaState
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.scheduler")
 
-LIVE = ("pending", "downloading", "starting", "ready", "failed")
 # How long a stopped replica stays listed, so a person can still see why it stopped.
 KEEP_STOPPED_S = 3600.0
 
@@ -37,7 +37,7 @@ def _labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 def _why_not(profile: dict[str, Any], node: dict[str, Any], used: dict[str, Any]) -> str:
     """Why profile cannot run on node now, or '' when it can."""
-    if node["state"] != "ready":
+    if node["state"] != NodeState.READY:
         return f"{node['id']} is {node['state']}"
     if profile["engine"] not in node["engines"]:
         return f"{node['id']} has no {profile['engine']} engine"
@@ -61,7 +61,7 @@ def _why_not(profile: dict[str, Any], node: dict[str, Any], used: dict[str, Any]
 def _usage(node_id: str, replicas: list[dict[str, Any]], models: dict[str, Any]) -> dict[str, Any]:
     used: dict[str, Any] = {"gpus": {}, "memory_mb": 0.0}
     for r in replicas:
-        if r["node"] != node_id or r["state"] not in LIVE:
+        if r["node"] != node_id or r["state"] not in LIVE_REPLICA_STATES:
             continue
         profile = _profile(models.get(r["model"]), r["profile"])
         if profile is None:
@@ -84,7 +84,8 @@ def place(
     models: dict[str, Any],
 ) -> tuple[str, str, str]:
     """(node, profile, '') for the best fit, or ('', '', why none fits)."""
-    hosting = {r["node"] for r in replicas if r["model"] == model["name"] and r["state"] in LIVE}
+    hosting = {r["node"] for r in replicas
+               if r["model"] == model["name"] and r["state"] in LIVE_REPLICA_STATES}
     reasons: list[str] = []
     for profile in sorted(model["profiles"], key=lambda p: -p["priority"]):
         # Spread: nodes without a replica of this model first.
@@ -105,11 +106,11 @@ def plan(
     result = Plan()
     by_name = {m["name"]: m for m in models}
     states = {n["id"]: n["state"] for n in nodes}
-    live = [r for r in replicas if r["state"] in LIVE]
+    live = [r for r in replicas if r["state"] in LIVE_REPLICA_STATES]
     for r in live:
         if r["model"] not in by_name:
             result.stop[r["id"]] = f"{r['model']} was deleted from the catalog"
-        elif r["node"] and states.get(r["node"], "gone") in ("not_ready", "gone"):
+        elif r["node"] and states.get(r["node"], "gone") in (NodeState.NOT_READY, "gone"):
             # Only a silent node loses its replicas: one that restarted and is checking its
             # engine again still runs them (engines outlive their agent).
             result.stop[r["id"]] = f"node {r['node']} is {states.get(r['node'], 'gone')}"
@@ -132,7 +133,7 @@ def plan(
                 result.waiting[r["id"]] = why
             else:
                 new = {"id": "r-" + secrets.token_hex(4), "model": model["name"],
-                       "node": node, "profile": profile, "state": "pending", "err": why}
+                       "node": node, "profile": profile, "state": ReplicaState.PENDING, "err": why}
                 result.add.append(new)
                 taken.append(new)
     return result
@@ -151,13 +152,14 @@ class Scheduler:
         p = plan(self.store.models(), nodes, self.store.replicas())
         for rid, why in p.stop.items():
             log.info("stopping replica %s: %s", rid, why)
-            self.store.update_replica(rid, state="stopped", err=why)
+            self.store.update_replica(rid, state=ReplicaState.STOPPED, err=why)
         for r in p.add:
             log.info("replica %s of %s: %s", r["id"], r["model"],
                      f"on {r['node']} ({r['profile']})" if r["node"] else f"waiting: {r['err']}")
             self.store.put_replica(r)
         for rid, (node, profile) in p.place.items():
-            self.store.update_replica(rid, node=node, profile=profile, state="pending", err="")
+            self.store.update_replica(rid, node=node, profile=profile,
+                                      state=ReplicaState.PENDING, err="")
         for rid, why in p.waiting.items():
             self.store.update_replica(rid, err=why)
         self.store.prune_stopped(KEEP_STOPPED_S)

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from llmgw.contract import ReplicaState
 from llmgw.control.records import (
     INVENTORY,
     REPLICA,
@@ -179,8 +180,8 @@ class Store:
             self._upsert_node(db, node_id, inventory, serial)
             rows = db.execute(
                 "SELECT r.*, m.spec AS spec FROM replicas r LEFT JOIN models m "
-                "ON m.name = r.model WHERE r.node = ? AND r.state != 'stopped' ORDER BY r.id",
-                (node_id,),
+                "ON m.name = r.model WHERE r.node = ? AND r.state != ? ORDER BY r.id",
+                (node_id, ReplicaState.STOPPED),
             ).fetchall()
             for row in rows:
                 fields = reports.get(row["id"])
@@ -238,8 +239,9 @@ class Store:
                 db.execute("INSERT INTO certs (serial, node, not_after, revoked) "
                            "VALUES (?, ?, 0, ?) ON CONFLICT(serial) DO UPDATE SET revoked = ?",
                            (serial, node_id, now, now))
-            db.execute("UPDATE replicas SET state = 'stopped', err = ?, updated = ? "
-                       "WHERE node = ? AND state != 'stopped'", (why, now, node_id))
+            db.execute("UPDATE replicas SET state = ?, err = ?, updated = ? "
+                       "WHERE node = ? AND state != ?",
+                       (ReplicaState.STOPPED, why, now, node_id, ReplicaState.STOPPED))
             db.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
         self._inventories.pop(node_id, None)
         return sorted(serials)
@@ -353,8 +355,8 @@ class Store:
     def prune_stopped(self, older_than_s: float) -> int:
         """Forget replicas stopped more than older_than_s ago; returns how many."""
         with self._tx() as db:
-            cur = db.execute("DELETE FROM replicas WHERE state = 'stopped' AND updated < ?",
-                             (self.clock() - older_than_s,))
+            cur = db.execute("DELETE FROM replicas WHERE state = ? AND updated < ?",
+                             (ReplicaState.STOPPED, self.clock() - older_than_s))
         return cur.rowcount
 
     def delete_replica(self, replica_id: str) -> None:

@@ -1,0 +1,27 @@
+"""The contract between the control plane, the agent and the harness: states and paths.
+
+Everything that crosses a process boundary is named here once: a replica's, a node's and
+an engine's states, and the agent and admin APIs' URL paths. The agent imports nothing of
+the control plane but this package.
+"""
+
+from llmgw.contract.paths import AdminPaths, AgentPaths
+from llmgw.contract.states import (
+    ENGINE_GAVE_UP,
+    LIVE_REPLICA_STATES,
+    REPORTED_REPLICA_STATES,
+    EngineState,
+    NodeState,
+    ReplicaState,
+)
+
+__all__ = [
+    "ENGINE_GAVE_UP",
+    "LIVE_REPLICA_STATES",
+    "REPORTED_REPLICA_STATES",
+    "AdminPaths",
+    "AgentPaths",
+    "EngineState",
+    "NodeState",
+    "ReplicaState",
+]

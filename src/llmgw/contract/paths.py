@@ -1,0 +1,41 @@
+"""The URL paths of the agent API (mTLS, nodes) and the admin API (loopback, admin token)."""
+
+from __future__ import annotations
+
+
+class AgentPaths:
+    """The agent API's paths; only the three join paths serve a client without a
+    certificate."""
+
+    HEARTBEAT = "/api/v1/agent/heartbeat"
+    SELF = "/api/v1/agent/self"
+    RENEW = "/api/v1/agent/renew"
+    JOIN = "/api/v1/join"
+    JOIN_CA = "/api/v1/join/ca"
+    # Public, as any CA's revocation list is: a node refused at the handshake reads it to
+    # learn why (asyncio drops the TLS alert that would have said so).
+    CRL = "/api/v1/join/crl"
+    HEALTH = "/healthz"
+
+
+class AdminPaths:
+    """The admin API's paths; every one but HEALTH needs the admin token."""
+
+    HEALTH = "/healthz"
+    METRICS = "/metrics"
+    NODES = "/api/v1/nodes"
+    TOKENS = "/api/v1/tokens"
+    MODELS = "/api/v1/models"
+    REPLICAS = "/api/v1/replicas"
+
+    @staticmethod
+    def node(node_id: str) -> str:
+        return f"{AdminPaths.NODES}/{node_id}"
+
+    @staticmethod
+    def model(name: str) -> str:
+        return f"{AdminPaths.MODELS}/{name}"
+
+    @staticmethod
+    def replica_logs(replica_id: str) -> str:
+        return f"{AdminPaths.REPLICAS}/{replica_id}/logs"

@@ -1,0 +1,52 @@
+"""The states of replicas, nodes and engines: one spelling each, shared by every process.
+
+They are StrEnums: a member equals its text ("ready"), so stored rows, JSON bodies and
+metric labels carry the plain word, and code compares against the member.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ReplicaState(StrEnum):
+    """Where one replica of a catalog model is: placed by the scheduler, then reported by
+    its node's agent, until the scheduler stops it."""
+
+    PENDING = "pending"
+    DOWNLOADING = "downloading"
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class NodeState(StrEnum):
+    """A node as its heartbeats show it: registered, provisioning its engine, ready with it,
+    or silent for longer than node_timeout_s."""
+
+    REGISTERING = "registering"
+    PROVISIONING = "provisioning"
+    READY = "ready"
+    NOT_READY = "not_ready"
+
+
+class EngineState(StrEnum):
+    """A node's engine as its agent provisions it (found, downloaded, built, checked)."""
+
+    PENDING = "pending"
+    DOWNLOADING = "downloading"
+    BUILDING = "building"
+    CHECKING = "checking"
+    READY = "ready"
+    FAILED = "failed"
+    UNSUPPORTED = "unsupported"
+
+
+# A replica the scheduler counts: placed or running somewhere, not yet stopped.
+LIVE_REPLICA_STATES = frozenset(ReplicaState) - {ReplicaState.STOPPED}
+# What an agent may report of its own replicas; pending and stopped are the scheduler's.
+REPORTED_REPLICA_STATES = frozenset({ReplicaState.DOWNLOADING, ReplicaState.STARTING,
+                                     ReplicaState.READY, ReplicaState.FAILED})
+# An engine its agent gave up on until the agent starts again: broken, or not to be had here.
+ENGINE_GAVE_UP = frozenset({EngineState.FAILED, EngineState.UNSUPPORTED})

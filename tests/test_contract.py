@@ -1,0 +1,84 @@
+"""The contract is the one place states and paths are spelled, and the agent's only tie to
+the control plane's code."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from llmgw.contract import (
+    LIVE_REPLICA_STATES,
+    REPORTED_REPLICA_STATES,
+    AgentPaths,
+    EngineState,
+    NodeState,
+    ReplicaState,
+)
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "llmgw"
+STATE_WORDS = {str(s) for enum in (ReplicaState, NodeState, EngineState) for s in enum}
+
+
+def imported_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def state_literals(paths: list[Path]) -> list[str]:
+    """Every string constant that spells a state, as FILE:LINE 'WORD'."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in STATE_WORDS:
+                found.append(f"{path.name}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_the_agent_imports_nothing_of_the_control_plane_but_the_contract() -> None:
+    modules = sorted((SRC / "agent").glob("*.py"))
+    assert modules
+    reached = {f"{m.name}: {imp}" for m in modules for imp in imported_modules(m)
+               if imp.startswith("llmgw.control")}
+    assert not reached, f"the agent imports the control plane's code: {sorted(reached)}"
+
+
+def test_the_import_walk_sees_an_import_of_the_control_plane(tmp_path: Path) -> None:
+    """Negative control: a module that imports llmgw.control is caught."""
+    module = tmp_path / "bad.py"
+    module.write_text("from llmgw.control.agent_api import token_hash\nimport llmgw.control\n")
+    assert imported_modules(module) == {"llmgw.control.agent_api", "llmgw.control"}
+
+
+@pytest.mark.parametrize("folder", ["control", "agent", "commands"])
+def test_states_are_spelled_only_in_the_contract(folder: str) -> None:
+    """Code compares states with the enums; a quoted state word outside the contract is a
+    second spelling that can drift."""
+    assert state_literals(sorted((SRC / folder).glob("*.py"))) == []
+
+
+def test_the_literal_scan_finds_a_quoted_state(tmp_path: Path) -> None:
+    """Negative control for the scan above."""
+    module = tmp_path / "replicas.py"
+    module.write_text('def ready(r):\n    return r["state"] == "ready"\n')
+    assert state_literals([module]) == ["replicas.py:2 'ready'"]
+
+
+def test_a_member_equals_its_word_as_stored_and_sent() -> None:
+    assert ReplicaState.READY == "ready" and f"{NodeState.NOT_READY}" == "not_ready"
+    assert ReplicaState.STOPPED not in LIVE_REPLICA_STATES
+    assert REPORTED_REPLICA_STATES < LIVE_REPLICA_STATES
+    assert ReplicaState.PENDING not in REPORTED_REPLICA_STATES
+
+
+def test_the_join_paths_are_the_ones_a_client_without_a_certificate_reaches() -> None:
+    from llmgw.control.agent_api import _ANONYMOUS_PATHS
+
+    assert {path for _, path in _ANONYMOUS_PATHS} == {
+        AgentPaths.JOIN, AgentPaths.JOIN_CA, AgentPaths.CRL}
