@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.control.records import RecordError
+from llmgw.contract.records import RecordError
 from llmgw.control.store import Store
 
 SPEC = {"name": "m", "source": "http://mirror/m.gguf", "sha256": "",

@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
@@ -19,6 +18,7 @@ from llmgw.agent.replicas import ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
 from llmgw.contract import EngineState
+from llmgw.contract.records import Heartbeat
 
 log = logging.getLogger("llmgw.agent")
 
@@ -61,7 +61,7 @@ class Agent:
         self.removed = ""
         self._renew_checked = float("-inf")
 
-    def inventory(self) -> dict[str, Any]:
+    def inventory(self) -> Heartbeat:
         """The heartbeat body (DESIGN.md); the control plane names the node by its cert."""
         interface, addr = host.management_interface(self.config.server)
         status = self.engine.status

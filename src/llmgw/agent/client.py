@@ -14,6 +14,7 @@ from llmgw import pki
 from llmgw._files import atomic_write
 from llmgw.config import TLSFiles
 from llmgw.contract import AgentPaths
+from llmgw.contract.records import Heartbeat, HeartbeatAnswer, NodeView
 from llmgw.errors import Error
 
 
@@ -71,11 +72,11 @@ class AgentClient:
     def close(self) -> None:
         self._http.close()
 
-    def heartbeat(self, inventory: dict[str, Any]) -> dict[str, Any]:
+    def heartbeat(self, inventory: Heartbeat) -> HeartbeatAnswer:
         """Send the inventory; the answer holds node_id (from the certificate) and replicas."""
         return self._call("POST", AgentPaths.HEARTBEAT, json=inventory)
 
-    def node(self) -> dict[str, Any] | None:
+    def node(self) -> NodeView | None:
         """This node's record as the control plane sees it (GET /api/v1/agent/self); None
         until it has sent a heartbeat."""
         response = self._send_or_raise("GET", AgentPaths.SELF)

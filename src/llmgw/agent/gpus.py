@@ -8,6 +8,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from llmgw.contract.records import Gpu
+
 PCI_DEVICES = Path("/sys/bus/pci/devices")
 NVIDIA_VENDOR = "0x10de"
 
@@ -36,10 +38,10 @@ class GPU:
     uuid: str
     gpu_class: str = ""
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> Gpu:
         d = asdict(self)
         d["class"] = d.pop("gpu_class")
-        return d
+        return d  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlparse
 
 import httpx
@@ -29,6 +28,7 @@ import httpx
 from llmgw._files import atomic_write, last_lines
 from llmgw.agent import engine_log
 from llmgw.contract import ReplicaState
+from llmgw.contract.records import Assignment, Inventory, ReplicaReport
 from llmgw.engine_args import check_engine_args
 from llmgw.netaddr import free_port
 
@@ -121,7 +121,7 @@ class ReplicaSupervisor:
 
     # --- the seam the agent uses ---
 
-    def report(self) -> list[dict[str, Any]]:
+    def report(self) -> list[ReplicaReport]:
         self.watch()
         with self._lock:
             return [
@@ -136,7 +136,7 @@ class ReplicaSupervisor:
                 for r in self.replicas.values()
             ]
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> Inventory:
         """What the heartbeat carries beside the replicas' states: how often each replica
         changed state (for llmgw_replica_state_changes_total) and the tail of each engine's
         log, kept until the replica is removed (for `llmgw logs`)."""
@@ -156,7 +156,7 @@ class ReplicaSupervisor:
         replica.changes[state] = replica.changes.get(state, 0) + 1
         replica.state, replica.err = state, why
 
-    def reconcile(self, assignments: list[dict[str, Any]]) -> None:
+    def reconcile(self, assignments: list[Assignment]) -> None:
         wanted = {a["id"]: a for a in assignments}
         engine_log.prune(self.dir, set(wanted))
         with self._lock:

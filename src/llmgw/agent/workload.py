@@ -8,17 +8,19 @@ to `reconcile()`. `run_agent` gives the agent the replica supervisor
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
+
+from llmgw.contract.records import Assignment, Inventory, ReplicaReport
 
 
 class Workload(Protocol):
-    def report(self) -> list[dict[str, Any]]:
+    def report(self) -> list[ReplicaReport]:
         """The states of the replicas this node runs, as sent in the heartbeat's `replicas`."""
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> Inventory:
         """Top-level heartbeat keys beside `replicas` (state-change counts, log tails)."""
 
-    def reconcile(self, assignments: list[dict[str, Any]]) -> None:
+    def reconcile(self, assignments: list[Assignment]) -> None:
         """Make the running replicas match the control plane's assignments for this node."""
 
 
@@ -26,13 +28,13 @@ class NoReplicas:
     """Runs nothing and reports nothing; assignments are ignored (remembered for tests)."""
 
     def __init__(self) -> None:
-        self.assignments: list[dict[str, Any]] = []
+        self.assignments: list[Assignment] = []
 
-    def report(self) -> list[dict[str, Any]]:
+    def report(self) -> list[ReplicaReport]:
         return []
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> Inventory:
         return {}
 
-    def reconcile(self, assignments: list[dict[str, Any]]) -> None:
+    def reconcile(self, assignments: list[Assignment]) -> None:
         self.assignments = list(assignments)

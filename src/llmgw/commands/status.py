@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
 
 from llmgw.commands import _admin
 from llmgw.commands._table import ago, table
 from llmgw.contract import ReplicaState
+from llmgw.contract.records import Gpu, NodeView, PublicReplica
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(nodes: list[dict[str, Any]], replicas: list[dict[str, Any]], now: float) -> str:
+def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float) -> str:
     node_rows = [[n["id"], n["state"], ",".join(n["engines"]) or "-", _gpus(n["gpus"]),
                   ago(now - n["last_seen"])] for n in nodes]
     replica_rows = [[r["id"], r["model"], r["node"] or "-", r["state"], _uptime(r, now),
@@ -47,13 +47,13 @@ def render(nodes: list[dict[str, Any]], replicas: list[dict[str, Any]], now: flo
     ])
 
 
-def _gpus(gpus: list[dict[str, Any]]) -> str:
+def _gpus(gpus: list[Gpu]) -> str:
     if not gpus:
         return "none (CPU)"
     return ", ".join(f"{g['name']} {g['memory_mb'] // 1024} GB" for g in gpus)
 
 
-def _uptime(replica: dict[str, Any], now: float) -> str:
+def _uptime(replica: PublicReplica, now: float) -> str:
     """How long it has been in its state: the agent reports it only when it changes."""
     updated = replica.get("updated")
     return ago(now - updated, suffix="") if updated else "-"

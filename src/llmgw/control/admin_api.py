@@ -13,11 +13,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from llmgw.admin_token import RequireAdminToken
+from llmgw.contract.records import (
+    JoinToken,
+    ModelSpec,
+    NodeRemoval,
+    NodeView,
+    PublicReplica,
+    ReplicaLog,
+)
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import Model
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
-from llmgw.control.records import NodeView, PublicReplica
 from llmgw.control.store import Store
 
 _PUBLIC_REPLICA_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint",
@@ -29,7 +36,7 @@ def public_replica(replica: Mapping[str, Any]) -> PublicReplica:
     return {k: replica[k] for k in _PUBLIC_REPLICA_FIELDS if k in replica}  # type: ignore[return-value]
 
 
-def replica_log(store: Store, rid: str, n: int) -> dict[str, Any]:
+def replica_log(store: Store, rid: str, n: int) -> ReplicaLog:
     replica = next((r for r in store.replicas() if r["id"] == rid), None)
     if replica is None:
         raise HTTPException(404, f"no replica {rid!r}; GET /api/v1/replicas lists them")
@@ -67,7 +74,7 @@ def make_admin_app(
         return Response(await metrics.render(scraper), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/api/v1/replicas/{rid}/logs")
-    def replica_logs(rid: str, n: int = 50) -> dict[str, Any]:
+    def replica_logs(rid: str, n: int = 50) -> ReplicaLog:
         """The tail of a replica's engine log, as its node sent it with its last heartbeat."""
         return replica_log(store, rid, n)
 
@@ -83,7 +90,7 @@ def make_admin_app(
         return [node_view(n, now, node_timeout_s) for n in store.nodes(limit, after)]
 
     @app.delete("/api/v1/nodes/{node_id}")
-    def remove_node(node_id: str) -> dict[str, Any]:
+    def remove_node(node_id: str) -> NodeRemoval:
         serials = store.remove_node(node_id, f"node {node_id} was removed")
         if serials is None:
             raise HTTPException(404, f"no node {node_id!r}; GET /api/v1/nodes lists them")
@@ -91,18 +98,20 @@ def make_admin_app(
         return {"id": node_id, "revoked": serials}
 
     @app.post("/api/v1/tokens", status_code=201)
-    def create_token(request: TokenRequest) -> dict[str, Any]:
+    def create_token(request: TokenRequest) -> JoinToken:
         """A single-use join token; only its hash is kept."""
         token = f"{secrets.token_hex(3)}.{secrets.token_hex(16)}"
         expires = store.add_token(join_token_hash(token), request.ttl_s)
         return {"token": token, "expires": expires}
 
-    @app.get("/api/v1/models")
-    def models() -> list[dict[str, Any]]:
+    # Catalog specs leave as stored (a row written by an older release may lack a newer
+    # key), so FastAPI does not check them against ModelSpec on the way out.
+    @app.get("/api/v1/models", response_model=None)
+    def models() -> list[ModelSpec]:
         return store.models()
 
-    @app.post("/api/v1/models", status_code=201)
-    def add_model(model: Model) -> dict[str, Any]:
+    @app.post("/api/v1/models", status_code=201, response_model=None)
+    def add_model(model: Model) -> ModelSpec:
         taken = {n for m in store.models() for n in [m["name"], *m.get("aliases", [])]}
         clash = [n for n in model.names() if n in taken]
         if clash:
@@ -111,13 +120,13 @@ def make_admin_app(
                 f"{', '.join(clash)} already names a model in the catalog; "
                 f"DELETE /api/v1/models/{model.name} first to replace it",
             )
-        spec = model.model_dump()
+        spec: ModelSpec = model.model_dump()  # type: ignore[assignment]
         if not store.add_model(spec):
             raise HTTPException(409, f"{model.name} is already in the catalog")
         return spec
 
-    @app.get("/api/v1/models/{name}")
-    def get_model(name: str) -> dict[str, Any]:
+    @app.get("/api/v1/models/{name}", response_model=None)
+    def get_model(name: str) -> ModelSpec:
         spec = store.model(name)
         if spec is None:
             raise HTTPException(404, f"no model {name!r} in the catalog")

@@ -20,10 +20,16 @@ from cryptography.hazmat.primitives import serialization
 
 from llmgw import pki
 from llmgw.contract import REPORTED_REPLICA_STATES, AgentPaths
+from llmgw.contract.records import (
+    Assignment,
+    Heartbeat,
+    HeartbeatAnswer,
+    NodeReplica,
+    RecordError,
+)
 from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.engine_args import engine_args
 from llmgw.control.nodes import node_view
-from llmgw.control.records import RecordError
 from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.agent_api")
@@ -113,13 +119,13 @@ class AgentAPI:
             return Reply(422, {"detail": f"{e}; fix the agent (or upgrade it to match "
                                          "this control plane)"})
 
-    def heartbeat(self, node_id: str, body: dict[str, Any], serial: str = "") -> dict[str, Any]:
+    def heartbeat(self, node_id: str, body: Heartbeat, serial: str = "") -> HeartbeatAnswer:
         """Record the node's inventory and replica states; answer with what it should run."""
         inventory = {k: v for k, v in body.items() if k not in ("node_id", "replicas")}
         # A body may say which node it is; the certificate decides.
         inventory["claimed_id"] = body.get("node_id", "")
         rows = self.store.heartbeat(node_id, inventory, serial, _reports(body.get("replicas")))
-        answer: dict[str, Any] = {"node_id": node_id, "replicas": _assignments(rows)}
+        answer: HeartbeatAnswer = {"node_id": node_id, "replicas": _assignments(rows)}
         if self.mirror_url:
             answer["mirror"] = self.mirror_url
         return answer
@@ -194,7 +200,7 @@ def _reports(raw: Any) -> dict[str, dict[str, str]]:
     return found
 
 
-def _assignments(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
     result = []
     for r in rows:
         model = r["spec"]
@@ -205,7 +211,7 @@ def _assignments(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         result.append({
             "id": r["id"], "model": model["name"], "profile": profile["name"],
             "engine": profile["engine"], "gpu_class": profile["gpu_class"],
-            "source": model["source"], "sha256": model["sha256"],
+            "source": model["source"], "sha256": model.get("sha256", ""),
             "args": engine_args(model, profile),
         })
     return result

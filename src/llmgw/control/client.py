@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 from llmgw._jsonclient import JSONClient
+from llmgw.contract import AdminPaths
+from llmgw.contract.records import (
+    JoinToken,
+    ModelSpec,
+    NodeRemoval,
+    NodeView,
+    PublicReplica,
+    ReplicaLog,
+)
 from llmgw.errors import APIError
 
 
@@ -23,44 +32,44 @@ class AdminClient(JSONClient):
     error = ControlPlaneError
     not_found = NotFound
 
-    def health(self) -> dict[str, Any]:
-        return self._call("GET", "/healthz")
+    def health(self) -> dict[str, str]:
+        return self._call("GET", AdminPaths.HEALTH)
 
-    def nodes(self, limit: int | None = None, after: str = "") -> list[dict[str, Any]]:
-        params: dict[str, Any] = {}
+    def nodes(self, limit: int | None = None, after: str = "") -> list[NodeView]:
+        params: dict[str, int | str] = {}
         if limit is not None:
             params = {"limit": limit, "after": after}
-        return self._call("GET", "/api/v1/nodes", params=params)
+        return self._call("GET", AdminPaths.NODES, params=params)
 
-    def remove_node(self, node_id: str) -> dict[str, Any]:
+    def remove_node(self, node_id: str) -> NodeRemoval:
         """Drain the node's replicas and refuse its certificate from now on."""
-        return self._call("DELETE", f"/api/v1/nodes/{node_id}")
+        return self._call("DELETE", AdminPaths.node(node_id))
 
-    def create_token(self, ttl_s: float) -> dict[str, Any]:
+    def create_token(self, ttl_s: float) -> JoinToken:
         """A single-use join token: {token, expires}."""
-        return self._call("POST", "/api/v1/tokens", json={"ttl_s": ttl_s})
+        return self._call("POST", AdminPaths.TOKENS, json={"ttl_s": ttl_s})
 
-    def node(self, node_id: str) -> dict[str, Any] | None:
+    def node(self, node_id: str) -> NodeView | None:
         return next((n for n in self.nodes() if n["id"] == node_id), None)
 
-    def models(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/api/v1/models")
+    def models(self) -> list[ModelSpec]:
+        return self._call("GET", AdminPaths.MODELS)
 
-    def add_model(self, model: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", "/api/v1/models", json=model)
+    def add_model(self, model: Mapping[str, object]) -> ModelSpec:
+        return self._call("POST", AdminPaths.MODELS, json=model)
 
     def delete_model(self, name: str) -> None:
-        self._call("DELETE", f"/api/v1/models/{name}")
+        self._call("DELETE", AdminPaths.model(name))
 
-    def replicas(self, model: str | None = None) -> list[dict[str, Any]]:
+    def replicas(self, model: str | None = None) -> list[PublicReplica]:
         params = {"model": model} if model else None
-        return self._call("GET", "/api/v1/replicas", params=params)
+        return self._call("GET", AdminPaths.REPLICAS, params=params)
 
 
-    def replica_logs(self, replica: str, lines: int = 50) -> dict[str, Any]:
-        return self._call("GET", f"/api/v1/replicas/{replica}/logs", params={"n": lines})
+    def replica_logs(self, replica: str, lines: int = 50) -> ReplicaLog:
+        return self._call("GET", AdminPaths.replica_logs(replica), params={"n": lines})
 
     def metrics(self) -> str:
-        response = self._http.get("/metrics")
+        response = self._http.get(AdminPaths.METRICS)
         response.raise_for_status()
         return response.text

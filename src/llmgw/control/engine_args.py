@@ -3,8 +3,7 @@ routing profile and the gateway in front of it need."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from llmgw.contract.records import ModelSpec, ProfileSpec
 from llmgw.control._upstream import MAX_CONNECTIONS_PER_REPLICA
 
 # Without a pooling type llama-server answers /v1/embeddings with 400 for a model whose
@@ -20,7 +19,7 @@ DEFAULT_POOLING = "mean"
 HTTP_THREADS = MAX_CONNECTIONS_PER_REPLICA + 16
 
 
-def engine_args(model: dict[str, Any], profile: dict[str, Any]) -> list[str]:
+def engine_args(model: ModelSpec, profile: ProfileSpec) -> list[str]:
     """A profile that sets --threads-http itself keeps its value (and the probe may then
     wait behind the gateway's connections again)."""
     args = list(profile.get("args") or [])

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmgw.contract import NodeState, ReplicaState
+from llmgw.contract.records import NodeRecord, ReplicaRecord
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 
@@ -90,7 +91,7 @@ class StateCollector:
         return family
 
     @staticmethod
-    def _changes(nodes: list[dict[str, Any]]) -> CounterMetricFamily:
+    def _changes(nodes: list[NodeRecord]) -> CounterMetricFamily:
         family = CounterMetricFamily(
             "llmgw_replica_state_changes", "Replica state changes the agents saw, by the "
             "state entered", labels=["replica", "model", "node", "to"])
@@ -148,7 +149,7 @@ async def engine_metrics(store: Store, client: httpx.AsyncClient) -> str:
     """Every ready replica's /metrics, fetched at once with its key and relabelled."""
     ready = [r for r in store.replicas() if r["state"] == ReplicaState.READY and r["endpoint"]]
 
-    async def one(r: dict[str, Any]) -> str:
+    async def one(r: ReplicaRecord) -> str:
         try:
             got = await client.get(f"{r['endpoint'].rstrip('/')}/metrics",
                                    headers={"Authorization": f"Bearer {r['api_key']}"},

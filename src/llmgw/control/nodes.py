@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmgw.contract import NodeState
-from llmgw.control.records import NodeRecord, NodeView
+from llmgw.contract.records import NodeRecord, NodeView
 
 
 def reported_state(inventory: Mapping[str, Any]) -> NodeState:

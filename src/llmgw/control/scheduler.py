@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
 
 from llmgw.contract import LIVE_REPLICA_STATES, NodeState, ReplicaState
+from llmgw.contract.records import ModelSpec, NodeView, ProfileSpec, ReplicaRecord
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 
@@ -25,7 +25,7 @@ KEEP_STOPPED_S = 3600.0
 class Plan:
     """What to change: replicas to add, replicas to stop (id → why), unplaced models' reasons."""
 
-    add: list[dict[str, Any]] = field(default_factory=list)
+    add: list[ReplicaRecord] = field(default_factory=list)
     stop: dict[str, str] = field(default_factory=dict)
     place: dict[str, tuple[str, str]] = field(default_factory=dict)  # unplaced id → (node, profile)
     waiting: dict[str, str] = field(default_factory=dict)  # unplaced id → why
@@ -35,7 +35,15 @@ def _labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-def _why_not(profile: dict[str, Any], node: dict[str, Any], used: dict[str, Any]) -> str:
+@dataclass
+class _Used:
+    """What a node's live replicas take: GPUs by class, and memory (MB) of CPU profiles."""
+
+    gpus: dict[str, int] = field(default_factory=dict)
+    memory_mb: float = 0.0
+
+
+def _why_not(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
     """Why profile cannot run on node now, or '' when it can."""
     if node["state"] != NodeState.READY:
         return f"{node['id']} is {node['state']}"
@@ -47,19 +55,19 @@ def _why_not(profile: dict[str, Any], node: dict[str, Any], used: dict[str, Any]
     need_mb = profile["min_memory_gb"] * 1024
     if profile["gpu_class"]:
         cards = [g for g in node["gpus"] if g.get("class") == profile["gpu_class"]]
-        free = cards[used["gpus"].get(profile["gpu_class"], 0):]
+        free = cards[used.gpus.get(profile["gpu_class"], 0):]
         if not free:
             return f"{node['id']} has no free {profile['gpu_class']} GPU"
         if free[0].get("memory_mb", 0) < need_mb:
             return f"{node['id']}'s {profile['gpu_class']} has under {profile['min_memory_gb']} GB"
         return ""
-    if node.get("memory_mb", 0) - used["memory_mb"] < need_mb:
+    if node.get("memory_mb", 0) - used.memory_mb < need_mb:
         return f"{node['id']} has under {profile['min_memory_gb']} GB of memory free"
     return ""
 
 
-def _usage(node_id: str, replicas: list[dict[str, Any]], models: dict[str, Any]) -> dict[str, Any]:
-    used: dict[str, Any] = {"gpus": {}, "memory_mb": 0.0}
+def _usage(node_id: str, replicas: list[ReplicaRecord], models: dict[str, ModelSpec]) -> _Used:
+    used = _Used()
     for r in replicas:
         if r["node"] != node_id or r["state"] not in LIVE_REPLICA_STATES:
             continue
@@ -67,21 +75,21 @@ def _usage(node_id: str, replicas: list[dict[str, Any]], models: dict[str, Any])
         if profile is None:
             continue
         if profile["gpu_class"]:
-            used["gpus"][profile["gpu_class"]] = used["gpus"].get(profile["gpu_class"], 0) + 1
+            used.gpus[profile["gpu_class"]] = used.gpus.get(profile["gpu_class"], 0) + 1
         else:
-            used["memory_mb"] += profile["min_memory_gb"] * 1024
+            used.memory_mb += profile["min_memory_gb"] * 1024
     return used
 
 
-def _profile(model: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
+def _profile(model: ModelSpec | None, name: str) -> ProfileSpec | None:
     if model is None:
         return None
     return next((p for p in model["profiles"] if p["name"] == name), None)
 
 
 def place(
-    model: dict[str, Any], nodes: list[dict[str, Any]], replicas: list[dict[str, Any]],
-    models: dict[str, Any],
+    model: ModelSpec, nodes: list[NodeView], replicas: list[ReplicaRecord],
+    models: dict[str, ModelSpec],
 ) -> tuple[str, str, str]:
     """(node, profile, '') for the best fit, or ('', '', why none fits)."""
     hosting = {r["node"] for r in replicas
@@ -100,7 +108,7 @@ def place(
 
 
 def plan(
-    models: list[dict[str, Any]], nodes: list[dict[str, Any]], replicas: list[dict[str, Any]]
+    models: list[ModelSpec], nodes: list[NodeView], replicas: list[ReplicaRecord]
 ) -> Plan:
     """The changes that bring replicas in line with the catalog and the nodes' states."""
     result = Plan()

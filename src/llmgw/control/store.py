@@ -8,18 +8,20 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from llmgw.contract import ReplicaState
-from llmgw.control.records import (
+from llmgw.contract.records import (
     INVENTORY,
     REPLICA,
     REPLICA_UPDATE,
     Inventory,
+    ModelSpec,
     NodeRecord,
+    NodeReplica,
     RecordError,
     ReplicaRecord,
     checked,
@@ -148,7 +150,7 @@ class Store:
 
     # --- nodes ---
 
-    def record_heartbeat(self, node_id: str, inventory: dict[str, Any],
+    def record_heartbeat(self, node_id: str, inventory: Mapping[str, object],
                          serial: str = "") -> None:
         """Store a node's inventory; RecordError (nothing stored) when a key has the wrong
         type."""
@@ -156,7 +158,7 @@ class Store:
         with self._tx() as db:
             self._upsert_node(db, node_id, inventory, serial)
 
-    def _upsert_node(self, db: sqlite3.Connection, node_id: str, inventory: dict[str, Any],
+    def _upsert_node(self, db: sqlite3.Connection, node_id: str, inventory: Inventory,
                      serial: str) -> None:
         now = self.clock()
         db.execute(
@@ -167,8 +169,8 @@ class Store:
             (node_id, json.dumps(inventory), now, now, serial),
         )
 
-    def heartbeat(self, node_id: str, inventory: dict[str, Any], serial: str,
-                  reports: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
+    def heartbeat(self, node_id: str, inventory: Mapping[str, object], serial: str,
+                  reports: dict[str, dict[str, str]]) -> list[NodeReplica]:
         """One beat in one transaction: record the inventory, take the node's reports on its
         own replicas (id → fields; a stopped replica stays stopped), and return the node's
         live replicas, each with its model's spec (None when the model is gone).
@@ -288,7 +290,7 @@ class Store:
 
     # --- catalog ---
 
-    def add_model(self, spec: dict[str, Any]) -> bool:
+    def add_model(self, spec: ModelSpec) -> bool:
         """Add a model; False when the name is taken."""
         with self._tx() as db:
             try:
@@ -300,7 +302,7 @@ class Store:
                 return False
         return True
 
-    def models(self) -> list[dict[str, Any]]:
+    def models(self) -> list[ModelSpec]:
         rows = self._read("SELECT spec FROM models ORDER BY created, name")
         return [json.loads(r["spec"]) for r in rows]
 
@@ -309,7 +311,7 @@ class Store:
         rows = self._read("SELECT name, created FROM models")
         return {r["name"]: int(r["created"]) for r in rows}
 
-    def model(self, name: str) -> dict[str, Any] | None:
+    def model(self, name: str) -> ModelSpec | None:
         rows = self._read("SELECT spec FROM models WHERE name = ?", (name,))
         return json.loads(rows[0]["spec"]) if rows else None
 
@@ -320,7 +322,7 @@ class Store:
 
     # --- replicas ---
 
-    def put_replica(self, replica: dict[str, Any]) -> None:
+    def put_replica(self, replica: ReplicaRecord) -> None:
         """Insert or replace a replica; RecordError (nothing stored) for an unknown state,
         a wrong type or an unknown key."""
         replica = checked(REPLICA, replica, f"replica {replica.get('id', '(no id)')!r}")
@@ -365,7 +367,7 @@ class Store:
 
 
 
-def _inventory_in(node_id: str, inventory: dict[str, Any]) -> Inventory:
+def _inventory_in(node_id: str, inventory: Mapping[str, object]) -> Inventory:
     return checked(INVENTORY, inventory, f"node {node_id}'s inventory")
 
 

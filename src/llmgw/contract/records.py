@@ -1,9 +1,10 @@
-"""The store's records as typed dicts: validated going in and coming out, dicts to readers.
+"""The records that cross a boundary, as typed dicts: the store's rows, the admin API's
+views, the catalog model, and the heartbeat with its answer.
 
-They are TypedDicts, not models, so the scheduler, gateway, metrics and agent API keep
-reading them as dicts; pydantic's TypeAdapters check them at the store's boundary and give
-the admin API its OpenAPI shapes. An inventory is an agent's heartbeat, untrusted input:
-its known keys are typed, and keys a newer agent adds are kept as sent.
+They are TypedDicts, not models, so every reader keeps plain dicts (JSON in, JSON out);
+pydantic's TypeAdapters check them at the store's boundary and give the admin API its
+OpenAPI shapes. An inventory is an agent's heartbeat, untrusted input: its known keys are
+typed, and keys a newer agent adds are kept as sent.
 """
 
 from __future__ import annotations
@@ -122,6 +123,101 @@ class PublicReplica(TypedDict):
     err: str
     endpoint: str
     updated: float
+
+
+class ScalingSpec(TypedDict):
+    min: int
+    max: int
+
+
+class ProfileSpec(TypedDict):
+    """One way to serve a catalog model (checked on the way in by catalog.Profile)."""
+
+    name: str
+    engine: str
+    gpu_class: str
+    priority: int
+    min_memory_gb: float
+    node_selector: dict[str, str]
+    args: list[str]
+
+
+class ModelSpec(TypedDict):
+    """A catalog model as stored and as the admin API shows it (catalog.Model, dumped)."""
+
+    name: str
+    aliases: list[str]
+    description: str
+    source: str
+    # Models stored before the catalog took a digest have none.
+    sha256: NotRequired[str]
+    routing_profile: str
+    context_length: int
+    max_output: int
+    scaling: ScalingSpec
+    profiles: list[ProfileSpec]
+
+
+class ReplicaReport(TypedDict):
+    """What an agent says of one replica it runs, in its heartbeat's `replicas`."""
+
+    id: str
+    state: ReplicaState
+    err: str
+    endpoint: str
+    api_key: str
+    pid: int
+
+
+class Heartbeat(Inventory, total=False):
+    """An agent's heartbeat body: its inventory, the id it believes it has (the certificate
+    decides) and its replicas."""
+
+    node_id: str
+    replicas: list[ReplicaReport]
+
+
+class NodeReplica(ReplicaRecord):
+    """A node's replica row as a heartbeat reads it, with its model (None when deleted)."""
+
+    spec: ModelSpec | None
+
+
+class Assignment(TypedDict):
+    """A replica the control plane wants a node to run: what the agent starts it with."""
+
+    id: str
+    model: str
+    profile: str
+    engine: str
+    gpu_class: str
+    source: str
+    sha256: str
+    args: list[str]
+
+
+class HeartbeatAnswer(TypedDict):
+    """The agent API's answer to a heartbeat; `mirror` only when the control plane has one."""
+
+    node_id: str
+    replicas: list[Assignment]
+    mirror: NotRequired[str]
+
+
+class JoinToken(TypedDict):
+    token: str
+    expires: float
+
+
+class NodeRemoval(TypedDict):
+    id: str
+    revoked: list[str]
+
+
+class ReplicaLog(TypedDict):
+    replica: str
+    node: str
+    lines: list[str]
 
 
 INVENTORY: TypeAdapter[Inventory] = TypeAdapter(Inventory)
