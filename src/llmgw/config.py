@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+from pydantic_core import ErrorDetails
 
 from llmgw.errors import Error
 
@@ -139,7 +140,7 @@ def connect_host(addr: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _why(model: type[BaseModel], error: dict[str, Any]) -> str:
+def _why(model: type[BaseModel], error: ErrorDetails) -> str:
     """`tokens.0 is 12345: Input should be a valid string` for one pydantic error."""
     where = ".".join(str(part) for part in error["loc"]) or "the file"
     if error["type"] == "extra_forbidden":

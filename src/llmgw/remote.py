@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ class PromiseRecord:
     promise: str
     status: str
     message: str = ""
-    raw: dict[str, Any] = field(default_factory=dict)
+    raw: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -69,7 +70,7 @@ def check_host(spec: str, *, command: tuple[str, ...] = CHECK_COMMAND,
     return [_record(name, item) for item in found]
 
 
-def _records(stdout: str) -> list[dict[str, Any]]:
+def _records(stdout: str) -> list[Mapping[str, object]]:
     """The JSON objects of stdout, one a line; other lines (there should be none) are left."""
     found = []
     for line in stdout.splitlines():
@@ -87,7 +88,7 @@ def check_hosts(specs: list[str], **backend: Any) -> list[PromiseRecord]:
     return [record for spec in specs for record in check_host(spec, **backend)]
 
 
-def _record(host: str, item: dict[str, Any]) -> PromiseRecord:
+def _record(host: str, item: Mapping[str, object]) -> PromiseRecord:
     status = str(item.get("status", ""))
     return PromiseRecord(host=host, step=str(item.get("step", "")),
                          promise=str(item.get("promise", "")),

@@ -29,7 +29,7 @@ import tempfile
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from llmgw._files import atomic_write
 from llmgw.agent import _build
@@ -332,12 +332,21 @@ class LlamaCpp:
     def _record(self, found: Found) -> None:
         if self.state_dir is None:
             return
-        record = {"engine": ENGINE, "version": found.version, "path": str(found.path),
+        record: EngineRecord = {"engine": ENGINE, "version": found.version, "path": str(found.path),
                   "origin": found.origin}
         atomic_write(self.state_dir / "engine.json", json.dumps(record, indent=2) + "\n")
 
 
-def recorded_engine(state_dir: Path) -> dict[str, Any] | None:
+class EngineRecord(TypedDict):
+    """engine.json in the agent's state: its ready engine, for the node's checks."""
+
+    engine: str
+    version: str
+    path: str
+    origin: str
+
+
+def recorded_engine(state_dir: Path) -> EngineRecord | None:
     """What the agent recorded about its ready engine, or None when it has not."""
     try:
         return json.loads((state_dir / "engine.json").read_text())

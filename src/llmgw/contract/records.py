@@ -220,6 +220,37 @@ class ReplicaLog(TypedDict):
     lines: list[str]
 
 
+class DownloadStatus(TypedDict):
+    """How far the mirror has one model version: percent only while downloading."""
+
+    state: str
+    bytes: int
+    total: int | None
+    # None until the source states a digest or the bytes are whole.
+    sha256: str | None
+    err: str
+    percent: int | None
+
+
+class MirrorVersion(TypedDict):
+    """A model version in the mirror, as its management API shows it; url is where nodes
+    download it."""
+
+    model: str
+    version: str
+    url: str
+    status: DownloadStatus
+
+
+class CheckRecord(TypedDict):
+    """One promise's verdict, as `llmgw check --json` prints it (one object a line)."""
+
+    step: str
+    promise: str
+    status: str
+    message: str
+
+
 INVENTORY: TypeAdapter[Inventory] = TypeAdapter(Inventory)
 REPLICA: TypeAdapter[ReplicaRecord] = TypeAdapter(ReplicaRecord)
 REPLICA_UPDATE: TypeAdapter[ReplicaUpdate] = TypeAdapter(ReplicaUpdate)

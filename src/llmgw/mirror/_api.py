@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as PathParam
@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
 from llmgw.admin_token import RequireAdminToken
+from llmgw.contract.records import MirrorVersion
 from llmgw.mirror import _metrics
 from llmgw.mirror._disk import FAILED, NAME_PATTERN
 from llmgw.mirror._downloads import Conflict, Manager, WrongOffset
@@ -48,7 +49,7 @@ def make_api(
         return {"status": "ok", **(about or {})}
 
     @app.post("/api/v1/fetch", status_code=202)
-    def fetch(req: FetchRequest) -> dict[str, Any]:
+    def fetch(req: FetchRequest) -> MirrorVersion:
         sha256 = req.sha256.lower() if req.sha256 else None
         try:
             return manager.fetch(req.source, req.model, req.version, sha256)
@@ -65,7 +66,7 @@ def make_api(
         size: Annotated[int, Query(ge=0)],
         sha256: Annotated[str, Query(pattern=r"^[0-9a-fA-F]{64}$")],
         offset: Annotated[int, Query(ge=0)] = 0,
-    ) -> dict[str, Any]:
+    ) -> MirrorVersion:
         """The body is the file from byte offset on; an interrupted upload keeps what came,
         and GET /api/v1/models/{model}/{version} says where to continue (status.bytes)."""
         try:
@@ -92,11 +93,11 @@ def make_api(
         return view
 
     @app.get("/api/v1/models")
-    def models() -> list[dict[str, Any]]:
+    def models() -> list[MirrorVersion]:
         return manager.views()
 
     @app.get("/api/v1/models/{model}/{version}")
-    def status(model: str, version: str) -> dict[str, Any]:
+    def status(model: str, version: str) -> MirrorVersion:
         view = manager.view(model, version)
         if view is None:
             raise HTTPException(

@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
+from llmgw.contract.records import MirrorVersion
 from llmgw.mirror import _sources as sources
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT, Disk, Record
 from llmgw.mirror._errors import Forbidden, MirrorError
@@ -109,7 +110,7 @@ class Manager:
     def url(self, rec: Record) -> str:
         return f"{self.base_url}/{rec.model}/{rec.version}/{rec.file}"
 
-    def view(self, model: str, version: str) -> dict[str, Any] | None:
+    def view(self, model: str, version: str) -> MirrorVersion | None:
         with self._lock:
             dl = self._downloads.get((model, version))
             if dl is None:
@@ -117,7 +118,7 @@ class Manager:
             return {"model": model, "version": version, "url": self.url(dl.rec),
                     "status": dl.status()}
 
-    def views(self) -> list[dict[str, Any]]:
+    def views(self) -> list[MirrorVersion]:
         with self._lock:
             keys = sorted(self._downloads)
         return [v for m, ver in keys if (v := self.view(m, ver))]
@@ -129,7 +130,7 @@ class Manager:
             return None
         return Servable(self.disk.final(dl.rec), dl.rec.sha256)
 
-    def fetch(self, spec: str, model: str, version: str, sha256: str | None) -> dict[str, Any]:
+    def fetch(self, spec: str, model: str, version: str, sha256: str | None) -> MirrorVersion:
         """Start a download, or join the one running, or answer for the file already here."""
         source = sources.parse(spec)
         self.check_readable(source)

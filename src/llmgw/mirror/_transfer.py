@@ -8,11 +8,11 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
+from llmgw.contract.records import DownloadStatus
 from llmgw.mirror import _sources as sources
 from llmgw.mirror._disk import DOWNLOADING, Record
 from llmgw.mirror._errors import Forbidden
@@ -37,7 +37,7 @@ class Download:
         self.bytes = have
         self.thread: threading.Thread | None = None
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> DownloadStatus:
         rec = self.rec
         total = rec.total
         percent = None

@@ -6,12 +6,12 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import httpx
 
 from llmgw._jsonclient import JSONClient
+from llmgw.contract.records import MirrorVersion
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT
 from llmgw.mirror._errors import MirrorError, MirrorNotFound
 
@@ -63,7 +63,7 @@ class MirrorModel:
     status: FetchStatus
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> MirrorModel:
+    def from_json(cls, data: MirrorVersion) -> MirrorModel:
         s = data["status"]
         status = FetchStatus(
             state=s["state"], bytes=s.get("bytes") or 0, total=s.get("total"),
@@ -79,7 +79,7 @@ class MirrorClient(JSONClient):
     error = MirrorError
     not_found = MirrorNotFound
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> dict[str, str]:
         return self._call("GET", "/health")
 
     def fetch(

@@ -178,7 +178,7 @@ class Supervisor:
             timeout_s=_START_TIMEOUT_S, interval_s=0.1,
         )
 
-    def _info(self, name: str) -> dict[str, Any] | None:
+    def _info(self, name: str) -> dict[str, str | int] | None:
         if not self.daemon_running():
             return None
         try:
