@@ -56,6 +56,18 @@ class AdminClient(JSONClient):
         params = {"model": model} if model else None
         return self._call("GET", "/api/v1/replicas", params=params)
 
+    def create_key(self, *, name: str = "", models: list[str] | None = None, rpm: int = 0,
+                   tpm: int = 0, expires: float | None = None) -> dict[str, Any]:
+        """A gateway key: the answer's `key` is its secret, shown this once."""
+        return self._call("POST", "/api/v1/keys", json={
+            "name": name, "models": models or [], "rpm": rpm, "tpm": tpm, "expires": expires})
+
+    def keys(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/api/v1/keys")
+
+    def revoke_key(self, name: str) -> dict[str, Any]:
+        """Revoke the key of this name, prefix or id."""
+        return self._call("DELETE", f"/api/v1/keys/{name}")
 
     def replica_logs(self, replica: str, lines: int = 50) -> dict[str, Any]:
         return self._call("GET", f"/api/v1/replicas/{replica}/logs", params={"n": lines})
