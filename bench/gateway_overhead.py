@@ -260,9 +260,17 @@ def on_host(layout: Layout, model: str) -> tuple[Side, Side, str]:
     gw_port = int(gateway.rsplit(":", 1)[1])
     print(f"host {layout.etc}: replica {rid} of {name} at {endpoint}, gateway {gateway}")
     return (Side(f"{endpoint}/v1/chat/completions", api_key, listener_pid(port)),
-            Side(f"http://{gateway}/v1/chat/completions",
-                 config.tokens[0] if config.tokens else "", listener_pid(gw_port)),
+            Side(f"http://{gateway}/v1/chat/completions", _host_key(layout, config.tokens),
+                 listener_pid(gw_port)),
             request_body(name))
+
+
+def _host_key(layout: Layout, tokens: list[str]) -> str:
+    """The owner's gateway key provisioning made, else server.yaml's first token."""
+    try:
+        return layout.gateway_key.read_text().strip()
+    except OSError:
+        return tokens[0] if tokens else ""
 
 
 def main() -> None:

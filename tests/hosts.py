@@ -110,5 +110,14 @@ class ThrowawayHost:
         """Headers that carry the admin token, for plain httpx calls."""
         return {"Authorization": f"Bearer {self.token}"}
 
+    @property
+    def gateway_key(self) -> str:
+        """The owner's gateway key provisioning made (etc/gateway-key)."""
+        return (self.state_dir / "etc" / "gateway-key").read_text().strip()
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.state_dir / "etc" / "pki" / "ca.pem"
+
     def admin(self) -> AdminClient:
         return AdminClient(self.admin_url, token=self.token)

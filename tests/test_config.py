@@ -114,3 +114,19 @@ def test_the_control_plane_refuses_to_start_on_a_numeric_token(tmp_path: Path) -
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "tokens.0 is 12345" in proc.stderr, proc.stderr
+
+
+def test_gateway_keys_and_tls_default_to_todays_gateway_and_refuse_half_a_setting(
+        tmp_path: Path) -> None:
+    path = tmp_path / "server.yaml"
+    path.write_text("tokens: ['t']\n")
+    old = cfg.load_server(path)
+    assert old.gateway_keys == "" and (old.gateway_tls.cert, old.gateway_tls.key) == ("", "")
+    path.write_text("gateway_keys: required\ngateway_tls: {cert: /c.pem, key: /k.pem}\n")
+    assert cfg.load_server(path).gateway_tls.key == "/k.pem"
+    for text, said in (("gateway_keys: yes\n", "gateway_keys is True"),
+                       ("gateway_keys: always\n", "'required'"),
+                       ("gateway_tls: {cert: /c.pem}\n", "needs both cert and key")):
+        path.write_text(text)
+        with pytest.raises(cfg.ConfigError, match=said):
+            cfg.load_server(path)

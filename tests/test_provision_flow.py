@@ -7,6 +7,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.hosts import ThrowawayHost
@@ -121,3 +122,37 @@ def test_a_ca_key_readable_by_others_one_failure_a_plan_then_a_fix(provisioned, 
     assert fixed.lines("done") == [f"pki: chmod 600 {key} (because {key} has mode 644)"]
     again = provisioned.provision(*FOUNDATION_ONLY, "--plan")
     assert again.returncode == 0 and not again.lines("would"), again.output
+
+
+def test_a_host_from_before_keys_keeps_its_open_gateway_and_checks_warn(provisioned) -> None:
+    """server.yaml without gateway_keys, the gateway on every address: requests without a
+    key are served, the owner's key is made anyway, and checks pass with a `!!` line."""
+    import yaml
+
+    from llmgw.netaddr import free_port
+
+    server_yaml = provisioned.state_dir / "etc" / "server.yaml"
+    before = server_yaml.read_text()
+    data = yaml.safe_load(before)
+    assert data["gateway_keys"] == "required", "a new host requires keys"
+    del data["gateway_keys"]
+    data["gateway_listen"] = f"0.0.0.0:{free_port()}"
+    server_yaml.write_text(yaml.safe_dump(data))
+    conf = provisioned.state_dir / "supervisord.conf"
+    ctl = [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(conf)]
+    subprocess.run([*ctl, "restart", "llmgw-server"], check=True, capture_output=True)
+    try:
+        checks = provisioned.checks()
+        gateway = f"http://127.0.0.1:{data['gateway_listen'].rsplit(':', 1)[1]}"
+        anonymous = httpx.get(f"{gateway}/v1/models", timeout=10)
+    finally:
+        server_yaml.write_text(before)
+        subprocess.run([*ctl, "restart", "llmgw-server"], check=True, capture_output=True)
+    assert checks.returncode == 0, checks.output
+    assert anonymous.status_code == 200
+    warned = [s["message"] for s in checks.steps if s["status"] == "warn"]
+    assert any("answers anyone who reaches it" in w and "gateway_keys: required" in w
+               for w in warned), checks.steps
+    assert provisioned.gateway_key.startswith("sk-llmgw-")
+    assert not [s for s in provisioned.checks().steps if s["status"] == "warn"], \
+        "keys required again: no warning"

@@ -1,10 +1,12 @@
-"""The first answer, end to end: `pytest provision/` with a tiny GGUF as the starter's
-source brings up mirror, node, engine and replica; the gateway answers real clients."""
+"""The first answer, end to end: `pytest provision/ --gateway-tls` with a tiny GGUF as the
+starter's source brings up mirror, node, engine and replica; the gateway answers real
+clients over HTTPS, with the owner's key and the keys `llmgw keys` makes."""
 
 from __future__ import annotations
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -35,7 +37,7 @@ def until(what: str, predicate, timeout_s: float = 120.0, interval_s: float = 0.
 @pytest.fixture(scope="module")
 def host(tmp_path_factory, tiny_gguf):
     h = ThrowawayHost(tmp_path_factory.mktemp("starter") / "state")
-    h.first_run = h.provision(f"--starter-source={tiny_gguf[0].as_uri()}")
+    h.first_run = h.provision(f"--starter-source={tiny_gguf[0].as_uri()}", "--gateway-tls")
     yield h
     h.down()
 
@@ -70,7 +72,33 @@ def cmdline(pid: int) -> str:
 
 
 def gateway(host: ThrowawayHost) -> str:
-    return f"http://127.0.0.1:{host.ports['gateway']}"
+    return f"https://127.0.0.1:{host.ports['gateway']}"
+
+
+def trusting(host: ThrowawayHost) -> ssl.SSLContext:
+    """Verifies the gateway's certificate with the host's cluster CA."""
+    return ssl.create_default_context(cafile=host.ca_cert)
+
+
+def ask(host: ThrowawayHost, key: str | None = None, **body: object) -> httpx.Response:
+    """A chat completion through the gateway with key (the owner's by default)."""
+    body = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            **body}
+    return httpx.post(f"{gateway(host)}/v1/chat/completions", json=body, timeout=30,
+                      verify=trusting(host),
+                      headers={"Authorization": f"Bearer {key or host.gateway_key}"})
+
+
+def openai_client(host: ThrowawayHost, key: str | None = None) -> openai.OpenAI:
+    """The official client as the README shows it: the cluster CA bundle, a key."""
+    return openai.OpenAI(base_url=f"{gateway(host)}/v1", api_key=key or host.gateway_key,
+                         max_retries=0, http_client=httpx.Client(verify=trusting(host)))
+
+
+def llmgw(host: ThrowawayHost, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmgw", *args, "--mode=local",
+                           f"--state-dir={host.state_dir}"], capture_output=True, text=True,
+                          timeout=60)
 
 
 def test_provision_brings_up_the_first_answer(host) -> None:
@@ -92,7 +120,7 @@ def test_checks_pass_then_a_second_provision_keeps_everything(host) -> None:
 
 
 def test_the_openai_client_gets_a_completion_and_a_stream(host) -> None:
-    client = openai.OpenAI(base_url=f"{gateway(host)}/v1", api_key="unused", max_retries=0)
+    client = openai_client(host)
     chat = client.chat.completions.create(
         model=ALIAS, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8)
     assert chat.choices[0].message.content is not None and chat.usage.completion_tokens > 0
@@ -107,7 +135,7 @@ def test_the_openai_client_gets_a_completion_and_a_stream(host) -> None:
 
 
 def test_unknown_model_404_and_a_model_pinned_nowhere_stays_pending_with_503(host) -> None:
-    client = openai.OpenAI(base_url=f"{gateway(host)}/v1", api_key="unused", max_retries=0)
+    client = openai_client(host)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     model = {"name": "pinned-nowhere", "source": "http://127.0.0.1:9/x.gguf",
@@ -119,9 +147,8 @@ def test_unknown_model_404_and_a_model_pinned_nowhere_stays_pending_with_503(hos
         pending = until("a pending replica", lambda: replicas(host, "pinned-nowhere"), 15)
         assert pending[0]["state"] == "pending" and "zone=mars" in pending[0]["err"]
         # The gateway reads the catalog at most every 0.5 s: the scheduler may be quicker.
-        ask = {"model": "pinned-nowhere", "messages": [{"role": "user", "content": "x"}]}
-        until("the gateway to know pinned-nowhere", lambda: httpx.post(
-            f"{gateway(host)}/v1/chat/completions", json=ask, timeout=10).status_code != 404, 5)
+        until("the gateway to know pinned-nowhere",
+              lambda: ask(host, model="pinned-nowhere").status_code != 404, 5)
         with pytest.raises(openai.InternalServerError) as err:
             client.chat.completions.create(model="pinned-nowhere",
                                            messages=[{"role": "user", "content": "x"}])
@@ -130,16 +157,92 @@ def test_unknown_model_404_and_a_model_pinned_nowhere_stays_pending_with_503(hos
         httpx.delete(f"{host.admin_url}/api/v1/models/pinned-nowhere", headers=host.auth)
 
 
+def test_a_fresh_host_needs_a_key_and_the_owners_key_answers(host) -> None:
+    key_file = host.state_dir / "etc" / "gateway-key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(openai.AuthenticationError) as refused:
+        openai_client(host, "unused").chat.completions.create(
+            model=ALIAS, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert refused.value.status_code == 401
+    answer = openai_client(host).chat.completions.create(
+        model=ALIAS, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert answer.choices[0].message.content is not None
+    anonymous = httpx.get(f"{gateway(host)}/v1/models", verify=trusting(host), timeout=10)
+    assert anonymous.status_code == 401
+
+
+def test_the_gateway_serves_https_the_ca_bundle_verifies_and_nothing_else_does(host) -> None:
+    plain = openai.OpenAI(base_url=f"{gateway(host)}/v1", api_key=host.gateway_key,
+                          max_retries=0)
+    with pytest.raises(openai.APIConnectionError) as err:
+        plain.models.list()  # the system's roots do not know the cluster CA
+    assert "CERTIFICATE_VERIFY_FAILED" in repr(err.value.__cause__)
+    assert ALIAS in [m.id for m in openai_client(host).models.list()]
+
+
+def test_a_key_for_one_model_at_60_rpm_gets_404_for_another_and_429_past_its_rate(
+        host) -> None:
+    made = llmgw(host, "keys", "create", "--name", "narrow", "--models", ALIAS, "--rpm", "60")
+    assert made.returncode == 0, made.stderr
+    narrow = made.stdout.splitlines()[0]
+    model = {"name": "other-model", "source": "http://127.0.0.1:9/x.gguf",
+             "profiles": [{"name": "cpu", "engine": "llamacpp",
+                           "node_selector": {"zone": "mars"}}]}
+    assert httpx.post(f"{host.admin_url}/api/v1/models", json=model,
+                      headers=host.auth).status_code == 201
+    try:
+        until("the gateway to know other-model",
+              lambda: ask(host, model="other-model").status_code == 503, 5)
+        hidden = ask(host, narrow, model="other-model")
+        absent = ask(host, narrow, model="no-such-model")
+        assert hidden.status_code == absent.status_code == 404
+        assert hidden.json()["error"]["code"] == "model_not_found"
+        listed = [m.id for m in openai_client(host, narrow).models.list()]
+        assert sorted(listed) == sorted([NAME, ALIAS])
+    finally:
+        httpx.delete(f"{host.admin_url}/api/v1/models/other-model", headers=host.auth)
+    statuses = [ask(host, narrow, max_tokens=1).status_code for _ in range(61)]
+    assert statuses[:60] == [200] * 60 and statuses[60] == 429, statuses
+    with pytest.raises(openai.RateLimitError) as err:
+        openai_client(host, narrow).chat.completions.create(
+            model=ALIAS, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert int(err.value.response.headers["retry-after"]) >= 1
+    assert ask(host).status_code == 200, "the owner's key has no limit"
+
+
+def test_keys_ls_and_metrics_show_usage_per_key_and_rm_is_401_within_a_refresh(host) -> None:
+    made = llmgw(host, "keys", "create", "--name", "metered")
+    assert made.returncode == 0, made.stderr
+    metered = made.stdout.splitlines()[0]
+    for _ in range(3):
+        assert ask(host, metered, max_tokens=2).status_code == 200
+    text = httpx.get(f"{host.admin_url}/metrics", headers=host.auth, timeout=10).text
+    tokens = [line for line in text.splitlines()
+              if line.startswith('llmgw_gateway_tokens_total{key="metered"')]
+    assert tokens and all(float(line.rsplit(" ", 1)[1]) > 0 for line in tokens), tokens
+    assert f'llmgw_gateway_requests_total{{key="metered",model="{NAME}",status="200"}} 3.0' \
+        in text
+
+    def listed() -> str:
+        out = llmgw(host, "keys", "ls").stdout
+        row = next(line for line in out.splitlines() if line.startswith("metered "))
+        return row if " 3 " in row else ""
+
+    row = until("keys ls to show the usage (flushed every 2 s)", listed, 10)
+    assert " ago" in row and metered[18:] not in row
+    assert llmgw(host, "keys", "rm", "metered").returncode == 0
+    time.sleep(0.6)  # the gateway reads the keys every 0.5 s
+    assert ask(host, metered).status_code == 401
+
+
 def test_killed_agent_leaves_the_engine_serving_and_adopts_it(host) -> None:
     pid = engine_pid(host)
     conf = host.state_dir / "supervisord.conf"
     agent = subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(conf),
                             "pid", "llmgw-agent"], capture_output=True, text=True, check=True)
     os.kill(int(agent.stdout.strip()), signal.SIGKILL)
-    body = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     for _ in range(10):  # served throughout, while supervisord restarts the agent
-        assert httpx.post(f"{gateway(host)}/v1/chat/completions", json=body,
-                          timeout=30).status_code == 200
+        assert ask(host, max_tokens=4).status_code == 200
         time.sleep(0.3)
     until("the node to be ready again", lambda: node_state(host) == "ready", 60)
     checks = host.checks()

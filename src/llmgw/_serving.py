@@ -81,15 +81,18 @@ class QuietServer(uvicorn.Server):
         yield
 
 
-def quiet_server(app: Any, listen: str) -> QuietServer:
-    """app served on listen (HOST:PORT), uvicorn logging warnings only."""
+def quiet_server(app: Any, listen: str, *, certfile: str = "",
+                 keyfile: str = "") -> QuietServer:
+    """app served on listen (HOST:PORT), uvicorn logging warnings only; HTTPS with
+    certfile (the chain, leaf first) and keyfile."""
     host, port = parse_listen(listen)
     # No access log: a line per request costs the gateway more than its own work.
     # No proxy headers: nothing here reads the client's address, and the middleware that
     # rewrites it is a layer on every request.
     return QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                       access_log=False, http=_GatheringHttpToolsProtocol,
-                                      proxy_headers=False))
+                                      proxy_headers=False, ssl_certfile=certfile or None,
+                                      ssl_keyfile=keyfile or None))
 
 
 def on_stop_signals(log: logging.Logger, stop: Callable[[], None]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -19,6 +19,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_core import ErrorDetails
 
@@ -50,6 +51,17 @@ class TLSFiles(_Section):
     key: StrictStr = ""
 
 
+class GatewayTLS(_Section):
+    cert: StrictStr = ""
+    key: StrictStr = ""
+
+    @model_validator(mode="after")
+    def _both(self) -> GatewayTLS:
+        if bool(self.key) != bool(self.cert):
+            raise ValueError("gateway_tls needs both cert and key (neither for plain HTTP)")
+        return self
+
+
 class MirrorRef(_Section):
     """Where the control plane finds the model mirror's management API; listen is set
     only when the mirror runs on this machine (its bytes server's bind address)."""
@@ -77,6 +89,12 @@ class ServerConfig(_Section):
     node_timeout_s: float = Field(default=30.0, gt=0)
     # Bearer tokens of the gateway; a number in YAML (`- 12345`) is refused: quote it.
     tokens: list[StrictStr] = Field(default_factory=list)
+    # "required": every gateway request needs a key (`llmgw keys create`) or a token above;
+    # "" (a server.yaml from before keys): open to anyone unless tokens are listed.
+    gateway_keys: Literal["", "required"] = ""
+    # The gateway serves HTTPS with this certificate (chain, leaf first) and key; both ""
+    # is plain HTTP. `pytest provision/ --gateway-tls` names the server certificate.
+    gateway_tls: GatewayTLS = Field(default_factory=lambda: GatewayTLS())
     # The admin token's sha256 file; '' means admin-token.sha256 beside server.yaml.
     admin_token_hash: StrictStr = ""
     mirror: MirrorRef = Field(default_factory=MirrorRef)

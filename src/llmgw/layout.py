@@ -93,6 +93,11 @@ class Layout:
         return self.etc / "admin-token.sha256"
 
     @property
+    def gateway_key(self) -> Path:
+        """The owner's gateway API key, made once by provisioning, the owner's only (0600)."""
+        return self.etc / "gateway-key"
+
+    @property
     def mirror_probe(self) -> Path:
         """The mirror's probe file's source: in the models dir (the mirror unit may write
         nowhere else), under a dot-name, which the mirror never serves."""

@@ -17,11 +17,11 @@ from llmgw.netaddr import free_port
 
 
 @contextmanager
-def serve_asgi(app: Any) -> Iterator[str]:
+def serve_asgi(app: Any, certfile: str = "", keyfile: str = "") -> Iterator[str]:
     """The app on a free loopback port under uvicorn, as the services serve it (their
-    protocol and settings), for the length of the block."""
+    protocol and settings), for the length of the block; HTTPS with certfile and keyfile."""
     port = free_port()
-    server = quiet_server(app, f"127.0.0.1:{port}")
+    server = quiet_server(app, f"127.0.0.1:{port}", certfile=certfile, keyfile=keyfile)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -29,7 +29,7 @@ def serve_asgi(app: Any) -> Iterator[str]:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if certfile else 'http'}://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(10)

@@ -145,3 +145,22 @@ def test_openapi_names_the_node_and_replica_fields(live_control_plane) -> None:
     assert enum(node["state"]) == {"registering", "provisioning", "ready", "not_ready"}
     assert {"id", "model", "node", "profile", "state", "err", "endpoint"} <= set(replica)
     assert "stopped" in enum(replica["state"]) and "api_key" not in replica
+
+
+def test_keys_are_made_listed_and_revoked_never_showing_a_secret_or_hash(
+        live_control_plane) -> None:
+    admin = live_control_plane.admin
+    assert admin.post("/api/v1/models", json=MODEL).status_code == 201
+    made = admin.post("/api/v1/keys", json={"name": "ci", "models": ["tiny-chat"], "rpm": 5})
+    assert made.status_code == 201, made.text
+    secret, stored = made.json()["key"], live_control_plane.store.keys()[0]
+    listed = admin.get("/api/v1/keys")
+    assert [k["name"] for k in listed.json()] == ["ci"]
+    assert secret not in listed.text and stored["hash"] not in listed.text + made.text
+    assert listed.json()[0]["models"] == ["tiny-chat"] and listed.json()[0]["requests"] == 0
+    assert live_control_plane.anonymous().get("/api/v1/keys").status_code == 401
+    assert live_control_plane.anonymous().post("/api/v1/keys", json={}).status_code == 401
+    assert admin.delete(f"/api/v1/keys/{stored['prefix']}").json()["name"] == "ci"
+    assert admin.get("/api/v1/keys").json() == []
+    assert admin.delete("/api/v1/keys/ci").status_code == 404
+    assert admin.post("/api/v1/keys", json={"rpm": -1}).status_code == 422

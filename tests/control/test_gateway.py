@@ -243,11 +243,11 @@ def test_requests_and_tokens_are_counted_by_catalog_model(store) -> None:
             gw.post("/v1/chat/completions", json={**CHAT, "model": "tiny-chat"})
             gw.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
     text = generate_latest(registry).decode()
-    assert 'llmgw_gateway_requests_total{model="tiny",status="200"} 1.0' in text
-    assert 'llmgw_gateway_tokens_total{kind="completion",model="tiny"} 5.0' in text
+    assert 'llmgw_gateway_requests_total{key="",model="tiny",status="200"} 1.0' in text
+    assert 'llmgw_gateway_tokens_total{key="",kind="completion",model="tiny"} 5.0' in text
     assert 'llmgw_gateway_requests_in_flight 0.0' in text
     assert 'model="nope"' not in text  # client-chosen names never become labels
-    assert 'llmgw_gateway_requests_total{model="",status="404"} 1.0' in text
+    assert 'llmgw_gateway_requests_total{key="",model="",status="404"} 1.0' in text
 
 
 def test_a_client_that_leaves_a_stream_hangs_up_on_the_replica(store) -> None:

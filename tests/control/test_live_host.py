@@ -80,7 +80,7 @@ def test_metrics_count_requests_by_model_and_carry_engine_metrics_by_replica(hos
                                    messages=[{"role": "user", "content": "hi"}])
     assert httpx.get(f"{host.admin}/metrics", timeout=10).status_code == 401
     text = httpx.get(f"{host.admin}/metrics", headers=host.auth, timeout=10).text
-    assert 'llmgw_gateway_requests_total{model="tiny",status="200"}' in text
+    assert 'llmgw_gateway_requests_total{key="server.yaml",model="tiny",status="200"}' in text
     assert 'llmgw_replicas{model="tiny",state="ready"} 1.0' in text
     assert 'llmgw_nodes{state="ready"} 1.0' in text
     engine = [line for line in text.splitlines() if line.startswith("llamacpp:")]

@@ -69,10 +69,13 @@ def engine_pids(c: SystemdContainer) -> dict[str, int]:
     return found
 
 
-def ask(timeout_s: float = 120) -> str:
+def ask(c: SystemdContainer, timeout_s: float = 120) -> str:
+    """One chat completion with the owner's gateway key, which provisioning made."""
     body = {"model": "qwen-0.5b", "max_tokens": 8,
             "messages": [{"role": "user", "content": "hello"}]}
-    r = httpx.post("http://127.0.0.1:8080/v1/chat/completions", json=body, timeout=timeout_s)
+    key = c.path("/etc/llmgw/gateway-key").read_text().strip()
+    r = httpx.post("http://127.0.0.1:8080/v1/chat/completions", json=body, timeout=timeout_s,
+                   headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["message"]["content"])
 
@@ -242,7 +245,7 @@ def test_the_host_serves_without_its_clone(host: SystemdContainer) -> None:
     host.run("mv", CLONE, f"{CLONE}.away")
     try:
         host.run("systemctl", "restart", *UNITS)
-        wait_for("a chat completion through the gateway", ask, timeout_s=180)
+        wait_for("a chat completion through the gateway", lambda: ask(host), timeout_s=180)
     finally:
         host.run("mv", f"{CLONE}.away", CLONE)
 

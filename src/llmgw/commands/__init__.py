@@ -1,12 +1,12 @@
-"""Day-2 commands: `llmgw status`, `llmgw models`, `llmgw logs`, each through the admin API."""
+"""Day-2 commands: `llmgw status`, `models`, `logs`, `keys`, each through the admin API."""
 
 from __future__ import annotations
 
 import argparse
 
-from llmgw.commands import logs, models, status
+from llmgw.commands import keys, logs, models, status
 
 
 def add_day2(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    for module in (status, models, logs):
+    for module in (status, models, logs, keys):
         module.add_parser(sub)

@@ -27,6 +27,7 @@ class AdminPaths:
     TOKENS = "/api/v1/tokens"
     MODELS = "/api/v1/models"
     REPLICAS = "/api/v1/replicas"
+    KEYS = "/api/v1/keys"
 
     @staticmethod
     def node(node_id: str) -> str:
@@ -35,6 +36,10 @@ class AdminPaths:
     @staticmethod
     def model(name: str) -> str:
         return f"{AdminPaths.MODELS}/{name}"
+
+    @staticmethod
+    def key(name: str) -> str:
+        return f"{AdminPaths.KEYS}/{name}"
 
     @staticmethod
     def replica_logs(replica_id: str) -> str:

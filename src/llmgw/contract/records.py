@@ -220,6 +220,37 @@ class ReplicaLog(TypedDict):
     lines: list[str]
 
 
+class PublicKey(TypedDict):
+    """A gateway key as the admin API and `llmgw keys ls` show it: never its hash. models
+    empty: every model; rpm/tpm 0: no limit; usage is flushed by the gateway in batches."""
+
+    id: str
+    name: str
+    prefix: str
+    models: list[str]
+    rpm: int
+    tpm: int
+    expires: float | None
+    created: float
+    revoked: float | None
+    last_used: float | None
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class KeyRecord(PublicKey):
+    """A gateway key as stored: with the sha256 of its secret (the secret is never kept)."""
+
+    hash: str
+
+
+class NewKey(PublicKey):
+    """The answer to making a key: the one place its secret shows."""
+
+    key: str
+
+
 class DownloadStatus(TypedDict):
     """How far the mirror has one model version: percent only while downloading."""
 

@@ -1,4 +1,4 @@
-"""The admin API (loopback): nodes, the catalog and replicas."""
+"""The admin API (loopback): nodes, the catalog, replicas and gateway keys."""
 
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ from llmgw.admin_token import RequireAdminToken
 from llmgw.contract.records import (
     JoinToken,
     ModelSpec,
+    NewKey,
     NodeRemoval,
     NodeView,
+    PublicKey,
     PublicReplica,
     ReplicaLog,
 )
+from llmgw.control import keys
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import Model
 from llmgw.control.metrics import ControlPlaneMetrics
@@ -51,6 +54,46 @@ def replica_log(store: Store, rid: str, n: int) -> ReplicaLog:
 
 class TokenRequest(BaseModel):
     ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
+
+
+class KeyRequest(BaseModel):
+    """A gateway key to make: models it may use (empty: all), its limits per minute (0: none)
+    and when it expires (unix seconds; none: never)."""
+
+    name: str = ""
+    models: list[str] = Field(default_factory=list)
+    rpm: int = Field(0, ge=0)
+    tpm: int = Field(0, ge=0)
+    expires: float | None = None
+
+
+def create_key(store: Store, request: KeyRequest) -> NewKey:
+    """Make and store a key (its hash only); the answer is the one place its secret shows."""
+    names = {n for m in store.models() for n in [m["name"], *m.get("aliases", [])]}
+    unknown = [n for n in request.models if n not in names]
+    if unknown:
+        raise HTTPException(422, f"{', '.join(unknown)} names no model in the catalog "
+                            f"(it has {', '.join(sorted(names)) or 'none'}); GET "
+                            "/api/v1/models lists them")
+    if request.expires is not None and request.expires <= store.clock():
+        raise HTTPException(422, "expires is in the past; give a later time (unix seconds)")
+    for _ in range(3):  # a clash of two 32-bit ids: take another
+        made = keys.new_key()
+        name = request.name or f"key-{made.id}"
+        try:
+            keys.check_name(name)
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+        record = {**request.model_dump(), "id": made.id, "name": name, "prefix": made.prefix,
+                  "hash": made.hash}
+        clash = store.add_key(record)
+        if clash == "name":
+            raise HTTPException(409, f"a key named {name!r} exists; `llmgw keys rm {name}` "
+                                "first, or choose another name")
+        if not clash:
+            stored = next(k for k in store.keys() if k["id"] == made.id)
+            return {**keys.public(stored), "key": keys.render(made)}
+    raise HTTPException(500, "three new key ids in a row were taken; try again")
 
 
 def make_admin_app(
@@ -103,6 +146,25 @@ def make_admin_app(
         token = f"{secrets.token_hex(3)}.{secrets.token_hex(16)}"
         expires = store.add_token(join_token_hash(token), request.ttl_s)
         return {"token": token, "expires": expires}
+
+    @app.post("/api/v1/keys", status_code=201)
+    def add_key(request: KeyRequest) -> NewKey:
+        """A gateway key; its secret is in this answer only (the store keeps its sha256)."""
+        return create_key(store, request)
+
+    @app.get("/api/v1/keys")
+    def list_keys() -> list[PublicKey]:
+        """Live keys with their limits and usage (flushed every few seconds); no secrets."""
+        return [keys.public(k) for k in store.keys()]
+
+    @app.delete("/api/v1/keys/{name}")
+    def revoke_key(name: str) -> PublicKey:
+        """Revoke a key by name, prefix or id; the gateway refuses it within a refresh."""
+        revoked = store.revoke_key(name)
+        if revoked is None:
+            raise HTTPException(404, f"no live key named {name!r} (nor with that prefix); "
+                                "GET /api/v1/keys lists them")
+        return keys.public(revoked)
 
     # Catalog specs leave as stored (a row written by an older release may lack a newer
     # key), so FastAPI does not check them against ModelSpec on the way out.

@@ -9,8 +9,10 @@ from llmgw.contract import AdminPaths
 from llmgw.contract.records import (
     JoinToken,
     ModelSpec,
+    NewKey,
     NodeRemoval,
     NodeView,
+    PublicKey,
     PublicReplica,
     ReplicaLog,
 )
@@ -65,6 +67,18 @@ class AdminClient(JSONClient):
         params = {"model": model} if model else None
         return self._call("GET", AdminPaths.REPLICAS, params=params)
 
+    def create_key(self, *, name: str = "", models: list[str] | None = None, rpm: int = 0,
+                   tpm: int = 0, expires: float | None = None) -> NewKey:
+        """A gateway key: the answer's `key` is its secret, shown this once."""
+        return self._call("POST", AdminPaths.KEYS, json={
+            "name": name, "models": models or [], "rpm": rpm, "tpm": tpm, "expires": expires})
+
+    def keys(self) -> list[PublicKey]:
+        return self._call("GET", AdminPaths.KEYS)
+
+    def revoke_key(self, name: str) -> PublicKey:
+        """Revoke the key of this name, prefix or id."""
+        return self._call("DELETE", AdminPaths.key(name))
 
     def replica_logs(self, replica: str, lines: int = 50) -> ReplicaLog:
         return self._call("GET", AdminPaths.replica_logs(replica), params={"n": lines})

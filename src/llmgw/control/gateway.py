@@ -12,12 +12,14 @@ import itertools
 import json
 import logging
 import secrets
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from llmgw.contract import ReplicaState
-from llmgw.control import _wire
+from llmgw.control import _wire, keys
 from llmgw.control._upstream import ConnectFailed, Response, Upstream, UpstreamError
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
@@ -32,16 +34,21 @@ FORWARDED = {"/v1/chat/completions": "chat", "/v1/completions": "chat",
 KNOWN_GET = ("/healthz", "/v1/models")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 _JSON = [(b"content-type", b"application/json")]
+# Usage per key reaches the store in batches, never per request: the store may be another
+# process's too, and busy.
+USAGE_FLUSH_S = 2.0
 
 
 class GatewayError(Exception):
     """An answer in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, type_: str, code: str,
-                 param: str | None = None) -> None:
+                 param: str | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = (
             status, message, type_, code, param)
+        self.headers = headers or []
 
     def body(self) -> bytes:
         return json.dumps({"error": {"message": self.message, "type": self.type,
@@ -63,6 +70,7 @@ class Router:
         self._names: dict[str, dict[str, Any]] = {}
         self._ready: dict[str, list[dict[str, Any]]] = {}
         self.created: dict[str, int] = {}
+        self._keys: dict[str, dict[str, Any]] = {}
 
     def _refresh(self) -> None:
         if time.monotonic() - self._read_at < self.ttl_s:
@@ -75,6 +83,7 @@ class Router:
             if r["state"] == ReplicaState.READY and r["endpoint"]:
                 ready.setdefault(r["model"], []).append(r)
         self.created = self.store.created()
+        self._keys = {k["hash"]: k for k in self.store.keys()}
         self._names, self._ready, self._read_at = names, ready, time.monotonic()
 
     def resolve(self, requested: str) -> dict[str, Any] | None:
@@ -84,6 +93,11 @@ class Router:
     def names(self) -> dict[str, dict[str, Any]]:
         self._refresh()
         return self._names
+
+    def key(self, key_hash: str) -> dict[str, Any] | None:
+        """The live gateway key of this sha256, as of the last refresh."""
+        self._refresh()
+        return self._keys.get(key_hash)
 
     def order(self, model: str) -> list[dict[str, Any]]:
         """Ready replicas, starting from the next one's turn."""
@@ -105,29 +119,80 @@ class Router:
         )
 
 
+@dataclass
+class Caller:
+    """Who sent a request: a gateway key (id set), a server.yaml token or nobody."""
+
+    name: str
+    id: str = ""
+    models: tuple[str, ...] = ()
+    limits: keys.Limits | None = None
+
+    def may_use(self, model: dict[str, Any], names: dict[str, dict[str, Any]]) -> bool:
+        """A key's models are catalog names or aliases; naming one allows all its names."""
+        return not self.models or any(
+            names.get(n, {}).get("name") == model["name"] for n in self.models)
+
+
+NOBODY = Caller(keys.ANONYMOUS)
+STATIC = Caller(keys.STATIC)
+
+
 class Gateway:
     """The ASGI app: GET /v1/models[/{id}], POST /v1/chat/completions, /v1/completions and
-    /v1/embeddings; every error in OpenAI's shape."""
+    /v1/embeddings; every error in OpenAI's shape.
+
+    keys_required: every request needs a gateway key (or a server.yaml token); without it a
+    request with none goes as anonymous unless tokens are listed. A key-shaped credential is
+    always checked."""
 
     def __init__(self, store: Store, *, tokens: list[str], upstream: Upstream,
                  metrics: GatewayMetrics | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 keys_required: bool = False, usage_flush_s: float = USAGE_FLUSH_S) -> None:
         self.router = Router(store)
         self.tokens = [t.encode() for t in tokens]
+        self.required = keys_required or bool(tokens)
         self.upstream = upstream
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.usage = keys.Usage()
+        self.usage_flush_s = usage_flush_s
+        self._callers: dict[str, Caller] = {}
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            flusher = asyncio.ensure_future(self._flush_every())
+            try:
+                await _lifespan(receive, send)
+            finally:
+                flusher.cancel()
+                await self.flush_usage()
             return
         if scope["type"] != "http":
             return
         try:
             await self._dispatch(scope, receive, send)
         except GatewayError as e:
-            await _respond(send, e.status, e.body(), _JSON)
+            await _respond(send, e.status, e.body(), [*_JSON, *e.headers])
+
+    async def _flush_every(self) -> None:
+        while True:
+            await asyncio.sleep(self.usage_flush_s)
+            await self.flush_usage()
+
+    async def flush_usage(self) -> None:
+        """Write the usage gathered since the last write; kept for the next one when the
+        store is busy or cannot be written."""
+        taken = self.usage.take()
+        if not taken:
+            return
+        try:
+            await asyncio.to_thread(self.router.store.add_key_usage, taken)
+        except sqlite3.Error as e:
+            self.usage.put_back(taken)
+            log.warning("could not write the usage of %d gateway keys to the store (%s); "
+                        "kept, trying again in %.0f s", len(taken), e, self.usage_flush_s)
 
     async def _dispatch(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -143,33 +208,52 @@ class Gateway:
             if path == "/healthz":
                 await _respond(send, 200, b'{"status":"ok"}', _JSON)
                 return
-            self._authorize(scope)
-            await _respond(send, 200, json.dumps(self._models(path)).encode(), _JSON)
+            caller = self._authorize(scope)
+            await _respond(send, 200, json.dumps(self._models(path, caller)).encode(), _JSON)
             return
         raise GatewayError(404, f"{method} {path} is not a route of this gateway; it serves "
                            "/v1/models, /v1/chat/completions, /v1/completions and "
                            "/v1/embeddings", "invalid_request_error", "unknown_url")
 
-    def _authorize(self, scope: dict[str, Any]) -> None:
-        """A 401 when server.yaml lists tokens and the request carries none of them; the
-        scheme is matched without regard to case, the key byte for byte."""
-        if not self.tokens:
-            return
-        given = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, given = value.strip().partition(b" ")
-                given = given.strip() if scheme.lower() == b"bearer" else b""
+    def _authorize(self, scope: dict[str, Any]) -> Caller:
+        """Who sent the request, or a 401. The scheme is matched without regard to case;
+        a gateway key by its sha256, then compared in constant time; a server.yaml token
+        byte for byte, in constant time."""
+        given = keys.bearer(scope["headers"])
+        if given and keys.is_key_shaped(given):
+            return self._key_caller(given)
         if given and any(secrets.compare_digest(given, t) for t in self.tokens):
-            return
-        raise GatewayError(401, "a valid API key is required: send 'Authorization: Bearer "
-                           "TOKEN' with a token from server.yaml", "invalid_request_error",
-                           "invalid_api_key")
+            return STATIC
+        if not self.required:
+            return NOBODY
+        why = "no API key was sent" if given is None else "the API key sent is not one of " \
+            "this gateway's"
+        raise _unauthorized(f"{why}; send 'Authorization: Bearer KEY' with a key the owner "
+                            "made (`llmgw keys create`)")
 
-    def _models(self, path: str) -> dict[str, Any]:
+    def _key_caller(self, given: bytes) -> Caller:
+        digest = keys.hash_key(given)
+        key = self.router.key(digest)
+        shown = given[:len(keys.PREFIX) + 8].decode()
+        if key is None or not secrets.compare_digest(key["hash"], digest):
+            raise _unauthorized(f"the API key {shown}-... is not a key of this gateway: it "
+                                "was revoked or never made here; ask the owner for one "
+                                "(`llmgw keys create`)")
+        if key["expires"] is not None and key["expires"] <= time.time():
+            raise _unauthorized(f"the API key {shown}-... expired at "
+                                f"{_utc(key['expires'])}; ask the owner for a new one")
+        caller = self._callers.get(key["id"])
+        if caller is None:
+            limits = keys.Limits(key["rpm"], key["tpm"]) if key["rpm"] or key["tpm"] else None
+            caller = self._callers[key["id"]] = Caller(key["name"], key["id"],
+                                                       tuple(key["models"]), limits)
+        return caller
+
+    def _models(self, path: str, caller: Caller) -> dict[str, Any]:
         names, created = self.router.names(), self.router.created
         listed = [{"id": name, "object": "model", "created": created.get(m["name"], 0),
-                   "owned_by": "llmgw", "root": m["name"]} for name, m in names.items()]
+                   "owned_by": "llmgw", "root": m["name"]} for name, m in names.items()
+                  if caller.may_use(m, names)]
         if path == "/v1/models":
             return {"object": "list", "data": listed}
         wanted = path.removeprefix("/v1/models/")
@@ -183,20 +267,21 @@ class Gateway:
     async def _forward(self, scope: dict[str, Any], receive: Receive, send: Send,
                        kind: str) -> None:
         """Counted under the catalog name, or model="" when the request named none."""
-        started, name, status, usage = time.perf_counter(), "", 500, None
+        started, name, status, usage, caller = time.perf_counter(), "", 500, None, NOBODY
         if self.metrics:
             self.metrics.in_flight.inc()
         try:
-            self._authorize(scope)
+            caller = self._authorize(scope)
             raw = await self._body(scope, receive)
             requested, stream = _parse(raw)
             model = self.router.resolve(requested)
-            if model is None:
+            if model is None or not caller.may_use(model, self.router.names()):
                 raise GatewayError(404, f"The model '{requested}' does not exist; GET "
                                    "/v1/models lists what this gateway serves",
                                    "invalid_request_error", "model_not_found", "model")
             name = model["name"]
             _check_kind(model, kind, scope["path"])
+            _admit(caller)
             response = await self._send_to_replica(name, scope["path"], raw)
             status = response.status
             member = _wire.model_value(requested)
@@ -208,9 +293,19 @@ class Gateway:
             status = e.status
             raise
         finally:
+            self._count(caller, status, usage)
             if self.metrics:
                 self.metrics.in_flight.dec()
-                self.metrics.observe(name, status, started, usage)
+                self.metrics.observe(name, status, started, usage, caller.name)
+
+    def _count(self, caller: Caller, status: int, usage: tuple[int, int] | None) -> None:
+        """A key's usage: its request (a 429 is none) and tokens, and its token window."""
+        if not caller.id or status == 429:
+            return
+        prompt, completion = usage or (0, 0)
+        self.usage.add(caller.id, time.time(), prompt, completion)
+        if caller.limits:
+            caller.limits.spend(time.monotonic(), prompt + completion)
 
     async def _send_to_replica(self, model: str, path: str, raw: bytes) -> Response:
         """The first ready replica that takes the connection; a request that reached one
@@ -258,9 +353,41 @@ class Gateway:
 
 def make_gateway_app(store: Store, *, tokens: list[str], upstream: Upstream,
                      metrics: GatewayMetrics | None = None,
-                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Gateway:
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                     keys_required: bool = False,
+                     usage_flush_s: float = USAGE_FLUSH_S) -> Gateway:
     return Gateway(store, tokens=tokens, upstream=upstream, metrics=metrics,
-                   max_body_bytes=max_body_bytes)
+                   max_body_bytes=max_body_bytes, keys_required=keys_required,
+                   usage_flush_s=usage_flush_s)
+
+
+def _unauthorized(message: str) -> GatewayError:
+    return GatewayError(401, message, "invalid_request_error", "invalid_api_key",
+                        headers=[(b"www-authenticate", b'Bearer realm="llmgw gateway"')])
+
+
+def _utc(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
+def _admit(caller: Caller) -> None:
+    """A 429 in OpenAI's shape (type requests or tokens, code rate_limit_exceeded) with
+    Retry-After when the caller's key spent its minute."""
+    if caller.limits is None:
+        return
+    over = caller.limits.admit(time.monotonic())
+    if over is None:
+        return
+    what, wait_s = over
+    limit = caller.limits.rpm if what == "requests" else caller.limits.tpm
+    after = keys.retry_after(wait_s)
+    raise GatewayError(429, f"rate limit reached for key {caller.name!r} on {what} per "
+                       f"minute: limit {limit}; try again in {after} s", what,
+                       "rate_limit_exceeded",
+                       headers=[(b"retry-after", after.encode()),
+                                (f"x-ratelimit-limit-{what}".encode(), str(limit).encode()),
+                                (f"x-ratelimit-remaining-{what}".encode(), b"0"),
+                                (f"x-ratelimit-reset-{what}".encode(), f"{after}s".encode())])
 
 
 def _parse(raw: bytes) -> tuple[str, bool]:

@@ -24,28 +24,30 @@ class GatewayMetrics:
     """What the gateway counts on its hot path; a registry per control plane."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("llmgw_gateway_requests", "Gateway requests by catalog model "
-                                "and HTTP status", ["model", "status"], registry=registry)
+        self.requests = Counter("llmgw_gateway_requests", "Gateway requests by catalog model, "
+                                "HTTP status and gateway key name ('' for none)",
+                                ["model", "status", "key"], registry=registry)
         self.duration = Histogram(
             "llmgw_gateway_request_duration_seconds", "Gateway request time, first byte in to "
             "last byte out", ["model"], registry=registry,
             buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        self.tokens = Counter("llmgw_gateway_tokens", "Tokens by model and kind (prompt, "
-                              "completion), from the engines' usage", ["model", "kind"],
-                              registry=registry)
+        self.tokens = Counter("llmgw_gateway_tokens", "Tokens by model, kind (prompt, "
+                              "completion) and gateway key name, from the engines' usage",
+                              ["model", "kind", "key"], registry=registry)
         self.in_flight = Gauge("llmgw_gateway_requests_in_flight", "Gateway requests being "
                                "served now", registry=registry)
         # Labelled children, looked up once: labels() takes a lock and builds a key each
         # call, which cost the hot path about a tenth of a millisecond per request.
-        self._children: dict[tuple[str, int], tuple[Any, Any, Any, Any]] = {}
+        self._children: dict[tuple[str, int, str], tuple[Any, Any, Any, Any]] = {}
 
     def observe(self, model: str, status: int, started: float,
-                usage: tuple[int, int] | None) -> None:
-        children = self._children.get((model, status))
+                usage: tuple[int, int] | None, key: str = "") -> None:
+        children = self._children.get((model, status, key))
         if children is None:
-            children = self._children[(model, status)] = (
-                self.requests.labels(model, str(status)), self.duration.labels(model),
-                self.tokens.labels(model, "prompt"), self.tokens.labels(model, "completion"))
+            children = self._children[(model, status, key)] = (
+                self.requests.labels(model, str(status), key), self.duration.labels(model),
+                self.tokens.labels(model, "prompt", key),
+                self.tokens.labels(model, "completion", key))
         requests, duration, prompt, completion = children
         requests.inc()
         duration.observe(time.perf_counter() - started)

@@ -105,12 +105,14 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
                                  config.upstream_read_timeout_s))
     gateway = make_gateway_app(store, tokens=config.tokens, upstream=upstream,
                                metrics=metrics.gateway,
-                               max_body_bytes=int(config.gateway_max_body_bytes))
+                               max_body_bytes=int(config.gateway_max_body_bytes),
+                               keys_required=config.gateway_keys == "required")
     admin = make_admin_app(store, node_timeout_s=config.node_timeout_s,
                            token_hash=admin_token_hash, metrics=metrics,
                            on_node_removed=agent_api.revoke)
     servers = [quiet_server(admin, config.admin_listen),
-               quiet_server(gateway, config.gateway_listen)]
+               quiet_server(gateway, config.gateway_listen, certfile=config.gateway_tls.cert,
+                            keyfile=config.gateway_tls.key)]
     scheduler = Scheduler(store, config.node_timeout_s)
     stopping = asyncio.Event()
 

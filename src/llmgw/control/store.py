@@ -1,5 +1,5 @@
 """The control plane's state in SQLite (WAL): nodes, certificates, join tokens, catalog
-models and replicas."""
+models, replicas and gateway keys."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from llmgw.contract.records import (
     REPLICA,
     REPLICA_UPDATE,
     Inventory,
+    KeyRecord,
     ModelSpec,
     NodeRecord,
     NodeReplica,
@@ -68,6 +69,24 @@ CREATE TABLE IF NOT EXISTS tokens (
     used REAL,
     used_by TEXT NOT NULL DEFAULT ''
 );
+CREATE TABLE IF NOT EXISTS keys (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    prefix TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE,
+    models TEXT NOT NULL DEFAULT '[]',
+    rpm INTEGER NOT NULL DEFAULT 0,
+    tpm INTEGER NOT NULL DEFAULT 0,
+    expires REAL,
+    created REAL NOT NULL,
+    revoked REAL,
+    last_used REAL,
+    requests INTEGER NOT NULL DEFAULT 0,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    completion_tokens INTEGER NOT NULL DEFAULT 0
+);
+-- A name is one live key's; a revoked key keeps its row (and usage), and its name is free.
+CREATE UNIQUE INDEX IF NOT EXISTS keys_live_name ON keys (name) WHERE revoked IS NULL;
 """
 # Added after the first release; an older database gains them on open.
 _NODE_COLUMNS = {
@@ -364,6 +383,53 @@ class Store:
     def delete_replica(self, replica_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
+
+    # --- gateway keys ---
+
+    def add_key(self, key: Mapping[str, object]) -> str:
+        """Store a gateway key (its hash, never the secret): '' when stored, else why not
+        ('name', 'id': a live key has it)."""
+        fields = ("id", "name", "prefix", "hash", "rpm", "tpm", "expires")
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM keys WHERE name = ? AND revoked IS NULL",
+                          (key["name"],)).fetchone():
+                return "name"
+            try:
+                db.execute(f"INSERT INTO keys ({', '.join(fields)}, models, created) "
+                           f"VALUES ({', '.join('?' * len(fields))}, ?, ?)",
+                           (*(key.get(f) for f in fields), json.dumps(key.get("models", [])),
+                            self.clock()))
+            except sqlite3.IntegrityError:
+                return "id"
+        return ""
+
+    def keys(self, revoked: bool = False) -> list[KeyRecord]:
+        """Live gateway keys by creation (revoked ones too with revoked=True), with their
+        hashes: callers decide what leaves the process."""
+        where = "" if revoked else " WHERE revoked IS NULL"
+        return [{**dict(r), "models": json.loads(r["models"])}
+                for r in self._read(f"SELECT * FROM keys{where} ORDER BY created, name")]
+
+    def revoke_key(self, name_or_prefix: str) -> KeyRecord | None:
+        """Revoke the live key of this name, prefix or id; the key as it was, or None."""
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT * FROM keys WHERE revoked IS NULL AND (name = ? OR prefix = ? OR id = ?)",
+                (name_or_prefix,) * 3).fetchone()
+            if row is None:
+                return None
+            db.execute("UPDATE keys SET revoked = ? WHERE id = ?", (self.clock(), row["id"]))
+        return {**dict(row), "models": json.loads(row["models"])}
+
+    def add_key_usage(self, usage: dict[str, tuple[int, int, int, float]]) -> None:
+        """Add a batch of usage (key id -> requests, prompt and completion tokens, last
+        used) in one transaction; sqlite3.OperationalError when the store stays busy."""
+        with self._tx() as db:
+            db.executemany(
+                "UPDATE keys SET requests = requests + ?, prompt_tokens = prompt_tokens + ?, "
+                "completion_tokens = completion_tokens + ?, "
+                "last_used = MAX(COALESCE(last_used, 0), ?) WHERE id = ?",
+                [(*counts, key_id) for key_id, counts in usage.items()])
 
 
 

@@ -1,0 +1,98 @@
+"""`llmgw keys create|ls|rm`: the gateway's API keys, each shown once when made."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from llmgw.commands import _admin
+from llmgw.commands._table import ago, table
+from llmgw.contract.records import PublicKey
+from llmgw.control.keys import parse_expires
+from llmgw.errors import Error
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("keys", help="the gateway's API keys: create, ls, rm NAME|PREFIX")
+    ksub = p.add_subparsers(dest="keys_command", required=True)
+    create = ksub.add_parser("create", help="make a key; it is printed this once")
+    create.add_argument("--name", default="", help="what ls and /metrics call it "
+                        "(default key-ID)")
+    create.add_argument("--models", default="", metavar="A,B",
+                        help="the models (names or aliases) it may use; default all")
+    create.add_argument("--rpm", type=int, default=0, help="requests per minute (default no "
+                        "limit)")
+    create.add_argument("--tpm", type=int, default=0, help="tokens per minute, prompt and "
+                        "completion (default no limit)")
+    create.add_argument("--expires", default=None, metavar="DATE",
+                        help="2027-01-31 (through that day, UTC), an ISO time, or 30d / 12h")
+    ls = ksub.add_parser("ls", help="keys with their models, limits and usage; no secrets")
+    rm = ksub.add_parser("rm", help="revoke a key; the gateway refuses it within a second")
+    rm.add_argument("name", help="its name or prefix (sk-llmgw-XXXXXXXX), as ls shows")
+    for q, run in ((create, _create), (ls, _ls), (rm, _rm)):
+        _admin.add_host_options(q)
+        q.set_defaults(run=run)
+
+
+def _create(args: argparse.Namespace) -> int:
+    if args.rpm < 0 or args.tpm < 0:
+        raise Error("--rpm and --tpm are counts per minute: 0 (no limit) or more")
+    try:
+        expires = parse_expires(args.expires, time.time()) if args.expires else None
+    except ValueError as e:
+        raise Error(str(e)) from None
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    with _admin.admin(args) as client:
+        made = _call(client, lambda: client.create_key(
+            name=args.name, models=models, rpm=args.rpm, tpm=args.tpm, expires=expires))
+    print(made["key"])
+    print(f"# key {made['name']} ({made['prefix']}): {_scope(made)}. It is shown only now; "
+          "the host keeps its hash.")
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    with _admin.admin(args) as client:
+        found = _call(client, client.keys)
+    now = time.time()
+    rows = [[k["name"], k["prefix"], ",".join(k["models"]) or "all", _limits(k),
+             _expires(k, now), ago(now - k["last_used"]) if k["last_used"] else "never",
+             str(k["requests"]), f"{k['prompt_tokens']}/{k['completion_tokens']}"]
+            for k in found]
+    print(table(["NAME", "PREFIX", "MODELS", "LIMITS", "EXPIRES", "LAST USED", "REQUESTS",
+                 "TOKENS IN/OUT"], rows, "no keys: `llmgw keys create` makes one"))
+    return 0
+
+
+def _rm(args: argparse.Namespace) -> int:
+    with _admin.admin(args) as client:
+        gone = _call(client, lambda: client.revoke_key(args.name))
+    print(f"revoked {gone['name']} ({gone['prefix']}); the gateway refuses it from its next "
+          "refresh (within a second)")
+    return 0
+
+
+def _scope(key: PublicKey) -> str:
+    models = ", ".join(key["models"]) or "every model"
+    return f"{models}; {_limits(key)}; {_expires(key, time.time())}"
+
+
+def _limits(key: PublicKey) -> str:
+    parts = [f"{key['rpm']} rpm" if key["rpm"] else "", f"{key['tpm']} tpm" if key["tpm"] else ""]
+    return ", ".join(p for p in parts if p) or "no limits"
+
+
+def _expires(key: PublicKey, now: float) -> str:
+    if key["expires"] is None:
+        return "never"
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(key["expires"]))
+    return f"{when} (expired)" if key["expires"] <= now else when
+
+
+def _call(client, do):  # type: ignore[no-untyped-def]
+    try:
+        return do()
+    except _admin.Error as e:
+        if getattr(e, "status", 0) is None:
+            raise _admin.unreachable(client, e) from None
+        raise

@@ -1,0 +1,98 @@
+"""`llmgw keys create|ls|rm` as processes against a real admin API, the keys they make
+tried on a real gateway over the same store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmgw import admin_token
+from llmgw.control._upstream import Upstream
+from llmgw.control.admin_api import make_admin_app
+from llmgw.control.gateway import make_gateway_app
+from llmgw.control.store import Store
+from tests.cli.test_day2 import MODEL, write_server_yaml
+from tests.control.servers import serve_asgi
+
+
+def llmgw(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmgw", *args, "--mode=local",
+                           f"--state-dir={state}"], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[tuple[Path, Store, str]]:
+    """Function: a state dir naming a live admin API, and a gateway (keys required) on the
+    same store: (state dir, store, gateway URL)."""
+    store = Store(tmp_path / "control.db")
+    store.add_model(MODEL)
+    hash_path = tmp_path / "state" / "etc" / admin_token.HASH_FILE
+    gateway = make_gateway_app(store, tokens=[], upstream=Upstream(), keys_required=True)
+    with serve_asgi(make_admin_app(store, node_timeout_s=30.0, token_hash=hash_path)) as url, \
+            serve_asgi(gateway) as gateway_url:
+        write_server_yaml(tmp_path / "state", int(url.rsplit(":", 1)[1]))
+        yield tmp_path / "state", store, gateway_url
+
+
+def models(gateway: str, key: str) -> httpx.Response:
+    return httpx.get(f"{gateway}/v1/models", headers={"Authorization": f"Bearer {key}"})
+
+
+def test_create_prints_the_key_once_and_ls_shows_it_without_secrets(host) -> None:
+    state, store, gateway = host
+    made = llmgw(state, "keys", "create", "--name", "ci", "--models", "tiny-chat", "--rpm",
+                 "60", "--tpm", "1000", "--expires", "30d")
+    assert made.returncode == 0, made.stderr
+    secret = made.stdout.splitlines()[0]
+    assert secret.startswith("sk-llmgw-") and "shown only now" in made.stdout
+    assert [m["id"] for m in models(gateway, secret).json()["data"]] == ["tiny", "tiny-chat"]
+    listed = llmgw(state, "keys", "ls")
+    assert listed.returncode == 0, listed.stderr
+    header, row = listed.stdout.splitlines()
+    assert header.split()[:3] == ["NAME", "PREFIX", "MODELS"]
+    assert row.split()[:4] == ["ci", secret[:17], "tiny-chat", "60"] and "never" in row
+    assert secret[18:] not in listed.stdout and store.keys()[0]["hash"] not in listed.stdout
+
+
+def test_rm_by_name_or_prefix_and_the_gateway_refuses_the_key_within_a_refresh(host) -> None:
+    state, _, gateway = host
+    first = llmgw(state, "keys", "create", "--name", "one").stdout.splitlines()[0]
+    second = llmgw(state, "keys", "create").stdout.splitlines()[0]
+    assert models(gateway, first).status_code == models(gateway, second).status_code == 200
+    assert llmgw(state, "keys", "rm", "one").returncode == 0
+    gone = llmgw(state, "keys", "rm", second[:17])
+    assert gone.returncode == 0 and "revoked key-" in gone.stdout
+    time.sleep(0.6)  # the gateway reads its keys every 0.5 s
+    assert models(gateway, first).status_code == models(gateway, second).status_code == 401
+    again = llmgw(state, "keys", "rm", "one")
+    assert again.returncode != 0 and "no live key named 'one'" in again.stderr
+    assert "no keys" in llmgw(state, "keys", "ls").stdout
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--models", "nope"], "nope names no model in the catalog"),
+    (["--expires", "2001-01-01"], "in the past"),
+    (["--expires", "soon"], "is not a date"),
+    (["--name", "a b"], "not allowed"),
+    (["--rpm", "-1"], "--rpm and --tpm"),
+])
+def test_create_refuses_what_cannot_work_saying_why(host, args, said) -> None:
+    state, store, _ = host
+    done = llmgw(state, "keys", "create", *args)
+    assert done.returncode != 0 and said in done.stderr, done.stderr
+    assert not store.keys()
+
+
+def test_a_name_is_one_live_keys(host) -> None:
+    state, _, _ = host
+    assert llmgw(state, "keys", "create", "--name", "x").returncode == 0
+    clash = llmgw(state, "keys", "create", "--name", "x")
+    assert clash.returncode != 0 and "a key named 'x' exists" in clash.stderr
+    assert llmgw(state, "keys", "rm", "x").returncode == 0
+    assert llmgw(state, "keys", "create", "--name", "x").returncode == 0

@@ -1,0 +1,112 @@
+"""Gateway keys' pure logic: the format, reading a bearer credential, expiry dates, the
+per-minute windows and the usage batches."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from llmgw.control import keys
+
+
+def test_a_new_key_has_its_shape_and_only_its_hash_is_derived() -> None:
+    made = keys.new_key()
+    text = keys.render(made).encode()
+    assert keys.is_key_shaped(text) and text.startswith(made.prefix.encode())
+    assert len(made.id) == 8 and made.hash == keys.hash_key(text) and len(made.hash) == 64
+    assert made.secret not in made.hash and made.hash != keys.hash_key(made.secret.encode())
+    assert keys.render(keys.new_key()) != keys.render(made)
+
+
+@pytest.mark.parametrize("presented", [
+    b"", b"sk-llmgw-", b"sk-llmgw-0123abcd-short", b"sk-llmgw-0123ABCD-" + b"a" * 43,
+    b"sk-llmgw-0123abcd-" + b"a" * 44, b"sk-llmgw-0123abcd-" + b"a" * 42 + b"\xc3\xa9",
+    b"sk-llmgw-0123abcd-" + b"a" * 42 + b"=", b" sk-llmgw-0123abcd-" + b"a" * 43,
+])
+def test_malformed_and_non_ascii_credentials_are_not_key_shaped(presented: bytes) -> None:
+    assert not keys.is_key_shaped(presented)
+
+
+def test_the_bearer_credential_none_when_absent_empty_for_another_scheme() -> None:
+    assert keys.bearer([]) is None
+    assert keys.bearer([(b"authorization", b"Basic abc")]) == b""
+    assert keys.bearer([(b"authorization", b"BEARER   abc ")]) == b"abc"
+    assert keys.bearer([(b"x", b"y"), (b"authorization", b"bearer k\xe9")]) == b"k\xe9"
+
+
+def test_expires_takes_dates_times_and_spans_and_refuses_the_past() -> None:
+    now = dt.datetime(2026, 12, 2, tzinfo=dt.UTC).timestamp()
+    end_of_day = dt.datetime(2027, 2, 1, tzinfo=dt.UTC).timestamp()
+    assert keys.parse_expires("2027-01-31", now) == end_of_day
+    assert keys.parse_expires("2027-01-31T12:00:00+01:00", now) == end_of_day - 13 * 3600
+    assert keys.parse_expires("30d", now) == now + 30 * 86400
+    assert keys.parse_expires("12h", now) == now + 12 * 3600
+    for bad in ("2020-01-01", "tomorrow", "30y"):
+        with pytest.raises(ValueError, match="--expires"):
+            keys.parse_expires(bad, now)
+
+
+def test_names_are_short_and_plain() -> None:
+    assert keys.check_name("ci-bot@team.x") == "ci-bot@team.x"
+    for bad in ("", "-x", "a b", "é", "x" * 65):
+        with pytest.raises(ValueError, match="not allowed"):
+            keys.check_name(bad)
+
+
+def test_a_window_admits_up_to_its_limit_then_says_when_the_oldest_leaves() -> None:
+    w = keys.Window(limit=3, span_s=60)
+    for t in (0.0, 10.0, 20.0):
+        assert w.wait_s(t) == 0
+        w.add(t, 1)
+    assert w.wait_s(30.0) == pytest.approx(30.0)  # the entry of t=0 leaves at 60
+    assert w.wait_s(60.0) == 0  # ... and has left
+    w.add(60.0, 1)
+    assert w.wait_s(65.0) == pytest.approx(5.0)
+    assert w.total == 3
+
+
+def test_a_window_of_tokens_waits_until_enough_falls_out() -> None:
+    w = keys.Window(limit=100)
+    w.add(0.0, 60)
+    w.add(10.0, 50)
+    assert w.wait_s(20.0) == pytest.approx(40.0)  # 110 spent: the 60 must go first
+    assert w.wait_s(20.0, 0) == pytest.approx(40.0)
+    assert w.wait_s(61.0) == 0 and w.total == 50
+
+
+def test_limits_count_admitted_requests_and_refuse_tokens_once_spent() -> None:
+    lim = keys.Limits(rpm=2, tpm=10)
+    assert lim.admit(0.0) is None and lim.admit(1.0) is None
+    what, wait = lim.admit(2.0)
+    assert what == "requests" and wait == pytest.approx(58.0)
+    lim = keys.Limits(rpm=0, tpm=10)
+    assert lim.admit(0.0) is None
+    lim.spend(0.5, 9)
+    assert lim.admit(1.0) is None  # one token is left: the request goes
+    lim.spend(1.5, 4)
+    what, wait = lim.admit(2.0)
+    assert what == "tokens" and wait == pytest.approx(58.5)
+    assert lim.admit(61.0) is None
+
+
+def test_no_limits_admit_everything() -> None:
+    lim = keys.Limits(rpm=0, tpm=0)
+    assert all(lim.admit(float(t)) is None for t in range(1000))
+    assert not lim.requests.spent
+
+
+def test_retry_after_is_whole_seconds_rounded_up() -> None:
+    assert [keys.retry_after(s) for s in (0.001, 1.0, 1.2, 59.9)] == ["1", "1", "2", "60"]
+
+
+def test_usage_gathers_per_key_and_goes_back_when_it_could_not_be_written() -> None:
+    usage = keys.Usage()
+    usage.add("a", 10.0, 3, 5)
+    usage.add("a", 12.0, 1, 1)
+    usage.add("b", 11.0, 0, 0)
+    taken = usage.take()
+    assert taken == {"a": (2, 4, 6, 12.0), "b": (1, 0, 0, 11.0)} and usage.take() == {}
+    usage.add("a", 20.0, 1, 2)
+    usage.put_back(taken)
+    assert usage.take() == {"a": (3, 5, 8, 20.0), "b": (1, 0, 0, 11.0)}
