@@ -132,6 +132,8 @@ class Gateway:
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
+            if self.balancer.routing == "balanced":
+                self.slots.ensure_running()
             await _lifespan(receive, send)
             await self.slots.stop()
             return
