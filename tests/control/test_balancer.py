@@ -189,3 +189,41 @@ def test_replicas_already_tried_are_not_leased_again() -> None:
         return lease.replica["id"], none  # type: ignore[union-attr]
 
     assert run(main()) == ("r2", None)
+
+
+def test_a_freed_slot_goes_to_a_waiter_at_home_there_before_the_first_in_line() -> None:
+    async def main() -> tuple[str, bool]:
+        balancer = Balancer(queue_wait_s=5)
+        balancer.observe("r1", 1, 0)
+        balancer.observe("r2", 1, 0)
+        on_r1 = conversation([(b"x-session-id", b"a")], b"")
+        on_r2 = conversation([(b"x-session-id", b"b")], b"")
+        held1 = await balancer.acquire("m", [R1, R2], on_r1, set())
+        held2 = await balancer.acquire("m", [R1, R2], on_r2, set())
+        assert held1 and held2 and (held1.replica, held2.replica) == (R1, R2)
+        first = asyncio.ensure_future(balancer.acquire("m", [R1, R2], on_r2, set()))
+        await asyncio.sleep(0.01)
+        second = asyncio.ensure_future(balancer.acquire("m", [R1, R2], on_r1, set()))
+        await asyncio.sleep(0.01)
+        held1.release()
+        lease = await asyncio.wait_for(second, 1)
+        return lease.replica["id"], first.done()  # type: ignore[union-attr]
+
+    assert run(main()) == ("r1", False)
+
+
+def test_a_freed_slot_goes_to_the_first_in_line_when_none_is_at_home_there() -> None:
+    async def main() -> str:
+        balancer = Balancer(queue_wait_s=5)
+        balancer.observe("r1", 1, 0)
+        balancer.observe("r2", 1, 0)
+        on_r2 = conversation([(b"x-session-id", b"b")], b"")
+        held1 = await balancer.acquire("m", [R1, R2], None, set())
+        await balancer.acquire("m", [R1, R2], on_r2, set())
+        first = asyncio.ensure_future(balancer.acquire("m", [R1, R2], on_r2, set()))
+        await asyncio.sleep(0.01)
+        held1.release()  # type: ignore[union-attr]
+        lease = await asyncio.wait_for(first, 1)
+        return lease.replica["id"]  # type: ignore[union-attr]
+
+    assert run(main()) == "r1"

@@ -11,9 +11,10 @@ The rule, in full (what `choose` does):
   BUSIER_BY_ABS requests above it AND more than BUSIER_BY_REL times its load (the guard of
   SGLang's cache-aware router, balance_abs_threshold and balance_rel_threshold, scaled to
   engines of a few slots). Otherwise the idlest free replica takes it, ties in turn.
-- With no replica free, a request waits in its model's queue (first come, first served) for
-  a slot, at most queue_wait_s and behind at most queue_size others; past either it is
-  refused (the gateway answers 503 with Retry-After).
+- With no replica free, a request waits in its model's queue for a slot, at most
+  queue_wait_s and behind at most queue_size others; past either it is refused (the
+  gateway answers 503 with Retry-After). A slot that frees goes to the first waiter whose
+  conversation's home it is, else to the first in line.
 """
 
 from __future__ import annotations
@@ -240,21 +241,31 @@ class Balancer:
 
     def _release(self, lease: Lease) -> None:
         self.loads[lease.replica["id"]].in_flight -= 1
-        self._hand_over(lease.model)
+        self._hand_over(lease.model, lease.replica["id"])
 
-    def _hand_over(self, model: str) -> None:
-        """Slots that freed go to the first waiters that any of them suits."""
+    def _hand_over(self, model: str, freed: str | None = None) -> None:
+        """Slots that freed go to waiters: first to one whose conversation's home is the
+        replica that freed, else to the first in line (a slot never idles while some
+        request waits)."""
         queue = self._queues.get(model)
         while queue:
-            waiter = queue[0]
-            if waiter.future.done():
-                queue.popleft()
-                continue
+            waiter = self._next(queue, freed)
+            if waiter is None:
+                return
             lease = self._try(model, waiter.replicas, waiter.conv)
             if lease is None:
                 return
-            queue.popleft()
+            queue.remove(waiter)
             waiter.future.set_result(lease)
+
+    def _next(self, queue: deque[_Waiter], freed: str | None) -> _Waiter | None:
+        while queue and queue[0].future.done():
+            queue.popleft()
+        if freed is not None:
+            for waiter in queue:
+                if not waiter.future.done() and self._home(waiter.conv) == freed:
+                    return waiter
+        return queue[0] if queue else None
 
     def observe(self, replica_id: str, slots: int | None, busy: int) -> None:
         """A poll's answer: the replica's slots and how many were busy (None: unknown)."""
