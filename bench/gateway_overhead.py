@@ -12,14 +12,21 @@ its `llmgw server` (the gateway in server.yaml, with its first token) against th
 of a ready replica on this machine, called directly with the replica's own key from the
 control plane's database (read-only; run as the user who provisioned, or root).
 
-It loads both sides at 1 and at 16 requests in flight in --pairs short pairs (direct,
-then gateway, or the other way round in every other pair, back to back) and reports the
-median of the pairs' ratios: on a shared, noisy machine the load drifts from second to
-second, and a pair measured back to back sees nearly the same drift on both sides. The
-load comes from `hey` where it is installed (apt install hey), else from a Python
-generator in its own process; the first line printed says which. The last line is:
+A third side is nginx (apt install nginx) as a plain reverse proxy in front of the same
+engine: upstream keep-alive, no buffering, the replica's key set by the proxy as the gateway
+sets it; the bench writes its nginx.conf in a temporary folder and runs it as its child,
+one process (master_process off, as one gateway process), on loopback. --no-nginx leaves
+it out.
 
-    gateway/direct: throughput 0.NN× at 16, 0.NN× at 1; p50 +N.N ms at 1
+It loads the sides at 1 and at 16 requests in flight in --pairs short rounds (direct,
+gateway and nginx back to back, each first in turn) and reports the median of the rounds'
+ratios: on a shared, noisy machine the load drifts from second to second, and sides
+measured back to back see nearly the same drift. The load comes from `hey` where it is
+installed (apt install hey), else from a Python generator in its own process; the first
+line printed says which. The last line is:
+
+    gateway/direct: throughput 0.NN× at 16, 0.NN× at 1; p50 +N.N ms at 1; gateway/nginx: \
+throughput 0.NN× at 16, 0.NN× at 1
 """
 
 from __future__ import annotations
@@ -236,6 +243,62 @@ def start_own(work: Path, width: int, engine_args: list[str]
             request_body("tiny"))
 
 
+NGINX_CONF = """\
+# Written by bench/gateway_overhead.py: nginx as a plain reverse proxy, one process.
+daemon off;
+master_process off;
+worker_processes 1;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {work}/nginx-body;
+    proxy_temp_path {work}/nginx-proxy;
+    fastcgi_temp_path {work}/nginx-fastcgi;
+    uwsgi_temp_path {work}/nginx-uwsgi;
+    scgi_temp_path {work}/nginx-scgi;
+    upstream engine {{
+        server {engine};
+        keepalive 64;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Authorization "Bearer {key}";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(work: Path, direct: Side) -> tuple[subprocess.Popen[bytes], Side]:
+    """nginx in front of direct's engine, as this bench's child on a free loopback port."""
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(binary).exists():
+        sys.exit("no nginx for the third side: apt-get install -y nginx, or run with "
+                 "--no-nginx")
+    base, path = direct.url.split("/v1/", 1)
+    port, conf = free_port(), work / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(work=work, engine=base.removeprefix("http://"),
+                                      port=port, key=direct.key))
+    proc = subprocess.Popen([binary, "-p", str(work), "-c", str(conf), "-e",
+                             str(work / "nginx-error.log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while listener_pid(port) == 0:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log = (work / "nginx-error.log")
+            sys.exit(f"nginx did not listen on 127.0.0.1:{port}: "
+                     f"{log.read_text() if log.exists() else 'no error log'}")
+        time.sleep(0.1)
+    return proc, Side(f"http://127.0.0.1:{port}/v1/{path}", "", proc.pid)
+
+
 def on_host(layout: Layout, model: str) -> tuple[Side, Side, str]:
     """A provisioned host's gateway, and the engine of one of its ready replicas."""
     config = load_server(layout.server_yaml)
@@ -295,6 +358,8 @@ def main() -> None:
                         help="more flags for the bench's llama-server, as one string: "
                              "'--threads 1' leaves the gateway and the load generator a core "
                              "of 2; '--poll 0' stops its threads spinning while they wait")
+    parser.add_argument("--no-nginx", action="store_true",
+                        help="leave out the third side, nginx in front of the engine")
     parser.add_argument("--host", action="store_true",
                         help="measure this provisioned host's gateway and engine instead")
     parser.add_argument("--mode", default="auto", help="with --host: as pytest's --mode")
@@ -308,24 +373,29 @@ def main() -> None:
     print(f"load generator: {'hey' if load is hey else 'Python, in its own process'}; "
           f"{args.pairs} pairs of {args.seconds:.0f} s per width, medians of the pairs")
     procs: list[subprocess.Popen[bytes]] = []
+    work = Path(tempfile.mkdtemp(prefix="llmgw-bench-"))
     if args.host:
         direct, via, body = on_host(Layout.for_mode(args.mode, args.state_dir), args.model)
     else:
-        procs, direct, via, body = start_own(Path(tempfile.mkdtemp(prefix="llmgw-bench-")),
-                                             max(WIDTHS), shlex.split(args.engine_args))
+        procs, direct, via, body = start_own(work, max(WIDTHS), shlex.split(args.engine_args))
         if args.gateway_nice:
             os.setpriority(os.PRIO_PROCESS, via.pid, args.gateway_nice)
+    sides = [("direct", direct), ("gateway", via)]
+    if not args.no_nginx:
+        nginx, proxy = start_nginx(work, direct)
+        procs.append(nginx)
+        sides.append(("nginx", proxy))
     results: dict[tuple[str, int], list[Run]] = {}
-    pids = {"engine": direct.pid, "gateway": via.pid}
+    pids = {"engine": direct.pid, "gateway": via.pid,
+            **({"nginx": sides[2][1].pid} if len(sides) > 2 else {})}
     try:
-        for side in (direct, via):
-            load(side, body, 4, 1.0)  # warm both
+        for _, side in sides:
+            load(side, body, 4, 1.0)  # warm each
         for width in WIDTHS:
             for i in range(args.pairs):
-                # Each side goes first in every other pair, so a load that rises or falls
-                # through the run favours neither.
-                order = [("direct", direct), ("gateway", via)]
-                for name, side in order if i % 2 == 0 else order[::-1]:
+                # Each side goes first in turn, so a load that rises or falls through the
+                # run favours none.
+                for name, side in sides[i % len(sides):] + sides[:i % len(sides)]:
                     results.setdefault((name, width), []).append(
                         measured(load, side, body, width, args.seconds, pids))
     finally:
@@ -342,8 +412,8 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
               f"{statistics.median(r.p50_ms for r in runs):>10.2f}"
               f"{sum(r.non_200 for r in runs):>9}   {', '.join(f'{r.rps:.0f}' for r in runs)}")
 
-    def ratio(width: int) -> float:
-        pairs = zip(results[("gateway", width)], results[("direct", width)], strict=True)
+    def ratio(width: int, over: str = "direct", side: str = "gateway") -> float:
+        pairs = zip(results[(side, width)], results[(over, width)], strict=True)
         return statistics.median(g.rps / d.rps for g, d in pairs)
 
     def cpu(side: str, width: int, process: str) -> float:
@@ -369,8 +439,16 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
     met = [t16 >= 0.9, t1 >= 0.8, added <= 1.0]
     print(f"goals (>=0.9x at 16, >=0.8x at 1, p50 +<=1 ms): "
           f"{'met' if all(met) else 'NOT met: ' + str(met)}")
-    print(f"gateway/direct: throughput {t16:.2f}× at 16, {t1:.2f}× at 1; p50 {added:+.1f} ms "
-          "at 1")
+    last = f"gateway/direct: throughput {t16:.2f}× at 16, {t1:.2f}× at 1; p50 {added:+.1f} ms at 1"
+    if ("nginx", 1) in results:
+        n16, n1 = ratio(16, "nginx"), ratio(1, "nginx")
+        print(f"nginx/direct: throughput {ratio(16, 'direct', 'nginx'):.2f}× at 16, "
+              f"{ratio(1, 'direct', 'nginx'):.2f}× at 1; nginx's own CPU ms per request "
+              f"{cpu('nginx', 16, 'nginx'):.2f} at 16")
+        print(f"goals against nginx (>=1.0x at 16, >=0.95x at 1): "
+              f"{'met' if n16 >= 1.0 and n1 >= 0.95 else 'NOT met'}")
+        last += f"; gateway/nginx: throughput {n16:.2f}× at 16, {n1:.2f}× at 1"
+    print(last)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,8 @@ def test_a_numeric_token_is_refused_naming_the_key(tmp_path: Path) -> None:
     ("tls: {ca: x, cret: y}\n", "tls.cret is not a known key (known here: ca, cert, key)"),
     ("admin_lisen: x\n", "admin_lisen is not a known key"),
     ("- a\n- b\n", "should be a mapping"),
+    ("gateway_routing: random\n", "gateway_routing is 'random': Input should be 'balanced' or "
+                                  "'round-robin'"),
 ])
 def test_wrong_values_are_refused_with_key_value_and_what_is_allowed(
         tmp_path: Path, text: str, said: str) -> None:

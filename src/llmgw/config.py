@@ -102,6 +102,13 @@ class ServerConfig(_Section):
     gateway_max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0)
+    # How the gateway picks a replica: balanced (least in flight within each replica's
+    # slots, conversations kept on the replica holding their prompt cache) or round-robin;
+    # beyond every replica's slots a request waits, at most queue_wait_s behind queue_size
+    # others (per model), then is answered 503 with Retry-After.
+    gateway_routing: Literal["balanced", "round-robin"] = "balanced"
+    gateway_queue_size: int = Field(default=256, ge=0)
+    gateway_queue_wait_s: float = Field(default=30.0, gt=0)
 
     @field_validator("admin_listen", "agent_listen", "gateway_listen")
     @classmethod

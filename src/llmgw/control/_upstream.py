@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -101,6 +101,8 @@ class Response:
     _pool: Upstream
     _read_s: float
     _done: bool = field(default=False)
+    # Called once, when the answer is done with (read whole, broken off or hung up on).
+    on_release: Callable[[], None] | None = None
 
     @property
     def chunked(self) -> bool:
@@ -153,6 +155,7 @@ class Response:
         """Hang up on the replica mid-answer: llama-server stops generating for it."""
         if self._conn is not None:
             self._conn.close()
+        self._released()
 
     def release(self) -> None:
         """Back to the pool when the body was read whole and the replica keeps it open."""
@@ -161,6 +164,12 @@ class Response:
         keep = self._done and self.headers.get(b"connection", b"").lower() != b"close"
         self._pool._give_back(self._conn, keep)
         self._conn = None  # type: ignore[assignment]
+        self._released()
+
+    def _released(self) -> None:
+        hook, self.on_release = self.on_release, None
+        if hook is not None:
+            hook()
 
 
 class Upstream:

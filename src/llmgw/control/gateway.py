@@ -8,7 +8,6 @@ per request cost as much as the engine's own answer to a short prompt (issue 11)
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import secrets
@@ -20,7 +19,17 @@ from typing import Any
 
 from llmgw.contract import ReplicaState
 from llmgw.control import _wire, keys
+from llmgw.control._slots import SlotPoller
 from llmgw.control._upstream import ConnectFailed, Response, Upstream, UpstreamError
+from llmgw.control.balancer import (
+    RETRY_AFTER_S,
+    Balancer,
+    Conversation,
+    Lease,
+    Routing,
+    Saturated,
+    conversation,
+)
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
 
@@ -55,8 +64,12 @@ class GatewayError(Exception):
                                      "param": self.param, "code": self.code}}).encode()
 
 
+# How stale the table may be when a model has no ready replica in it (see Router.ready).
+NONE_READY_TTL_S = 0.05
+
+
 class Router:
-    """Resolves a requested model to the catalog and picks a ready replica, round robin.
+    """Resolves a requested model to the catalog and hands out its ready replicas.
 
     It reads the catalog and the replicas at most every ttl_s, not on every request: the
     hot path stays off SQLite, and a replica that died in between costs one failed try.
@@ -65,15 +78,14 @@ class Router:
     def __init__(self, store: Store, ttl_s: float = 0.5) -> None:
         self.store = store
         self.ttl_s = ttl_s
-        self._turns = itertools.count()
         self._read_at = -float("inf")
         self._names: dict[str, dict[str, Any]] = {}
         self._ready: dict[str, list[dict[str, Any]]] = {}
         self.created: dict[str, int] = {}
         self._keys: dict[str, dict[str, Any]] = {}
 
-    def _refresh(self) -> None:
-        if time.monotonic() - self._read_at < self.ttl_s:
+    def _refresh(self, ttl_s: float | None = None) -> None:
+        if time.monotonic() - self._read_at < (self.ttl_s if ttl_s is None else ttl_s):
             return
         names, ready = {}, {}
         for model in self.store.models():
@@ -99,14 +111,19 @@ class Router:
         self._refresh()
         return self._keys.get(key_hash)
 
-    def order(self, model: str) -> list[dict[str, Any]]:
-        """Ready replicas, starting from the next one's turn."""
+    def ready(self, model: str) -> list[dict[str, Any]]:
+        """The model's ready replicas, in the store's order (the balancer picks). With none
+        in the table, the store is read again unless it was just read: a replica that came
+        ready since is served now, not after a 503 (the slot poller keeps the table from
+        ever being fresh when a request comes)."""
         self._refresh()
-        ready = self._ready.get(model, [])
-        if not ready:
-            return []
-        start = next(self._turns) % len(ready)
-        return ready[start:] + ready[:start]
+        if not self._ready.get(model):
+            self._refresh(ttl_s=NONE_READY_TTL_S)
+        return self._ready.get(model, [])
+
+    def all_ready(self) -> list[dict[str, Any]]:
+        self._refresh()
+        return [r for replicas in self._ready.values() for r in replicas]
 
     def states(self, model: str) -> str:
         reps = [r for r in self.store.replicas(model) if r["state"] != ReplicaState.STOPPED]
@@ -149,7 +166,8 @@ class Gateway:
     def __init__(self, store: Store, *, tokens: list[str], upstream: Upstream,
                  metrics: GatewayMetrics | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 keys_required: bool = False, usage_flush_s: float = USAGE_FLUSH_S) -> None:
+                 keys_required: bool = False, usage_flush_s: float = USAGE_FLUSH_S,
+                 balancer: Balancer | None = None) -> None:
         self.router = Router(store)
         self.tokens = [t.encode() for t in tokens]
         self.required = keys_required or bool(tokens)
@@ -159,15 +177,20 @@ class Gateway:
         self.usage = keys.Usage()
         self.usage_flush_s = usage_flush_s
         self._callers: dict[str, Caller] = {}
+        self.balancer = balancer or Balancer()
+        self.slots = SlotPoller(self.balancer, self.router.all_ready)
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
+            if self.balancer.routing == "balanced":
+                self.slots.ensure_running()
             flusher = asyncio.ensure_future(self._flush_every())
             try:
                 await _lifespan(receive, send)
             finally:
                 flusher.cancel()
                 await self.flush_usage()
+                await self.slots.stop()
             return
         if scope["type"] != "http":
             return
@@ -282,7 +305,7 @@ class Gateway:
             name = model["name"]
             _check_kind(model, kind, scope["path"])
             _admit(caller)
-            response = await self._send_to_replica(name, scope["path"], raw)
+            response = await self._send_to_replica(name, scope["path"], raw, scope["headers"])
             status = response.status
             member = _wire.model_value(requested)
             if stream and status == 200:
@@ -307,27 +330,54 @@ class Gateway:
         if caller.limits:
             caller.limits.spend(time.monotonic(), prompt + completion)
 
-    async def _send_to_replica(self, model: str, path: str, raw: bytes) -> Response:
-        """The first ready replica that takes the connection; a request that reached one
-        is never sent to another (no generation runs twice)."""
+    async def _send_to_replica(self, model: str, path: str, raw: bytes,
+                               headers: list[tuple[bytes, bytes]]) -> Response:
+        """The replica the balancer leases that takes the connection, the next one if it
+        is refused; a request that reached one is never sent to another (no generation
+        runs twice). The lease ends when the answer is relayed."""
+        balanced = self.balancer.routing == "balanced"
+        if balanced:
+            self.slots.ensure_running()
+        conv = conversation(headers, raw) if balanced else None
+        tried: set[str] = set()
         refused = ""
-        for replica in self.router.order(model):
+        while lease := await self._lease(model, conv, tried):
+            replica = lease.replica
             try:
-                return await self.upstream.post(replica["endpoint"], path, raw,
-                                                replica["api_key"])
+                response = await self.upstream.post(replica["endpoint"], path, raw,
+                                                    replica["api_key"])
             except ConnectFailed as e:
+                lease.release()
                 log.warning("replica %s of %s could not take the request, trying the next: "
                             "%s", replica["id"], model, e)
+                tried.add(replica["id"])
                 refused = f"; the last one tried: {e}"
+                continue
             except UpstreamError as e:
+                lease.release()
+                self.balancer.forget(conv, replica["id"])
                 log.warning("replica %s of %s failed after the request was sent: %s",
                             replica["id"], model, e)
                 raise GatewayError(502, f"replica {replica['id']} of {model} failed while "
                                    f"answering: {e}; the request was not retried, so it may "
                                    "have run once", "upstream_error", "replica_failed") from e
+            except BaseException:
+                lease.release()
+                raise
+            response.on_release = lease.release
+            return response
         raise GatewayError(503, f"no replica of {model} could take the request: "
                            f"{self.router.states(model)}{refused}; try again shortly",
                            "service_unavailable", "no_ready_replica")
+
+    async def _lease(self, model: str, conv: Conversation | None,
+                     tried: set[str]) -> Lease | None:
+        try:
+            return await self.balancer.acquire(model, self.router.ready(model), conv, tried)
+        except Saturated as e:
+            raise GatewayError(503, f"{e}; try again in {RETRY_AFTER_S} s", "server_busy",
+                               "replicas_busy",
+                               headers=[(b"retry-after", str(RETRY_AFTER_S).encode())]) from e
 
     async def _body(self, scope: dict[str, Any], receive: Receive) -> bytes:
         for name, value in scope["headers"]:
@@ -355,10 +405,13 @@ def make_gateway_app(store: Store, *, tokens: list[str], upstream: Upstream,
                      metrics: GatewayMetrics | None = None,
                      max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                      keys_required: bool = False,
-                     usage_flush_s: float = USAGE_FLUSH_S) -> Gateway:
+                     usage_flush_s: float = USAGE_FLUSH_S,
+                     routing: Routing = "balanced", queue_size: int = 256,
+                     queue_wait_s: float = 30.0) -> Gateway:
     return Gateway(store, tokens=tokens, upstream=upstream, metrics=metrics,
                    max_body_bytes=max_body_bytes, keys_required=keys_required,
-                   usage_flush_s=usage_flush_s)
+                   usage_flush_s=usage_flush_s,
+                   balancer=Balancer(routing, queue_size=queue_size, queue_wait_s=queue_wait_s))
 
 
 def _unauthorized(message: str) -> GatewayError:

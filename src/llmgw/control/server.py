@@ -106,7 +106,10 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
     gateway = make_gateway_app(store, tokens=config.tokens, upstream=upstream,
                                metrics=metrics.gateway,
                                max_body_bytes=int(config.gateway_max_body_bytes),
-                               keys_required=config.gateway_keys == "required")
+                               keys_required=config.gateway_keys == "required",
+                               routing=config.gateway_routing,
+                               queue_size=config.gateway_queue_size,
+                               queue_wait_s=config.gateway_queue_wait_s)
     admin = make_admin_app(store, node_timeout_s=config.node_timeout_s,
                            token_hash=admin_token_hash, metrics=metrics,
                            on_node_removed=agent_api.revoke)
