@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -98,6 +98,9 @@ class EngineConfig(_Section):
     source: StrictStr = ""
     # A string: `version: 0.3` in YAML is a number, refused (quote it).
     version: StrictStr = ""
+    # off: find or build llama-server; xllamacpp: its prebuilt CPU wheel first; auto: the
+    # wheel on a CPU node without a cached build (see llmgw.agent.engine).
+    prebuilt: Literal["off", "auto", "xllamacpp"] = "off"
 
 
 def _labels(value: Any) -> Any:
