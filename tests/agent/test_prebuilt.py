@@ -183,3 +183,18 @@ def test_prebuilt_engine_serves_embeddings_when_asked(
                      headers={"Authorization": f"Bearer {r['api_key']}"}, timeout=30)
     assert got.status_code == 200, got.text
     assert [len(d["embedding"]) for d in got.json()["data"]] == [64, 64]
+
+
+@slow
+def test_the_tiny_models_answers_are_valid_text_on_the_newer_llama_cpp(
+        prebuilt_supervisor: ReplicaSupervisor, served_gguf: tuple[str, str]) -> None:
+    """With byte tokens, newer llama.cpp sent U+FFFD or 500 for answers cut inside a character."""
+    r = ready_replica(prebuilt_supervisor, *served_gguf, ["--ctx-size", "512"])
+    key = {"Authorization": f"Bearer {r['api_key']}"}
+    with httpx.Client(base_url=r["endpoint"], headers=key, timeout=30) as client:
+        for seed in range(20):
+            got = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi é"}], "max_tokens": 24,
+                "seed": seed, "temperature": 1.5})
+            assert got.status_code == 200, got.text
+            assert "\ufffd" not in got.json()["choices"][0]["message"]["content"]
