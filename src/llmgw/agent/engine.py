@@ -4,7 +4,8 @@ Order of sources (DESIGN.md): `engine.llama_server` from agent.yaml; `llama-serv
 PATH; a build cached by version; else a CMake build of the pinned source, with CUDA when
 this node has an NVIDIA GPU and a CUDA toolkit. `engine.prebuilt` adds xllamacpp's prebuilt
 CPU wheel (llmgw.agent._prebuilt): `xllamacpp` takes it before the cached build, `auto`
-only on a CPU node where no build is cached (and builds when the wheel cannot be had).
+only on a CPU node where no build is cached and no engine.version is named (and builds
+when the wheel cannot be had).
 
 The cache lives outside any checkout, under `engine.cache_dir` (default
 `${XDG_CACHE_HOME:-~/.cache}/llmgw`):
@@ -222,8 +223,9 @@ class LlamaCpp:
     # --- the prebuilt wheel ---
 
     def _prebuilt_allowed(self) -> bool:
+        # auto leaves GPU nodes and a version asked for by name to the source build.
         return self.config.prebuilt == _prebuilt.ENGINE or (
-            self.config.prebuilt == "auto" and not self.gpu_expected
+            self.config.prebuilt == "auto" and not self.gpu_expected and not self.config.version
         )
 
     def _prebuilt_cached(self) -> Found | None:
