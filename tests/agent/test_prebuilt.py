@@ -75,6 +75,30 @@ def test_xllamacpp_goes_before_a_cached_build(tmp_path: Path,
     assert found is not None and found.origin == "prebuilt cache"
 
 
+def test_auto_leaves_a_named_version_to_the_source_build(tmp_path: Path) -> None:
+    e = LlamaCpp(EngineConfig(cache_dir=str(tmp_path / "cache"), prebuilt="auto",
+                              version="0.3.30"), search_path=str(tmp_path / "empty"))
+    fake_install(e.cache_dir)
+    assert e.locate() is None
+
+
+def test_a_wheel_pip_cannot_get_fails_xllamacpp_naming_the_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    status = engine(tmp_path, "xllamacpp").provision()
+    assert status.state == "failed", status
+    assert "installing the xllamacpp" in status.detail and "install.log" in status.detail
+    assert "engine.prebuilt: off" in status.detail
+
+
+def test_auto_builds_when_the_wheel_cannot_be_had(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build path takes over: here it finds no cmake, so the node says so."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    status = engine(tmp_path, "auto").provision()
+    assert status.state == "unsupported" and "cmake" in status.detail, status
+
+
 def test_xllamacpp_on_a_gpu_node_fails_saying_it_is_cpu_only(tmp_path: Path) -> None:
     status = engine(tmp_path, "xllamacpp", gpu=True).provision()
     assert status.state == "failed"
