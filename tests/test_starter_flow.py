@@ -64,7 +64,9 @@ def engine_pid(host: ThrowawayHost) -> int:
 def llama_servers() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
             and (p / "cmdline").exists()
-            and b"llama-server" in (p / "cmdline").read_bytes().split(b"\0")[0]]
+            # Two words: the prebuilt engine is `python .../llama-server`.
+            and any(w.endswith(b"llama-server")
+                    for w in (p / "cmdline").read_bytes().split(b"\0")[:2])]
 
 
 def cmdline(pid: int) -> str:

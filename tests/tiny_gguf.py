@@ -1,7 +1,12 @@
-"""A tiny llama-architecture GGUF for tests: random weights, a byte-level tokenizer.
+"""A tiny llama-architecture GGUF for tests: random weights, a character-level tokenizer.
 
 A few hundred KB; llama.cpp loads it in well under a second and answers with random
-bytes, which is all a test of the plumbing needs. Nothing is fetched from a hub.
+characters, which is all a test of the plumbing needs. Nothing is fetched from a hub.
+
+Every token is a whole character (printable ASCII, tab, newline, the Latin-1 letters, the
+SentencePiece space), so any sampled answer is valid UTF-8: with raw byte tokens an answer
+could end inside a character, and newer llama.cpp builds answer such a reply with 500.
+A prompt may hold only those characters (others have no token to fall back to).
 """
 
 from __future__ import annotations
@@ -27,9 +32,15 @@ CHAT_TEMPLATE = (
 def _vocab() -> tuple[list[str], list[float], list[int]]:
     import gguf
 
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    ascii_bytes = [0x09, 0x0A, 0x0D, *range(0x20, 0x7F)]
+    # Byte tokens for ASCII only: each is a whole character on its own.
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in ascii_bytes)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    types += [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.BYTE] * len(ascii_bytes)
+    # SentencePiece writes a space as U+2581; Latin-1 letters as whole characters.
+    characters = ["\u2581", *(chr(c) for c in range(0xA1, 0x100) if c != 0xAD)]
+    tokens += characters
+    types += [gguf.TokenType.NORMAL] * len(characters)
     return tokens, [0.0] * len(tokens), [int(t) for t in types]
 
 

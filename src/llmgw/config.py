@@ -124,6 +124,10 @@ class EngineConfig(_Section):
     source: StrictStr = ""
     # A string: `version: 0.3` in YAML is a number, refused (quote it).
     version: StrictStr = ""
+    # off: find or build llama-server; xllamacpp: its prebuilt CPU wheel first; auto: the
+    # wheel on a CPU node without a cached build (see llmgw.agent.engine). Provisioning
+    # writes auto (--engine-prebuilt); the library's own default builds.
+    prebuilt: Literal["off", "auto", "xllamacpp"] = "off"
 
 
 def _labels(value: Any) -> Any:

@@ -2,7 +2,10 @@
 
 Order of sources (DESIGN.md): `engine.llama_server` from agent.yaml; `llama-server` on
 PATH; a build cached by version; else a CMake build of the pinned source, with CUDA when
-this node has an NVIDIA GPU and a CUDA toolkit.
+this node has an NVIDIA GPU and a CUDA toolkit. `engine.prebuilt` adds xllamacpp's prebuilt
+CPU wheel (llmgw.agent._prebuilt): `xllamacpp` takes it before the cached build, `auto`
+only on a CPU node where no build is cached and no engine.version is named (and builds
+when the wheel cannot be had).
 
 The cache lives outside any checkout, under `engine.cache_dir` (default
 `${XDG_CACHE_HOME:-~/.cache}/llmgw`):
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from llmgw._files import atomic_write
-from llmgw.agent import _build
+from llmgw.agent import _build, _prebuilt
 from llmgw.agent._build import BuildError
 from llmgw.config import EngineConfig
 from llmgw.contract import EngineState
@@ -177,8 +180,9 @@ class LlamaCpp:
     def provision(self) -> Status:
         """Find or build the engine, check it, and end in ready, failed or unsupported."""
         try:
-            found = self.locate() or self.build()
-            self._say(EngineState.CHECKING, f"{found.path} ({found.origin})", version=found.version)
+            found = self._obtain()
+            self._say(EngineState.CHECKING, f"{found.path} ({found.origin})",
+                      version=found.version)
             self.check(found)
         except EngineUnavailable as e:
             self._say(e.state, e.detail)
@@ -212,9 +216,55 @@ class LlamaCpp:
         on_path = shutil.which(BINARY, path=self.search_path)
         if on_path:
             return Found(Path(on_path), self._binary_version(Path(on_path)), "path")
+        if self.config.prebuilt == _prebuilt.ENGINE:
+            return self._prebuilt_cached()
         if self.cached_binary.is_file() and os.access(self.cached_binary, os.X_OK):
             return Found(self.cached_binary, self.source_version, "cache")
-        return None
+        return self._prebuilt_cached() if self._prebuilt_allowed() else None
+
+    # --- the prebuilt wheel ---
+
+    def _prebuilt_allowed(self) -> bool:
+        # auto leaves GPU nodes and a version asked for by name to the source build.
+        return self.config.prebuilt == _prebuilt.ENGINE or (
+            self.config.prebuilt == "auto" and not self.gpu_expected and not self.config.version
+        )
+
+    def _prebuilt_cached(self) -> Found | None:
+        if not _prebuilt.installed(self.cache_dir):
+            return None
+        return self._prebuilt_found(_prebuilt.write_launcher(self.cache_dir), "cache")
+
+    @staticmethod
+    def _prebuilt_found(path: Path, how: str) -> Found:
+        return Found(path, f"{_prebuilt.ENGINE}-{_prebuilt.VERSION}", f"prebuilt {how}")
+
+    def install_prebuilt(self) -> Found:
+        """The prebuilt wheel into the cache's venv; refused on a GPU node (it is CPU only)."""
+        if self.gpu_expected:
+            raise EngineUnavailable(
+                EngineState.FAILED,
+                f"engine.prebuilt: {_prebuilt.ENGINE} in agent.yaml is a CPU-only wheel, and "
+                "this node has an NVIDIA GPU; remove the key (the agent builds llama.cpp with "
+                "CUDA) and restart the agent",
+            )
+        self._say(EngineState.DOWNLOADING,
+                  f"{_prebuilt.ENGINE} {_prebuilt.VERSION} prebuilt wheel from the package index")
+        return self._prebuilt_found(_prebuilt.install(self.cache_dir), "installed")
+
+    def _obtain(self) -> Found:
+        """The engine to check: located, else the prebuilt wheel where allowed, else built."""
+        found = self.locate()
+        if found:
+            return found
+        if self.config.prebuilt == _prebuilt.ENGINE:
+            return self.install_prebuilt()
+        if self._prebuilt_allowed():
+            try:
+                return self.install_prebuilt()
+            except BuildError as e:
+                log.warning("no prebuilt engine, building the pinned source instead: %s", e)
+        return self.build()
 
     def _binary_version(self, path: Path) -> str:
         rc, out = run_quietly([str(path), "--version"])
@@ -321,6 +371,9 @@ class LlamaCpp:
             )
 
     def _fix_hint(self, found: Found) -> str:
+        if found.origin.startswith("prebuilt"):
+            return (f"remove {found.path.parent} and restart the agent to install it again, "
+                    "or set engine.prebuilt: off in agent.yaml")
         if found.origin in ("cache", "built"):
             return f"remove {found.path.parent} and restart the agent to build it again"
         if found.origin == "path":

@@ -88,7 +88,8 @@ def pid_is_engine(pid: int, port: int) -> bool:
     if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
         return False
     words = [a.decode(errors="replace") for a in argv]
-    return any(w.endswith(ENGINE_NAME) for w in words[:1]) and str(port) in words
+    # Two words: the prebuilt engine's launcher is a script, run as `python .../llama-server`.
+    return any(w.endswith(ENGINE_NAME) for w in words[:2]) and str(port) in words
 
 
 class ReplicaSupervisor:
