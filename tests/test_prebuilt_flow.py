@@ -30,7 +30,7 @@ def test_an_empty_cache_gets_the_prebuilt_engine_and_the_starter_answers(
                                          / "xllamacpp"))
     assert not (tmp_path / "empty-cache" / "llmgw" / "engines" / "llamacpp").exists()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{host.ports['gateway']}/v1",
-                           api_key="unused", max_retries=0)
+                           api_key=host.gateway_key, max_retries=0)
     chat = client.chat.completions.create(
         model="qwen-0.5b", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8)
     assert chat.usage is not None and chat.usage.completion_tokens > 0
