@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.fleet.cluster import Agent, ControlPlane
@@ -19,12 +18,15 @@ DOWN_S = NODE_TIMEOUT_S + 1.5
 
 
 def _node(cp: ControlPlane) -> dict:
-    [node] = httpx.get(f"{cp.admin}/api/v1/nodes", timeout=5).json()
+    with cp.admin_client() as admin:
+        [node] = admin.nodes()
     return node
 
 
 def _not_ready_gauge(cp: ControlPlane) -> float:
-    for line in httpx.get(f"{cp.admin}/metrics", timeout=5).text.splitlines():
+    with cp.admin_client() as admin:
+        text = admin.metrics()
+    for line in text.splitlines():
         if line.startswith('llmgw_nodes{state="not_ready"}'):
             return float(line.split()[-1])
     raise AssertionError("no llmgw_nodes{state=\"not_ready\"} in the control plane's /metrics")
@@ -34,7 +36,8 @@ def _wait_ready(cp: ControlPlane, agent: Agent, timeout_s: float = 60.0) -> dict
     deadline = time.monotonic() + timeout_s
     node: dict = {}
     while time.monotonic() < deadline:
-        nodes = httpx.get(f"{cp.admin}/api/v1/nodes", timeout=5).json()
+        with cp.admin_client() as admin:
+            nodes = admin.nodes()
         node = nodes[0] if nodes else {}
         if node.get("state") == "ready":
             return node
@@ -47,6 +50,7 @@ def test_a_restart_longer_than_the_node_timeout_leaves_the_node_ready(
     tmp_path: Path, llama_server: str
 ) -> None:
     cp = ControlPlane(tmp_path / "cp", node_timeout_s=NODE_TIMEOUT_S).start()
+    (tmp_path / "node").mkdir()
     agent = Agent(tmp_path / "node", "n1", cp.agent_api, cp.issue("n1", tmp_path / "pki"),
                   llama_server=llama_server, heartbeat_s=BEAT_S).start()
     try:
