@@ -27,6 +27,10 @@ HANDSHAKE_TIMEOUT_S = 10.0
 # reconnects after a control-plane restart: handshakes all in progress together each take
 # seconds, the agents give up on them and try again, and the work done is lost.
 HANDSHAKES_AT_ONCE = 32
+# A connection that waited this long for its turn is closed unanswered: its agent gives up
+# on a handshake at 10 s, so the work would come too late; closed, the agent backs off and
+# comes back when the queue is shorter.
+HANDSHAKE_QUEUE_S = 5.0
 # Longer than any heartbeat interval, so a kept-alive agent never finds its connection gone.
 IDLE_TIMEOUT_S = 120.0
 
@@ -129,6 +133,7 @@ class TLSServer:
         self._conns: dict[asyncio.StreamWriter, Peer] = {}
         self._handshakes: asyncio.Semaphore | None = None
         self.accepted = 0  # connections served since start
+        self.shed = 0  # connections closed after waiting HANDSHAKE_QUEUE_S for a handshake
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-api",
                                         daemon=True)
 
@@ -172,7 +177,12 @@ class TLSServer:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=2 ** 16)
         protocol = asyncio.StreamReaderProtocol(reader)
+        arrived = loop.time()
         async with self._handshakes:
+            if loop.time() - arrived > HANDSHAKE_QUEUE_S:
+                self.shed += 1
+                sock.close()
+                return
             try:
                 transport, _ = await loop.connect_accepted_socket(
                     lambda: protocol, sock, ssl=self.context,
