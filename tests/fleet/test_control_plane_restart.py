@@ -52,8 +52,9 @@ def test_a_restart_longer_than_the_node_timeout_leaves_the_node_ready(
     cp = ControlPlane(tmp_path / "cp", node_timeout_s=NODE_TIMEOUT_S).start()
     (tmp_path / "node").mkdir()
     agent = Agent(tmp_path / "node", "n1", cp.agent_api, cp.issue("n1", tmp_path / "pki"),
-                  llama_server=llama_server, heartbeat_s=BEAT_S).start()
+                  llama_server=llama_server, heartbeat_s=BEAT_S)
     try:
+        agent.start()
         _wait_ready(cp, agent)
         cp.stop()
         time.sleep(DOWN_S)
