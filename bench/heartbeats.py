@@ -2,6 +2,7 @@
 
 Run on demand, not in the suite:
     python bench/heartbeats.py --nodes 1000,2000,5000 --duration 30 [--modes keepalive,new]
+    python bench/heartbeats.py --nodes 5000 --modes restart --duration 60
 
 Starts the real control plane (`llmgw server`, its own CA) and, in separate processes, N
 simulated nodes, each with its own client certificate made at run time with llmgw.pki.
@@ -33,11 +34,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw import pki  # noqa: E402
+from llmgw.agent.agent import backoff_s  # noqa: E402
 from llmgw.contract import AgentPaths  # noqa: E402
 from llmgw.control._tlsserver import new_event_loop  # noqa: E402
 from tests.fleet.cluster import ControlPlane  # noqa: E402
 
 TIMEOUT_S = 10.0
+# restart mode: when the restart comes, and how long the nodes may take to come back.
+RESTART_AFTER_S = 5.0
+BACK_WITHIN_S = 60.0
 
 
 def inventory(node: str) -> bytes:
@@ -78,6 +83,18 @@ class Node:
         self.name, self.ctx, self.port, self.keep = name, ctx, port, keep
         self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self.payload = request(name, port, keep)
+        self.failures = 0  # in a row, as the agent counts them for its backoff
+
+    async def beat_as_agent(self) -> int:
+        """A beat the way the agent's client sends it: a kept-alive connection the server
+        dropped is made again at once, once."""
+        if self.conn is None:
+            return await self.beat()
+        try:
+            return await self.beat()
+        except (OSError, asyncio.IncompleteReadError, ssl.SSLError):
+            self.close()
+            return await self.beat()
 
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.conn is None:
@@ -100,7 +117,7 @@ class Node:
 
 
 async def run_nodes(nodes: list[Node], interval: float, start: float, measure_from: float,
-                    end: float) -> dict[str, Any]:
+                    end: float, as_agent: bool = False) -> dict[str, Any]:
     latencies: list[float] = []
     failures: dict[str, int] = {}
     beats = {"sent": 0}
@@ -111,7 +128,8 @@ async def run_nodes(nodes: list[Node], interval: float, start: float, measure_fr
             await asyncio.sleep(max(0.0, at - time.time()))
             sent = time.time()
             try:
-                status = await asyncio.wait_for(node.beat(), TIMEOUT_S)
+                status = await asyncio.wait_for(
+                    node.beat_as_agent() if as_agent else node.beat(), TIMEOUT_S)
                 kind = "" if status == 200 else f"HTTP {status}"
             except Exception as e:  # every failure is counted by its kind
                 node.close()
@@ -122,6 +140,10 @@ async def run_nodes(nodes: list[Node], interval: float, start: float, measure_fr
                     failures[kind] = failures.get(kind, 0) + 1
                 else:
                     latencies.append((time.time() - sent) * 1000)
+            if as_agent:
+                node.failures = node.failures + 1 if kind else 0
+                at = time.time() + backoff_s(interval, node.failures)
+                continue
             at += interval
             while at < time.time() - interval:  # a beat that fell a whole interval behind
                 at += interval
@@ -177,21 +199,23 @@ async def beats(nodes: list[Node], args: dict[str, Any], out: Any) -> None:
     interval = args["interval"]
     # The first interval is not measured: beats settle into their slots.
     out.send(await run_nodes(nodes, interval, start, start + interval,
-                             start + interval + args["duration"]))
+                             start + interval + args["duration"], args["as_agent"]))
 
 
-def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: float,
-        procs: int, work: Path) -> dict[str, Any]:
-    names = [f"bench-{'k' if keep else 'n'}-{total}-{i:05d}" for i in range(total)]
+def start_generators(cp: ControlPlane, names: list[str], keep: bool, interval: float,
+                     duration: float, procs: int, work: Path, as_agent: bool = False,
+                     ) -> tuple[list[Any], list[Any], int, float]:
+    """The load processes, their nodes connected; returns (pipes, children, nodes that
+    failed to connect, the time the beats start)."""
     pipes, children = [], []
     for p in range(procs):
-        folder = work / f"gen-{keep}-{total}-{p}"
+        folder = work / f"gen-{keep}-{as_agent}-{len(names)}-{p}"
         folder.mkdir(parents=True, exist_ok=True)
         mine, theirs = multiprocessing.Pipe()
         child = multiprocessing.Process(target=generator, args=({
             "pki": str(cp.pki), "dir": str(folder), "names": names[p::procs],
             "port": cp.ports["agent"], "keep": keep, "interval": interval,
-            "duration": duration}, theirs))
+            "duration": duration, "as_agent": as_agent}, theirs))
         child.start()
         pipes.append(mine)
         children.append(child)
@@ -199,6 +223,26 @@ def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: flo
     start = time.time() + 1.0
     for pipe in pipes:
         pipe.send(start)
+    return pipes, children, connect_failures, start
+
+
+def collect(pipes: list[Any], children: list[Any]) -> tuple[list[float], dict[str, int]]:
+    """Every generator's latencies (sorted) and failures by kind."""
+    results = [pipe.recv() for pipe in pipes]
+    for child in children:
+        child.join()
+    failures: dict[str, int] = {}
+    for r in results:
+        for kind, n in r["failures"].items():
+            failures[kind] = failures.get(kind, 0) + n
+    return sorted(x for r in results for x in r["latencies"]), failures
+
+
+def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: float,
+        procs: int, work: Path) -> dict[str, Any]:
+    names = [f"bench-{'k' if keep else 'n'}-{total}-{i:05d}" for i in range(total)]
+    pipes, children, connect_failures, start = start_generators(
+        cp, names, keep, interval, duration, procs, work)
     threads, cpu = 0, [0.0, 0.0]
     time.sleep(max(0.0, start + interval - time.time()))
     cpu[0] = cp.cpu_s()
@@ -206,14 +250,7 @@ def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: flo
         threads = max(threads, cp.threads())
         time.sleep(min(1.0, max(0.0, start + interval + duration - time.time())))
     cpu[1] = cp.cpu_s()
-    results = [pipe.recv() for pipe in pipes]
-    for child in children:
-        child.join()
-    latencies = sorted(x for r in results for x in r["latencies"])
-    failures: dict[str, int] = {}
-    for r in results:
-        for kind, n in r["failures"].items():
-            failures[kind] = failures.get(kind, 0) + n
+    latencies, failures = collect(pipes, children)
     return {
         "nodes": total, "mode": "keepalive" if keep else "new",
         "offered": total / interval, "achieved": len(latencies) / duration,
@@ -223,6 +260,63 @@ def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: flo
         "cpu_us": (cpu[1] - cpu[0]) / max(len(latencies), 1) * 1e6,
         "cpu_share": (cpu[1] - cpu[0]) / duration,
     }
+
+
+def node_states(cp: ControlPlane, prefix: str) -> tuple[int, list[float]]:
+    """(nodes the control plane counts not_ready, the last_seen of each named prefix…),
+    from its /metrics: lighter on it than the admin API's validated node list."""
+    with cp.admin_client() as admin:
+        text = admin.metrics()
+    now = time.time()
+    not_ready, last_seen = 0, []
+    for line in text.splitlines():
+        if line.startswith("llmgw_node_heartbeat_age_seconds{") and f'"{prefix}' in line:
+            last_seen.append(now - float(line.rsplit(" ", 1)[1]))
+        elif line.startswith('llmgw_nodes{state="not_ready"}'):
+            not_ready = int(float(line.rsplit(" ", 1)[1]))
+    return not_ready, last_seen
+
+
+def restart(cp: ControlPlane, total: int, interval: float, duration: float, procs: int,
+            work: Path) -> dict[str, Any]:
+    """Kept-alive nodes beating as agents; the control plane restarted under them."""
+    prefix = f"bench-r-{total}-"
+    names = [f"{prefix}{i:05d}" for i in range(total)]
+    duration = max(duration, RESTART_AFTER_S + BACK_WITHIN_S)
+    pipes, children, connect_failures, start = start_generators(
+        cp, names, True, interval, duration, procs, work, as_agent=True)
+    time.sleep(max(0.0, start + interval + RESTART_AFTER_S - time.time()))
+    not_ready, _ = node_states(cp, prefix)
+    stopped = time.time()
+    cp.stop()
+    cp.start()
+    up = time.time()
+    cpu0, back_s, seen = cp.cpu_s(), float("nan"), 0
+    while time.time() < up + BACK_WITHIN_S:
+        shown, last_seen = node_states(cp, prefix)
+        not_ready = max(not_ready, shown)
+        seen = sum(t >= up for t in last_seen)
+        if seen == total:
+            back_s = time.time() - up
+            break
+        time.sleep(max(0.0, 1.0 - (time.time() - up) % 1.0))
+    cpu = cp.cpu_s() - cpu0
+    for _ in range(3):  # and after: a node the grace held must not drop afterwards
+        not_ready = max(not_ready, node_states(cp, prefix)[0])
+        time.sleep(1.0)
+    latencies, failures = collect(pipes, children)
+    return {"nodes": total, "down_s": up - stopped, "not_ready": not_ready,
+            "back_s": back_s, "back": seen, "failures": failures,
+            "cpu_ms": cpu / max(seen, 1) * 1e3, "p99": _pct(latencies, 99),
+            "connect_failures": connect_failures}
+
+
+def print_restart(r: dict[str, Any]) -> None:
+    kinds = ", ".join(f"{n} {k}" for k, n in r["failures"].items()) or "none"
+    back = (f"{r['back_s']:.1f} s" if r["back_s"] == r["back_s"]
+            else f"not all: {r['back']:,} in {BACK_WITHIN_S:.0f} s")
+    print(f"| {r['nodes']:,} | {r['down_s']:.1f} s | {r['not_ready']} | {back} | "
+          f"{r['cpu_ms']:.2f} ms | {kinds} | {r['p99']:.0f} |", flush=True)
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -236,7 +330,8 @@ def _pct(values: list[float], p: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", default="1000,2000,5000", help="comma-separated node counts")
-    parser.add_argument("--modes", default="keepalive,new", help="keepalive, new or both")
+    parser.add_argument("--modes", default="keepalive,new",
+                        help="keepalive, new, restart, or several comma-separated")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between beats")
     parser.add_argument("--duration", type=float, default=30.0, help="measured seconds")
     parser.add_argument("--procs", type=int, default=2, help="load-generator processes")
@@ -244,13 +339,27 @@ def main() -> None:
     print(f"# heartbeats every {args.interval:g}s, measured {args.duration:g}s after one "
           f"interval of connecting; {os.cpu_count()} CPUs shared with whatever else runs; "
           f"load from {args.procs} process(es)")
-    print("| nodes | mode | offered/s | achieved/s | failed | p50 ms | p99 ms | "
-          "control plane threads | control plane CPU per beat | its cores busy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if set(args.modes.split(",")) - {"restart"}:
+        print("| nodes | mode | offered/s | achieved/s | failed | p50 ms | p99 ms | "
+              "control plane threads | control plane CPU per beat | its cores busy |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         cp = ControlPlane(Path(tmp) / "cp").start()
         try:
             for mode in args.modes.split(","):
+                if mode == "restart":
+                    print("\n| nodes | control plane down | most shown not_ready | all beating "
+                          "again after it answers | its CPU per node back | failed beats | "
+                          "beat p99 ms |\n|---|---|---|---|---|---|---|")
+                    for total in (int(n) for n in args.nodes.split(",")):
+                        # A control plane of its own: no node of another run in its counts.
+                        own = ControlPlane(Path(tmp) / f"cp-restart-{total}").start()
+                        try:
+                            print_restart(restart(own, total, args.interval, args.duration,
+                                                  args.procs, Path(tmp)))
+                        finally:
+                            own.stop()
+                    continue
                 for total in (int(n) for n in args.nodes.split(",")):
                     r = run(cp, total, mode == "keepalive", args.interval, args.duration,
                             args.procs, Path(tmp))

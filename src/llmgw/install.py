@@ -1,9 +1,15 @@
-"""The installed llmgw of system mode: a venv in /opt/llmgw that every service user can run.
+"""The installed llmgw of system mode: releases in /opt/llmgw that every service user can run.
 
 Services under systemd must not run the checkout's own environment: a clone under /root,
 or a venv whose interpreter lives there (pyenv), is hidden from user llmgw and from units
 with ProtectHome=. So system mode installs the checkout into a venv llmgw owns, made with an
 interpreter outside every home folder, and links /usr/local/bin/llmgw to it.
+
+Each release is its own venv, /opt/llmgw/releases/VERSION-COMMIT-DIGEST/; the symlink
+/opt/llmgw/current names the one in use and is swapped with rename(2), so a unit starts
+either the old release or the new one, never half of each. The one before stays, named by
+/opt/llmgw/previous, so an upgrade whose `pytest checks/` fails is rolled back (rollback()).
+A venv made by an older llmgw straight in /opt/llmgw counts as a release named ".".
 """
 
 from __future__ import annotations
@@ -29,17 +35,23 @@ __all__ = [
     "InstallError",
     "Installed",
     "Release",
+    "RolledBack",
     "checkout_release",
+    "confirm_upgrade",
     "drift",
     "find_interpreter",
     "hidden_program",
     "install",
     "installed_release",
+    "pending_upgrade",
+    "rollback",
 ]
 
 VENV = Path("/opt/llmgw")
 LINK = Path("/usr/local/bin/llmgw")
 RECORD_NAME = "llmgw-install.json"
+# Written by an upgrade, removed once `pytest checks/` passes (or the upgrade is undone).
+PENDING_NAME = "pending-upgrade.json"
 # The distribution's interpreters first: they sit outside every home and get security fixes.
 CANDIDATES = ("/usr/bin/python3.11", "/usr/bin/python3", "/usr/local/bin/python3.11",
               "/usr/local/bin/python3")
@@ -125,13 +137,50 @@ def checkout_release(checkout: Path) -> Release:
     return Release(str(project["version"]), _commit(checkout), h.hexdigest())
 
 
-def installed_release(venv: Path = VENV) -> Release | None:
-    """The release installed in venv, from the record install() leaves; None when none is."""
+def release_name(release: Release) -> str:
+    """The folder a release is installed in, under releases/."""
+    return f"{release.version}-{release.commit or 'uncommitted'}-{release.digest[:12]}"
+
+
+def release_dir(root: Path, which: str) -> Path | None:
+    """The release folder that root/current or root/previous names; for a venv made by an
+    older llmgw straight in root, root itself as the current one."""
+    target = link_target(root / which)
+    if target is not None:
+        return (root / target).resolve() if target != Path(".") else root
+    if which == "current" and (root / RECORD_NAME).is_file():
+        return root
+    return None
+
+
+def _record(folder: Path | None) -> Release | None:
+    if folder is None:
+        return None
     try:
-        data = json.loads((venv / RECORD_NAME).read_text())
+        data = json.loads((folder / RECORD_NAME).read_text())
         return Release(data["version"], data["commit"], data["digest"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def installed_release(venv: Path = VENV, which: str = "current") -> Release | None:
+    """The release in use under venv (or the previous one), from the record install()
+    leaves in it; None when there is none."""
+    return _record(release_dir(venv, which))
+
+
+def pending_upgrade(venv: Path = VENV) -> tuple[Release, Release] | None:
+    """(new, previous) of an upgrade not yet confirmed by `pytest checks/`; else None."""
+    try:
+        data = json.loads((venv / PENDING_NAME).read_text())
+        return Release(**data["release"]), Release(**data["previous"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def confirm_upgrade(venv: Path = VENV) -> None:
+    """The upgrade passed its checks: nothing is left to roll back."""
+    (venv / PENDING_NAME).unlink(missing_ok=True)
 
 
 def drift(checkout: Path, venv: Path = VENV, link: Path = LINK) -> str:
@@ -139,9 +188,10 @@ def drift(checkout: Path, venv: Path = VENV, link: Path = LINK) -> str:
     want = checkout_release(checkout)
     have = installed_release(venv)
     if have is None:
-        return f"no llmgw is installed in {venv} (no {venv / RECORD_NAME})"
-    if link_target(link) != venv / "bin" / "llmgw":
-        return f"{link} points at {link_target(link) or 'nothing'}, not {venv}/bin/llmgw"
+        return f"no llmgw is installed in {venv} (no {venv / 'current' / RECORD_NAME})"
+    if link_target(link) != venv / "current" / "bin" / "llmgw":
+        return (f"{link} points at {link_target(link) or 'nothing'}, not "
+                f"{venv}/current/bin/llmgw")
     if have != want:
         return (f"the services run llmgw {have.label()} from {venv}, but the checkout "
                 f"{checkout} holds {want.label()}"
@@ -270,8 +320,9 @@ def _pip_install(venv: Path, checkout: Path, run: Runner) -> None:
                f"pip install of {checkout} into {venv}")
 
 
-def _link(venv: Path, link: Path) -> bool:
-    target = venv / "bin" / "llmgw"
+def _swap_link(link: Path, target: Path) -> bool:
+    """Point link at target with rename(2): whoever follows it sees the old target or the
+    new one, never none. Returns whether it changed."""
     if link_target(link) == target:
         return False
     link.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +331,15 @@ def _link(venv: Path, link: Path) -> bool:
     tmp.symlink_to(target)
     os.replace(tmp, link)
     return True
+
+
+def _link(venv: Path, link: Path) -> bool:
+    return _swap_link(link, venv / "current" / "bin" / "llmgw")
+
+
+def _relative(venv: Path, folder: Path) -> Path:
+    """How root/current names a release: relative, so the tree can be inspected anywhere."""
+    return Path(".") if folder == venv else folder.resolve().relative_to(venv.resolve())
 
 
 def _restart_running(units: Sequence[str], run: Runner) -> tuple[str, ...]:
@@ -292,6 +352,30 @@ def _restart_running(units: Sequence[str], run: Runner) -> tuple[str, ...]:
     return running
 
 
+def _usable(folder: Path | None) -> bool:
+    made_with = venv_interpreter(folder) if folder is not None else None
+    return made_with is not None and made_with.exists() and not hidden_from_services(made_with)
+
+
+def _build(checkout: Path, release: Release, folder: Path, candidates: Sequence[str],
+           run: Runner) -> None:
+    """A venv at folder holding the checkout's release (kept when it already does)."""
+    if _usable(folder) and _record(folder) == release:
+        return  # a release installed before (the one rolled back from, say)
+    _make_venv(folder, find_interpreter(candidates, run), run)
+    _pip_install(folder, checkout, run)
+    atomic_write(folder / RECORD_NAME, json.dumps(asdict(release), indent=2) + "\n")
+
+
+def _prune(venv: Path) -> None:
+    """Remove the releases that neither current nor previous names: two are kept."""
+    keep = {release_dir(venv, "current"), release_dir(venv, "previous")}
+    releases = venv / "releases"
+    for folder in sorted(releases.iterdir()) if releases.is_dir() else []:
+        if folder.resolve() not in keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def install(
     checkout: Path,
     *,
@@ -301,22 +385,64 @@ def install(
     candidates: Sequence[str] = CANDIDATES,
     run: Runner = _run,
 ) -> Installed:
-    """Make venv hold the checkout's release and link points at its llmgw.
+    """Make venv/current hold the checkout's release and link point at its llmgw.
 
-    Changes nothing when the venv already holds this release, made with an interpreter
-    every service user can run, and the link is right. After an upgrade the running units
-    among `units` are restarted, so they run the new code.
+    Changes nothing when the current release is this one, made with an interpreter every
+    service user can run, and the link is right. Otherwise the release is built in its own
+    folder beside the current one, current is swapped to it and the one before is kept as
+    previous; after an upgrade the running units among `units` are restarted, so they run
+    the new code, and the upgrade is pending until confirm_upgrade() or rollback().
     """
     release = checkout_release(checkout)
-    previous = installed_release(venv)
-    made_with = venv_interpreter(venv)
-    usable = made_with is not None and made_with.exists() and not hidden_from_services(made_with)
-    if usable and previous == release:
+    before = release_dir(venv, "current")
+    previous = _record(before)
+    if previous == release and _usable(before) and before != venv:
         return Installed(_link(venv, link), release, previous)
-    if not usable:
-        _make_venv(venv, find_interpreter(candidates, run), run)
-    _pip_install(venv, checkout, run)
-    atomic_write(venv / RECORD_NAME, json.dumps(asdict(release), indent=2) + "\n")
+    folder = venv / "releases" / release_name(release)
+    _build(checkout, release, folder, candidates, run)
+    if before is not None and previous is not None and _usable(before):
+        _swap_link(venv / "previous", _relative(venv, before))
+    _swap_link(venv / "current", _relative(venv, folder))
     _link(venv, link)
-    restarted = _restart_running(units, run) if previous is not None else ()
-    return Installed(True, release, previous, restarted)
+    _prune(venv)
+    if previous is None:
+        return Installed(True, release, previous)
+    if previous != release:
+        atomic_write(venv / PENDING_NAME, json.dumps(
+            {"release": asdict(release), "previous": asdict(previous)}, indent=2) + "\n")
+    return Installed(True, release, previous, _restart_running(units, run))
+
+
+@dataclass(frozen=True)
+class RolledBack:
+    """What rollback() did: the release undone, the one restored, the units restarted."""
+
+    undone: Release
+    restored: Release
+    restarted: tuple[str, ...] = ()
+
+    def line(self, venv: Path = VENV) -> str:
+        restarted = f"; restarted {', '.join(self.restarted)}" if self.restarted else ""
+        return (f"rolled back llmgw {self.undone.label()} to {self.restored.label()} in "
+                f"{venv}{restarted}")
+
+
+def rollback(
+    *, venv: Path = VENV, link: Path = LINK, units: Sequence[str] = (), run: Runner = _run
+) -> RolledBack:
+    """Make the previous release current again and restart units (those that run llmgw)."""
+    undone, back = _record(release_dir(venv, "current")), release_dir(venv, "previous")
+    restored = _record(back)
+    if undone is None or back is None or restored is None:
+        raise InstallError(
+            f"there is no previous release to restore in {venv} ({venv / 'previous'} names "
+            f"{link_target(venv / 'previous') or 'nothing'}); install the release you want "
+            "with `scripts/up` from its checkout")
+    _swap_link(venv / "current", _relative(venv, back))
+    (venv / "previous").unlink(missing_ok=True)  # never back onto the release undone
+    _link(venv, link)
+    confirm_upgrade(venv)
+    # Every unit given, failed ones too: the release undone may be why they failed.
+    if units:
+        _check(run(["systemctl", "restart", *units]), f"systemctl restart {' '.join(units)}")
+    return RolledBack(undone, restored, tuple(units))

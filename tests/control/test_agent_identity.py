@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,3 +128,68 @@ def test_the_listen_backlog_holds_a_fleet_connecting_at_once(agent_api: AgentAPI
                          text=True, check=True).stdout.split()
     # State, Recv-Q, Send-Q (the backlog of a listening socket), ...
     assert int(out[2]) >= 2048, out
+
+
+def _server(tmp_path: Path, store: Store) -> AgentAPIServer:
+    ctx = mtls_context(str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
+                       str(tmp_path / "server-key.pem"))
+    server = AgentAPIServer("127.0.0.1", 0, ctx, AgentAPI(store))
+    server.start()
+    return server
+
+
+def test_a_connection_that_waited_too_long_for_its_turn_is_closed_unanswered(
+    tmp_path: Path, cluster: dict[str, pki.KeyPair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a restart the whole fleet reconnects: a handshake that waited past
+    HANDSHAKE_QUEUE_S is not done (its agent is about to give up), it is refused at once."""
+    from llmgw.control import _tlsserver
+
+    monkeypatch.setattr(_tlsserver, "HANDSHAKE_QUEUE_S", -1.0)  # every wait is too long
+    store = Store(tmp_path / "control.db")
+    server = _server(tmp_path, store)
+    client = AgentClient(f"https://127.0.0.1:{server.port}",
+                         node_tls(tmp_path, cluster["ca"], "node-a", "node-a"))
+    try:
+        with pytest.raises(AgentAPIError, match="did not answer"):
+            client.heartbeat({})
+        assert server._server.shed >= 1 and store.nodes() == []
+        monkeypatch.setattr(_tlsserver, "HANDSHAKE_QUEUE_S", 5.0)  # negative control
+        assert client.heartbeat({})["node_id"] == "node-a"
+    finally:
+        client.close()
+        server.stop()
+        store.close()
+
+
+def test_handshakes_wait_for_a_turn(
+    tmp_path: Path, cluster: dict[str, pki.KeyPair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one turn, a client that connects and never says hello holds it until its
+    handshake times out; the next node's handshake waits for it, then is served."""
+    import socket
+    import threading
+
+    from llmgw.control import _tlsserver
+
+    monkeypatch.setattr(_tlsserver, "HANDSHAKES_AT_ONCE", 1)
+    monkeypatch.setattr(_tlsserver, "HANDSHAKE_TIMEOUT_S", 1.5)
+    store = Store(tmp_path / "control.db")
+    server = _server(tmp_path, store)
+    client = AgentClient(f"https://127.0.0.1:{server.port}",
+                         node_tls(tmp_path, cluster["ca"], "node-a", "node-a"))
+    silent = socket.create_connection(("127.0.0.1", server.port))
+    answers: list[dict] = []
+    try:
+        time.sleep(0.2)  # the silent connection takes the turn first
+        beat = threading.Thread(target=lambda: answers.append(client.heartbeat({})))
+        beat.start()
+        beat.join(timeout=0.7)
+        assert answers == [], "the handshake did not wait for the turn the silent one held"
+        beat.join(timeout=10)
+        assert answers and answers[0]["node_id"] == "node-a"
+    finally:
+        silent.close()
+        client.close()
+        server.stop()
+        store.close()

@@ -25,7 +25,7 @@ UNITS = ("llmgw-server", "llmgw-mirror", "llmgw-agent")
 STARTER = "qwen2.5-0.5b-instruct"
 UP_TIMEOUT_S = 1800
 # What provisioning writes; `pytest checks/` must leave every byte of it as it was.
-WRITTEN = ("/etc/llmgw", "/etc/systemd/system", "/opt/llmgw/llmgw-install.json")
+WRITTEN = ("/etc/llmgw", "/etc/systemd/system", "/opt/llmgw/current/llmgw-install.json")
 
 
 # The first run is given the hub's address and a token, as a user with a gated model
@@ -138,8 +138,8 @@ def test_the_three_units_run_the_installed_llmgw(host: SystemdContainer) -> None
         assert "path=/usr/local/bin/llmgw " in props["ExecStart"], (unit, props)
         assert "/root/" not in props["ExecStart"] and "/home/" not in props["ExecStart"], props
     target = host.run("readlink", "-f", "/usr/local/bin/llmgw").stdout.strip()
-    assert target.startswith("/opt/llmgw/"), target
-    python = host.run("readlink", "-f", "/opt/llmgw/bin/python").stdout.strip()
+    assert target.startswith("/opt/llmgw/releases/0.1.0-"), target
+    python = host.run("readlink", "-f", "/opt/llmgw/current/bin/python").stdout.strip()
     assert not python.startswith(("/root/", "/home/")), python
 
 
@@ -235,6 +235,7 @@ def test_a_newer_checkout_is_installed_and_the_units_restarted(host: SystemdCont
     done = [s["message"] for s in steps if s["status"] == "done"]
     assert len(done) == 1 and "installed in /opt/llmgw (was 0.1.0 (" in done[0], done
     assert "restarted llmgw-server, llmgw-mirror, llmgw-agent" in done[0], done
+    assert "`pytest checks/` passed after the upgrade" in proc.stdout, proc.stdout[-3000:]
     assert all(main_pid(host, u) != pids[u] for u in UNITS)
     assert engine_pids(host) == engines
     assert checks(host).returncode == 0

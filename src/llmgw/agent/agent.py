@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import threading
 import time
@@ -23,15 +24,26 @@ from llmgw.contract.records import Heartbeat
 log = logging.getLogger("llmgw.agent")
 
 MAX_BACKOFF_S = 15.0
+# A wait never exceeds three heartbeats either: with the node timeout at six (30 s for
+# 5 s beats), a node whose control plane restarts is back before its grace runs out.
+MAX_BACKOFF_BEATS = 3
 # How often the agent looks at its certificate's expiry.
 RENEW_CHECK_S = 3600.0
 
 
-def backoff_s(heartbeat_s: float, failures: int) -> float:
-    """How long to wait after `failures` heartbeats in a row went unanswered."""
+def backoff_s(heartbeat_s: float, failures: int,
+              jitter: Callable[[], float] = random.random) -> float:
+    """How long to wait after `failures` heartbeats in a row went unanswered: doubling up
+    to MAX_BACKOFF_BEATS heartbeats or MAX_BACKOFF_S, each wait drawn between half and
+    all of it.
+
+    A control plane that restarts drops every node at once; drawn waits spread their
+    reconnects (a TLS handshake each) instead of bringing them back in one burst."""
     if failures <= 0:
         return heartbeat_s
-    return min(MAX_BACKOFF_S, heartbeat_s * 2 ** min(failures - 1, 8))
+    ceiling = min(MAX_BACKOFF_S, MAX_BACKOFF_BEATS * heartbeat_s,
+                  heartbeat_s * 2 ** min(failures - 1, 8))
+    return ceiling * (0.5 + 0.5 * jitter())
 
 
 class Agent:
@@ -125,7 +137,8 @@ class Agent:
         except AgentAPIError as e:
             self.failures += 1
             if self.failures == 1:
-                log.warning("%s; retrying with backoff up to %.0fs", e, MAX_BACKOFF_S)
+                log.warning("%s; retrying with backoff up to %.0fs", e,
+                            backoff_s(self.config.heartbeat_s, 99, lambda: 1.0))
             return backoff_s(self.config.heartbeat_s, self.failures)
         if self.failures:
             log.info("the control plane at %s answers again", self.config.server)

@@ -23,6 +23,14 @@ log = logging.getLogger("llmgw.agent_api")
 BACKLOG = 2048
 MAX_BODY = 4 * 1024 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
+# TLS handshakes in progress at once; the rest wait, accepted, in their sockets. Every node
+# reconnects after a control-plane restart: handshakes all in progress together each take
+# seconds, the agents give up on them and try again, and the work done is lost.
+HANDSHAKES_AT_ONCE = 32
+# A connection that waited this long for its turn is closed unanswered: its agent gives up
+# on a handshake at 10 s, so the work would come too late; closed, the agent backs off and
+# comes back when the queue is shorter.
+HANDSHAKE_QUEUE_S = 5.0
 # Longer than any heartbeat interval, so a kept-alive agent never finds its connection gone.
 IDLE_TIMEOUT_S = 120.0
 
@@ -121,9 +129,11 @@ class TLSServer:
         self._refused = refused
         self._loop = new_event_loop()
         self._sock = self._listen(host, port)
-        self._server: asyncio.base_events.Server | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._conns: dict[asyncio.StreamWriter, Peer] = {}
+        self._handshakes: asyncio.Semaphore | None = None
         self.accepted = 0  # connections served since start
+        self.shed = 0  # connections closed after waiting HANDSHAKE_QUEUE_S for a handshake
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-api",
                                         daemon=True)
 
@@ -146,9 +156,41 @@ class TLSServer:
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
 
     async def _start(self) -> None:
-        self._server = await asyncio.start_server(
-            self._connection, sock=self._sock, backlog=BACKLOG, ssl=self.context,
-            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+        self._handshakes = asyncio.Semaphore(HANDSHAKES_AT_ONCE)
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    async def _accept(self) -> None:
+        """Accept every connection at once (cheap); its TLS waits for a turn."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError as e:  # out of file descriptors, say: the next may do
+                log.warning("accepting a connection failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            loop.create_task(self._admit(sock))
+
+    async def _admit(self, sock: socket.socket) -> None:
+        """The TLS handshake, at most HANDSHAKES_AT_ONCE together, then the requests."""
+        assert self._handshakes is not None
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=2 ** 16)
+        protocol = asyncio.StreamReaderProtocol(reader)
+        arrived = loop.time()
+        async with self._handshakes:
+            if loop.time() - arrived > HANDSHAKE_QUEUE_S:
+                self.shed += 1
+                sock.close()
+                return
+            try:
+                transport, _ = await loop.connect_accepted_socket(
+                    lambda: protocol, sock, ssl=self.context,
+                    ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+            except (OSError, ssl.SSLError, TimeoutError, ConnectionError):
+                sock.close()
+                return
+        await self._connection(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run fn on the server's loop, after what it is doing now."""
@@ -162,8 +204,9 @@ class TLSServer:
         self._loop.close()
 
     async def _stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+        self._sock.close()
         for writer in list(self._conns):
             writer.transport.abort()
 

@@ -130,7 +130,7 @@ def make_admin_app(
               after: str = "") -> list[NodeView]:
         """Every node by id; with limit, a page of nodes after the id `after`."""
         now = store.clock()
-        return [node_view(n, now, node_timeout_s) for n in store.nodes(limit, after)]
+        return [node_view(n, now, node_timeout_s, store.hearing) for n in store.nodes(limit, after)]
 
     @app.delete("/api/v1/nodes/{node_id}")
     def remove_node(node_id: str) -> NodeRemoval:

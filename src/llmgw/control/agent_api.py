@@ -134,7 +134,8 @@ class AgentAPI:
         node = self.store.node(request.peer.cn)
         if node is None:
             return Reply(404, {"detail": f"{request.peer.cn} has not sent a heartbeat yet"})
-        return Reply(200, node_view(node, self.store.clock(), self.node_timeout_s))
+        return Reply(200, node_view(node, self.store.clock(), self.node_timeout_s,
+                                   self.store.hearing))
 
     def _renew(self, request: Request) -> Reply:
         """A new certificate for the same node, for a key the node made."""

@@ -66,7 +66,7 @@ class StateCollector:
     def collect(self) -> Iterator[Any]:
         now = self.store.clock()
         nodes = self.store.nodes()
-        views = [node_view(n, now, self.node_timeout_s) for n in nodes]
+        views = [node_view(n, now, self.node_timeout_s, self.store.hearing) for n in nodes]
         by_state = GaugeMetricFamily("llmgw_nodes", "Nodes by state", labels=["state"])
         for state in NodeState:
             by_state.add_metric([state], sum(v["state"] == state for v in views))

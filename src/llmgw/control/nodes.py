@@ -3,10 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from llmgw.contract import NodeState
 from llmgw.contract.records import NodeRecord, NodeView
+
+
+@dataclass(frozen=True)
+class Hearing:
+    """Since when this control plane hears heartbeats, and the newest one stored before.
+
+    A node cannot beat to a control plane that is down or starting: its silence is
+    counted from `since`, not from its last beat, unless it was already silent when the
+    previous control plane last heard anyone (`last_before`). So a restart keeps every
+    node's state for one node timeout while the agents reconnect. The defaults count
+    silence from the last beat alone."""
+
+    since: float = float("-inf")
+    last_before: float = float("-inf")
+
+
+ALWAYS_HEARD = Hearing()
+
+
+def silence_s(last_seen: float, now: float, timeout_s: float,
+              hearing: Hearing = ALWAYS_HEARD) -> float:
+    """How long a node has been silent while someone was listening."""
+    if last_seen >= hearing.since or hearing.last_before - last_seen > timeout_s:
+        return now - last_seen
+    return now - hearing.since
 
 
 def reported_state(inventory: Mapping[str, Any]) -> NodeState:
@@ -18,10 +44,12 @@ def reported_state(inventory: Mapping[str, Any]) -> NodeState:
     return NodeState.REGISTERING
 
 
-def node_view(node: NodeRecord, now: float, timeout_s: float) -> NodeView:
-    """The admin API's view of a stored node (DESIGN.md wire contract)."""
+def node_view(node: NodeRecord, now: float, timeout_s: float,
+              hearing: Hearing = ALWAYS_HEARD) -> NodeView:
+    """The admin API's view of a stored node (DESIGN.md wire contract); the scheduler, the
+    metrics and the agent API read the same view."""
     inv = node["inventory"]
-    silent = now - node["last_seen"] > timeout_s
+    silent = silence_s(node["last_seen"], now, timeout_s, hearing) > timeout_s
     return {
         "id": node["id"],
         "state": NodeState.NOT_READY if silent else reported_state(inv),

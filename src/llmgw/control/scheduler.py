@@ -156,7 +156,8 @@ class Scheduler:
 
     def tick(self) -> Plan:
         now = self.store.clock()
-        nodes = [node_view(n, now, self.node_timeout_s) for n in self.store.nodes()]
+        hearing = self.store.hearing
+        nodes = [node_view(n, now, self.node_timeout_s, hearing) for n in self.store.nodes()]
         p = plan(self.store.models(), nodes, self.store.replicas())
         for rid, why in p.stop.items():
             log.info("stopping replica %s: %s", rid, why)

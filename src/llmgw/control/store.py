@@ -27,6 +27,7 @@ from llmgw.contract.records import (
     ReplicaRecord,
     checked,
 )
+from llmgw.control.nodes import Hearing
 
 log = logging.getLogger("llmgw.store")
 
@@ -124,6 +125,10 @@ class Store:
         self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._db.executescript(_SCHEMA)
         self._migrate()
+        # This process starts hearing now; node_view keeps a restart from silencing nodes.
+        last = self._db.execute("SELECT MAX(last_seen) FROM nodes").fetchone()[0]
+        self.hearing = Hearing(since=clock(), last_before=float("-inf") if last is None
+                               else float(last))
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
