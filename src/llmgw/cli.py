@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from llmgw import __version__
@@ -32,7 +33,10 @@ def _mirror_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from llmgw.mirror.server import Options, serve
+    from llmgw.services import read_environment_file
 
+    if args.env_file:  # local mode: supervisord has no EnvironmentFile, so the mirror reads it
+        os.environ.update(read_environment_file(Path(args.env_file)))
     options = Options(
         Path(args.dir), args.listen, args.api_listen, args.base or "",
         admin_token_hash=Path(args.admin_token_hash) if args.admin_token_hash else None,
@@ -135,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     mserve.add_argument("--import-dir", action="append", default=[], metavar="DIR",
                         help="a folder file:// sources may be read from; repeatable; none by "
                              "default (use `llmgw mirror import` to upload a file instead)")
+    mserve.add_argument("--env-file", default=None, metavar="FILE",
+                        help="KEY=\"VALUE\" lines (HF_ENDPOINT, HF_TOKEN) put in the "
+                             "environment at start; a missing file is no error (local mode's "
+                             "mirror.env, 0600)")
     mserve.set_defaults(run=_mirror_serve)
 
     mimport = mirror_sub.add_parser(
