@@ -210,5 +210,5 @@ def test_a_dead_hub_without_a_source_fails_at_once_naming_the_option(make_host, 
     assert lines and "--starter-source" in lines[0] and "--no-starter" in lines[0], result.output
     # Said live, on its own line, before the node's engine wait ends (the summary repeats it).
     said = next(i for i, line in enumerate(out) if line.startswith("FAIL  starter       source:"))
-    ready = next(i for i, line in enumerate(out) if "is ready with llama-server" in line)
+    ready = next(i for i, line in enumerate(out) if "is ready with llamacpp" in line)
     assert said < ready, result.output
