@@ -168,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="system (root with systemd), local, or auto (default)")
     check.add_argument("--json", action="store_true",
                        help="print one JSON record per promise: {step, promise, status, message}")
+    check.add_argument("--serve", default=None, metavar="ADDR",
+                       help="keep checking: a round every --interval, the last result on "
+                            "http://ADDR/healthz (200, or 503 naming what fails) and /metrics "
+                            "(a gauge per promise); on the control plane's machine each round "
+                            "also goes to its admin API (`llmgw status` shows the drift)")
+    check.add_argument("--interval", type=float, default=60.0, metavar="SECONDS",
+                       help="with --serve: seconds from one round's end to the next's start "
+                            "(default 60)")
+    check.add_argument("--name", default=None, metavar="HOST",
+                       help="with --serve: this host's name in the control plane's drift "
+                            "(default the hostname)")
     check.add_argument("pytest_args", nargs="*", metavar="PYTEST_ARG",
                        help="more pytest arguments after --, e.g. -- -k pki")
     check.set_defaults(run=_check)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 from llmgw.admin_token import RequireAdminToken
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import Model
+from llmgw.control.drift import add_drift_routes
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
 from llmgw.control.records import NodeView, PublicReplica
@@ -60,6 +61,7 @@ def make_admin_app(
     app.add_middleware(RequireAdminToken, hash_path=token_hash)
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
     scraper = httpx.AsyncClient()
+    add_drift_routes(app)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -57,6 +57,15 @@ class AdminClient(JSONClient):
         return self._call("GET", "/api/v1/replicas", params=params)
 
 
+    def report_drift(self, host: str, report: dict[str, Any]) -> dict[str, Any]:
+        """A host's last round of checks: {checked, promises, failing: [{promise, since,
+        message}]}."""
+        return self._call("PUT", f"/api/v1/drift/{host}", json=report)
+
+    def drift(self) -> list[dict[str, Any]]:
+        """Every host's last round of checks, as `llmgw check --serve` reported it."""
+        return self._call("GET", "/api/v1/drift")
+
     def replica_logs(self, replica: str, lines: int = 50) -> dict[str, Any]:
         return self._call("GET", f"/api/v1/replicas/{replica}/logs", params={"n": lines})
 
