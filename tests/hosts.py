@@ -58,7 +58,9 @@ class ThrowawayHost:
         return [f"--{name}-listen=127.0.0.1:{port}" for name, port in self.ports.items()]
 
     def pytest(self, suite: str, *args: str, timeout: float = 1800,
-               listen: bool = True) -> RunResult:
+               listen: bool = True, env: dict[str, str] | None = None) -> RunResult:
+        """pytest SUITE on this host; env adds to (or, with '' values, removes from) this
+        process's environment."""
         steps_json = self.state_dir.parent / f"{self.state_dir.name}-{suite.strip('/')}-steps.json"
         steps_json.unlink(missing_ok=True)
         cmd = [
@@ -66,19 +68,22 @@ class ThrowawayHost:
             "--mode=local", f"--state-dir={self.state_dir}", f"--steps-json={steps_json}",
             "--advertise=127.0.0.1", *(self.listen_args() if listen else ()), *args,
         ]
+        environ = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
         proc = subprocess.run(
             cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            env={k: v for k, v in environ.items() if v},
         )
         steps = json.loads(steps_json.read_text()) if steps_json.exists() else []
         return RunResult(proc.returncode, proc.stdout + proc.stderr, steps)
 
-    def provision(self, *args: str, timeout: float = 1800) -> RunResult:
-        return self.pytest("provision/", *args, timeout=timeout)
+    def provision(self, *args: str, timeout: float = 1800,
+                  env: dict[str, str] | None = None) -> RunResult:
+        return self.pytest("provision/", *args, timeout=timeout, env=env)
 
-    def checks(self, *args: str, timeout: float = 600) -> RunResult:
+    def checks(self, *args: str, timeout: float = 600,
+               env: dict[str, str] | None = None) -> RunResult:
         """pytest checks/ with --state-dir alone: the host's files say where it listens."""
-        return self.pytest("checks/", *args, timeout=timeout, listen=False)
+        return self.pytest("checks/", *args, timeout=timeout, listen=False, env=env)
 
     def down(self) -> str:
         proc = subprocess.run(

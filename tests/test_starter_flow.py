@@ -21,7 +21,8 @@ from tests.hosts import ThrowawayHost
 
 pytestmark = pytest.mark.slow
 
-NAME, ALIAS = "qwen2.5-0.5b-instruct", "qwen-0.5b"
+# The tiny GGUF's general.name: a file starter is served under its own name; the alias stays.
+NAME, ALIAS = "llmgw-tiny-test", "qwen-0.5b"
 
 
 def until(what: str, predicate, timeout_s: float = 120.0, interval_s: float = 0.5):
@@ -34,10 +35,17 @@ def until(what: str, predicate, timeout_s: float = 120.0, interval_s: float = 0.
         time.sleep(interval_s)
 
 
+# Provisioned with the hub's variables set (a dead hub: the starter is a file); every later
+# run goes without them, as from another shell.
+HUB_ENV = {"HF_TOKEN": "hf_flowtestsecret", "HF_ENDPOINT": "http://127.0.0.1:9"}
+NO_HUB_ENV = {"HF_TOKEN": "", "HF_ENDPOINT": ""}
+
+
 @pytest.fixture(scope="module")
 def host(tmp_path_factory, tiny_gguf):
     h = ThrowawayHost(tmp_path_factory.mktemp("starter") / "state")
-    h.first_run = h.provision(f"--starter-source={tiny_gguf[0].as_uri()}", "--gateway-tls")
+    h.first_run = h.provision(f"--starter-source={tiny_gguf[0].as_uri()}", "--gateway-tls",
+                              env=HUB_ENV)
     yield h
     h.down()
 
@@ -109,14 +117,33 @@ def test_provision_brings_up_the_first_answer(host) -> None:
     done = " ".join(first.lines("done"))
     assert f"{NAME} in the mirror" in done and f"{NAME} in the catalog" in done
     assert "it answered" in first.output
+    with host.admin() as admin:
+        assert [(m["name"], m["aliases"]) for m in admin.models()] == [(NAME, [ALIAS])]
+
+
+def test_the_hub_token_reaches_the_mirror_through_its_0600_file_only(host) -> None:
+    """Local mode: HF_TOKEN is in STATE/etc/mirror.env (0600) and the mirror's environment,
+    never in supervisord's program text."""
+    env_file = host.state_dir / "etc" / "mirror.env"
+    assert env_file.stat().st_mode & 0o777 == 0o600
+    assert HUB_ENV["HF_TOKEN"] in env_file.read_text()
+    program = (host.state_dir / "supervisor.d" / "llmgw-mirror.conf").read_text()
+    assert HUB_ENV["HF_TOKEN"] not in program and "--env-file" in program
+    [pid] = [p for p in Path("/proc").iterdir() if p.name.isdigit()
+             and b"mirror\0serve" in (p / "cmdline").read_bytes()
+             and str(host.state_dir).encode() in (p / "cmdline").read_bytes()]
+    environ = (pid / "environ").read_bytes().split(b"\0")
+    assert f"HF_TOKEN={HUB_ENV['HF_TOKEN']}".encode() in environ
 
 
 def test_checks_pass_then_a_second_provision_keeps_everything(host) -> None:
-    checks = host.checks()
+    """From a shell without the hub's variables: checks pass, provision keeps everything
+    (the token stays in mirror.env, the mirror is not restarted)."""
+    checks = host.checks(env=NO_HUB_ENV)
     assert checks.returncode == 0, checks.output[-4000:]
     for step in ("pki", "control_plane", "mirror", "node", "starter"):
         assert not checks.skips(step), checks.output[-4000:]
-    again = host.provision()
+    again = host.provision(env=NO_HUB_ENV)
     assert again.returncode == 0, again.output[-4000:]
     assert "done" not in again.statuses(), again.lines("done")
 
@@ -284,5 +311,10 @@ def test_a_dead_hub_without_a_source_fails_at_once_naming_the_option(make_host, 
     result = host.provision()
     assert result.returncode != 0
     assert time.monotonic() - started < 120
-    lines = [line for line in result.output.splitlines() if "cannot be reached" in line]
+    out = result.output.splitlines()
+    lines = [line for line in out if "cannot be reached" in line]
     assert lines and "--starter-source" in lines[0] and "--no-starter" in lines[0], result.output
+    # Said live, on its own line, before the node's engine wait ends (the summary repeats it).
+    said = next(i for i, line in enumerate(out) if line.startswith("FAIL  starter       source:"))
+    ready = next(i for i, line in enumerate(out) if "is ready with llamacpp" in line)
+    assert said < ready, result.output

@@ -76,5 +76,9 @@ def check(state_dir: str | None, mode: str, as_json: bool, extra: list[str]) -> 
 
 
 def main_args(args: Any) -> int:
+    if getattr(args, "serve", None):
+        from llmgw.watch import serve_main
+
+        return serve_main(args)
     sys.stdout.flush()
     return check(args.state_dir, args.mode, args.json, args.pytest_args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from llmgw import __version__
@@ -32,7 +33,10 @@ def _mirror_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from llmgw.mirror.server import Options, serve
+    from llmgw.services import read_environment_file
 
+    if args.env_file:  # local mode: supervisord has no EnvironmentFile, so the mirror reads it
+        os.environ.update(read_environment_file(Path(args.env_file)))
     options = Options(
         Path(args.dir), args.listen, args.api_listen, args.base or "",
         admin_token_hash=Path(args.admin_token_hash) if args.admin_token_hash else None,
@@ -135,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     mserve.add_argument("--import-dir", action="append", default=[], metavar="DIR",
                         help="a folder file:// sources may be read from; repeatable; none by "
                              "default (use `llmgw mirror import` to upload a file instead)")
+    mserve.add_argument("--env-file", default=None, metavar="FILE",
+                        help="KEY=\"VALUE\" lines (HF_ENDPOINT, HF_TOKEN) put in the "
+                             "environment at start; a missing file is no error (local mode's "
+                             "mirror.env, 0600)")
     mserve.set_defaults(run=_mirror_serve)
 
     mimport = mirror_sub.add_parser(
@@ -160,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="system (root with systemd), local, or auto (default)")
     check.add_argument("--json", action="store_true",
                        help="print one JSON record per promise: {step, promise, status, message}")
+    check.add_argument("--serve", default=None, metavar="ADDR",
+                       help="keep checking: a round every --interval, the last result on "
+                            "http://ADDR/healthz (200, or 503 naming what fails) and /metrics "
+                            "(a gauge per promise); on the control plane's machine each round "
+                            "also goes to its admin API (`llmgw status` shows the drift)")
+    check.add_argument("--interval", type=float, default=60.0, metavar="SECONDS",
+                       help="with --serve: seconds from one round's end to the next's start "
+                            "(default 60)")
+    check.add_argument("--name", default=None, metavar="HOST",
+                       help="with --serve: this host's name in the control plane's drift "
+                            "(default the hostname)")
     check.add_argument("pytest_args", nargs="*", metavar="PYTEST_ARG",
                        help="more pytest arguments after --, e.g. -- -k pki")
     check.set_defaults(run=_check)

@@ -19,6 +19,19 @@ def admin_client(layout: Layout, *, timeout: float = 10.0) -> AdminClient:
     return AdminClient(url, token=read_token(layout.admin_token), timeout=timeout)
 
 
+def gateway_key(layout: Layout) -> str:
+    """The key a client of this host's gateway sends as its bearer token; '' when the
+    gateway asks for none. The one place that says which key clients are handed: the
+    owner's key provisioning made (etc/gateway-key, 0600: readable by its owner only), else
+    server.yaml's first static token."""
+    try:
+        return layout.gateway_key.read_text().strip()
+    except FileNotFoundError:
+        pass
+    tokens = cfg.load_server(layout.server_yaml).tokens
+    return tokens[0] if tokens else ""
+
+
 def mirror_client(layout: Layout, *, timeout: float = 10.0) -> MirrorClient:
     """The mirror management API server.yaml names, with the admin token."""
     server = cfg.load_server(layout.server_yaml)

@@ -98,6 +98,11 @@ class Layout:
         return self.etc / "gateway-key"
 
     @property
+    def check_serve(self) -> Path:
+        """`ADDR INTERVAL` of `llmgw check --serve`, as --check-serve first gave them."""
+        return self.etc / "check-serve"
+
+    @property
     def mirror_probe(self) -> Path:
         """The mirror's probe file's source: in the models dir (the mirror unit may write
         nowhere else), under a dot-name, which the mirror never serves."""

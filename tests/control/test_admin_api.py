@@ -164,3 +164,23 @@ def test_keys_are_made_listed_and_revoked_never_showing_a_secret_or_hash(
     assert admin.get("/api/v1/keys").json() == []
     assert admin.delete("/api/v1/keys/ci").status_code == 404
     assert admin.post("/api/v1/keys", json={"rpm": -1}).status_code == 422
+
+
+def test_a_hosts_drift_report_replaces_its_last_and_is_listed_by_host(live_control_plane):
+    """PUT /api/v1/drift/HOST keeps a host's last round; GET lists every host's; a name that
+    is not a host name is 422; without the admin token, 401."""
+    admin = live_control_plane.admin
+    assert admin.get("/api/v1/drift").json() == []
+    failing = [{"promise": "mirror/service", "since": 100.0, "message": "stopped"}]
+    assert admin.put("/api/v1/drift/b", json={"checked": 1.0, "promises": 3}).status_code == 200
+    r = admin.put("/api/v1/drift/a", json={"checked": 1.0, "promises": 3, "failing": failing})
+    assert r.status_code == 200, r.text
+    admin.put("/api/v1/drift/a", json={"checked": 2.0, "promises": 3, "failing": failing})
+    listed = admin.get("/api/v1/drift").json()
+    assert [(d["host"], d["checked"], d["failing"]) for d in listed] == [
+        ("a", 2.0, failing), ("b", 1.0, [])]
+    bad = admin.put("/api/v1/drift/..%20x", json={"checked": 1.0, "promises": 0})
+    assert bad.status_code in (404, 422)
+    anonymous = live_control_plane.anonymous().put("/api/v1/drift/a",
+                                                   json={"checked": 3.0, "promises": 0})
+    assert anonymous.status_code == 401

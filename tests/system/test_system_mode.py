@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 CLONE = "/root/llmgw"
 MODEL = "/srv/llmgw-test/tiny.gguf"
 UNITS = ("llmgw-server", "llmgw-mirror", "llmgw-agent")
-STARTER = "qwen2.5-0.5b-instruct"
+STARTER = "llmgw-tiny-test"  # the tiny GGUF's general.name
 UP_TIMEOUT_S = 1800
 # What provisioning writes; `pytest checks/` must leave every byte of it as it was.
 WRITTEN = ("/etc/llmgw", "/etc/systemd/system", "/opt/llmgw/current/llmgw-install.json")
@@ -260,5 +260,5 @@ def test_down_stops_and_disables_everything_and_keeps_the_data(host: SystemdCont
     for pid in pids.values():
         assert host.run("kill", "-0", str(pid), check=False).returncode != 0, proc.stdout
     for kept in ("/etc/llmgw/server.yaml", "/etc/llmgw/pki/ca-key.pem",
-                 "/var/lib/llmgw", "/srv/models/qwen2.5-0.5b-instruct/starter"):
+                 "/var/lib/llmgw", f"/srv/models/{STARTER}/starter"):
         assert host.path(kept).exists(), kept

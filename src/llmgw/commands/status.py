@@ -10,7 +10,7 @@ import time
 from llmgw.commands import _admin
 from llmgw.commands._table import ago, table
 from llmgw.contract import ReplicaState
-from llmgw.contract.records import Gpu, NodeView, PublicReplica
+from llmgw.contract.records import Gpu, HostDrift, NodeView, PublicReplica
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -23,19 +23,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     with _admin.admin(args) as client:
         try:
-            nodes, replicas = client.nodes(), client.replicas()
+            nodes, replicas, drift = client.nodes(), client.replicas(), client.drift()
         except _admin.Error as e:
             if getattr(e, "status", 0) is None:
                 raise _admin.unreachable(client, e) from None
             raise
     if args.json:
-        print(json.dumps({"nodes": nodes, "replicas": replicas}, indent=2))
+        print(json.dumps({"nodes": nodes, "replicas": replicas, "drift": drift}, indent=2))
     else:
-        print(render(nodes, replicas, time.time()))
+        print(render(nodes, replicas, time.time(), drift))
     return 0
 
 
-def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float) -> str:
+def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
+           drift: list[HostDrift] | None = None) -> str:
     node_rows = [[n["id"], n["state"], ",".join(n["engines"]) or "-", _gpus(n["gpus"]),
                   ago(now - n["last_seen"])] for n in nodes]
     replica_rows = [[r["id"], r["model"], r["node"] or "-", r["state"], _uptime(r, now),
@@ -44,7 +45,21 @@ def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float) -> 
         table(["NODE", "STATE", "ENGINES", "GPUS", "LAST SEEN"], node_rows, "no nodes"), "",
         table(["REPLICA", "MODEL", "NODE", "STATE", "UPTIME", "ERROR"], replica_rows,
               "no replicas"),
+        *(["", render_drift(drift, now)] if drift is not None else []),
     ])
+
+
+def render_drift(drift: list[HostDrift], now: float) -> str:
+    """Each host's promises that fail (one row each, since when), or that all hold."""
+    rows = []
+    for report in drift:
+        checked = ago(now - report["checked"])
+        if not report["failing"]:
+            rows.append([report["host"], checked, f"all {report['promises']} hold", "-", ""])
+        rows += [[report["host"], checked, f["promise"], ago(now - f["since"]),
+                  f["message"][:60]] for f in report["failing"]]
+    return table(["HOST", "CHECKED", "DRIFT", "SINCE", "WHY"], rows,
+                 "no host reports its checks (`llmgw check --serve`)")
 
 
 def _gpus(gpus: list[Gpu]) -> str:

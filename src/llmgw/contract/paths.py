@@ -28,6 +28,7 @@ class AdminPaths:
     MODELS = "/api/v1/models"
     REPLICAS = "/api/v1/replicas"
     KEYS = "/api/v1/keys"
+    DRIFT = "/api/v1/drift"
 
     @staticmethod
     def node(node_id: str) -> str:
@@ -36,6 +37,10 @@ class AdminPaths:
     @staticmethod
     def model(name: str) -> str:
         return f"{AdminPaths.MODELS}/{name}"
+
+    @staticmethod
+    def drift(host: str) -> str:
+        return f"{AdminPaths.DRIFT}/{host}"
 
     @staticmethod
     def key(name: str) -> str:

@@ -251,6 +251,29 @@ class NewKey(PublicKey):
     key: str
 
 
+class DriftFailure(TypedDict):
+    """A promise that fails on a host, since when (unix seconds), and why."""
+
+    promise: str
+    since: float
+    message: str
+
+
+class DriftReport(TypedDict):
+    """A host's last round of `llmgw check --serve`, as it sends it to the control plane."""
+
+    checked: float
+    promises: int
+    failing: list[DriftFailure]
+
+
+class HostDrift(DriftReport):
+    """A host's drift as the control plane holds it (`llmgw status`)."""
+
+    host: str
+    received: float
+
+
 class DownloadStatus(TypedDict):
     """How far the mirror has one model version: percent only while downloading."""
 

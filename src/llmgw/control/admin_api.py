@@ -26,6 +26,7 @@ from llmgw.contract.records import (
 from llmgw.control import keys
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import Model
+from llmgw.control.drift import add_drift_routes
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
@@ -110,6 +111,7 @@ def make_admin_app(
     app.add_middleware(RequireAdminToken, hash_path=token_hash)
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
     scraper = httpx.AsyncClient()
+    add_drift_routes(app)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from llmgw._jsonclient import JSONClient
 from llmgw.contract import AdminPaths
 from llmgw.contract.records import (
+    DriftReport,
+    HostDrift,
     JoinToken,
     ModelSpec,
     NewKey,
@@ -79,6 +81,15 @@ class AdminClient(JSONClient):
     def revoke_key(self, name: str) -> PublicKey:
         """Revoke the key of this name, prefix or id."""
         return self._call("DELETE", AdminPaths.key(name))
+
+    def report_drift(self, host: str, report: DriftReport) -> HostDrift:
+        """A host's last round of checks: {checked, promises, failing: [{promise, since,
+        message}]}."""
+        return self._call("PUT", AdminPaths.drift(host), json=report)
+
+    def drift(self) -> list[HostDrift]:
+        """Every host's last round of checks, as `llmgw check --serve` reported it."""
+        return self._call("GET", AdminPaths.DRIFT)
 
     def replica_logs(self, replica: str, lines: int = 50) -> ReplicaLog:
         return self._call("GET", AdminPaths.replica_logs(replica), params={"n": lines})

@@ -20,6 +20,7 @@ __all__ = [
     "llmgw_command",
     "manager_for",
     "environment_file_drift",
+    "read_environment_file",
     "write_environment_file",
 ]
 
@@ -107,6 +108,36 @@ def render_environment_file(env: dict[str, str]) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     return "".join(f"{k}={quoted(v)}\n" for k, v in sorted(env.items()))
+
+
+def read_environment_file(path: Path) -> dict[str, str]:
+    """The KEY="VALUE" lines render_environment_file wrote; {} when there is no file.
+
+    For local mode, where supervisord has no EnvironmentFile: the service reads it itself."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    env: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        key, sep, value = line.partition("=")
+        if not line.strip() or line.startswith("#"):
+            continue
+        if not (sep and key.isidentifier()):
+            raise ServiceError(f"{path} line {number} is not KEY=VALUE ({line[:40]!r}); "
+                               "remove it, or run `pytest provision/` to write the file again")
+        env[key] = _unquoted(value)
+    return env
+
+
+def _unquoted(value: str) -> str:
+    if len(value) < 2 or not (value.startswith('"') and value.endswith('"')):
+        return value
+    out: list[str] = []
+    chars = iter(value[1:-1])
+    for c in chars:
+        out.append(next(chars, "") if c == "\\" else c)
+    return "".join(out)
 
 
 def environment_file_drift(path: Path, env: dict[str, str]) -> str:

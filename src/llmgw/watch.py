@@ -1,0 +1,235 @@
+"""`llmgw check --serve ADDR`: the checks on an interval, their last result on /healthz and
+/metrics (goss serve's way), and each promise's drift sent to the control plane."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from llmgw.config import parse_listen
+
+log = logging.getLogger("llmgw.watch")
+
+FAILED = "failed"
+# A round that takes longer than this is stopped and reported as failed.
+ROUND_TIMEOUT_S = 600.0
+
+Record = dict[str, str]
+
+
+@dataclass
+class Result:
+    """The last round's records, and since when each failing promise has failed."""
+
+    records: list[Record] = field(default_factory=list)
+    finished: float = 0.0
+    duration_s: float = 0.0
+    error: str = ""
+    failing_since: dict[str, float] = field(default_factory=dict)
+
+    def failed(self) -> list[Record]:
+        return [r for r in self.records if r["status"] == FAILED]
+
+    def healthy(self) -> bool:
+        return bool(self.finished) and not self.error and not self.failed()
+
+
+def promise_id(record: Record) -> str:
+    return f"{record['step']}/{record['promise']}"
+
+
+class Watch:
+    """Runs rounds of checks (a callable returning records) and keeps the last result."""
+
+    def __init__(self, run_round: Callable[[], list[Record]],
+                 report: Callable[[Result], None] | None = None) -> None:
+        self._run_round = run_round
+        self._report = report
+        self._lock = threading.Lock()
+        self.result = Result()
+
+    def round(self) -> Result:
+        started = time.time()
+        try:
+            records, error = self._run_round(), ""
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            records, error = [], f"the checks did not run: {e}"
+        now = time.time()
+        with self._lock:
+            since = {pid: self.result.failing_since.get(pid, now)
+                     for pid in map(promise_id, records) if _failed(records, pid)}
+            self.result = Result(records, now, now - started, error, since)
+        if self._report:
+            self._report(self.result)
+        return self.result
+
+    def last(self) -> Result:
+        with self._lock:
+            return self.result
+
+
+def _failed(records: list[Record], pid: str) -> bool:
+    return any(promise_id(r) == pid and r["status"] == FAILED for r in records)
+
+
+def check_round(state_dir: str | None, mode: str) -> Callable[[], list[Record]]:
+    """A round: `llmgw check --json` in a child process (a fresh pytest session each time),
+    its records parsed. ValueError when it printed none (it could not run at all)."""
+    cmd = [sys.executable, "-m", "llmgw", "check", "--json", f"--mode={mode}",
+           *([f"--state-dir={state_dir}"] if state_dir else [])]
+
+    def run() -> list[Record]:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ROUND_TIMEOUT_S)
+        records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        if not records:
+            raise ValueError(f"`{' '.join(cmd)}` exited {proc.returncode} with no record: "
+                             f"{proc.stderr.strip()[-500:]}")
+        return records
+
+    return run
+
+
+def healthz(result: Result) -> tuple[int, str]:
+    """200 and 'ok' when every promise holds; 503 naming what failed, or why nothing ran."""
+    if not result.finished:
+        return 503, "no round of checks has finished yet\n"
+    if result.error:
+        return 503, result.error + "\n"
+    failed = result.failed()
+    if not failed:
+        return 200, f"ok: {len(result.records)} promises checked\n"
+    return 503, "".join(f"{promise_id(r)}: {_first_line(r)}\n" for r in failed)
+
+
+def metrics(result: Result) -> str:
+    """Prometheus text: one gauge per promise (1 holds or skipped, 0 failed), since when it
+    fails, and when the last round finished."""
+    lines = [
+        "# HELP llmgw_promise_ok Whether the promise held in the last round (1), or failed (0).",
+        "# TYPE llmgw_promise_ok gauge",
+    ]
+    for r in result.records:
+        labels = _labels(step=r["step"], promise=promise_id(r), status=r["status"])
+        lines.append(f"llmgw_promise_ok{{{labels}}} {0 if r['status'] == FAILED else 1}")
+    lines += ["# HELP llmgw_promise_failing_since_seconds When the failing promise was first "
+              "seen failing (unix time).", "# TYPE llmgw_promise_failing_since_seconds gauge"]
+    for pid, since in sorted(result.failing_since.items()):
+        lines.append(f"llmgw_promise_failing_since_seconds{{{_labels(promise=pid)}}} {since:.3f}")
+    lines += ["# HELP llmgw_check_last_round_seconds When the last round finished (unix time).",
+              "# TYPE llmgw_check_last_round_seconds gauge",
+              f"llmgw_check_last_round_seconds {result.finished:.3f}",
+              "# HELP llmgw_check_round_duration_seconds How long the last round took.",
+              "# TYPE llmgw_check_round_duration_seconds gauge",
+              f"llmgw_check_round_duration_seconds {result.duration_s:.3f}"]
+    return "\n".join(lines) + "\n"
+
+
+def _labels(**labels: str) -> str:
+    def esc(v: str) -> str:
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return ",".join(f'{k}="{esc(v)}"' for k, v in labels.items())
+
+
+def _handler(watch: Watch) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            result = watch.last()
+            if self.path == "/healthz":
+                self._send(*healthz(result), "text/plain; charset=utf-8")
+            elif self.path == "/metrics":
+                self._send(200, metrics(result), "text/plain; version=0.0.4; charset=utf-8")
+            else:
+                self._send(404, "llmgw check --serve answers /healthz and /metrics\n",
+                           "text/plain; charset=utf-8")
+
+        def _send(self, code: int, body: str, kind: str) -> None:
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass  # a scrape every few seconds would bury the rounds' own lines
+
+    return Handler
+
+
+def serve(addr: str, watch: Watch, interval_s: float,
+          stop: threading.Event | None = None) -> None:
+    """Answer /healthz and /metrics on addr while rounds run every interval_s (from the end
+    of one to the start of the next) until stop is set."""
+    host, port = parse_listen(addr)
+    server = ThreadingHTTPServer((host or "127.0.0.1", port), _handler(watch))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    log.info("llmgw check --serve on %s: a round every %.0fs", addr, interval_s)
+    stop = stop or threading.Event()
+    try:
+        while not stop.is_set():
+            result = watch.round()
+            names = ", ".join(promise_id(r) for r in result.failed())
+            log.info("round: %d promises, %s (%.1fs)", len(result.records),
+                     result.error or (f"failed: {names}" if names else "all hold"),
+                     result.duration_s)
+            stop.wait(interval_s)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def admin_reporter(layout: Any, host: str) -> Callable[[Result], None] | None:
+    """Send each round to the control plane's admin API, when this machine holds it (its
+    server.yaml and admin token); None on a machine that only runs a node."""
+    from llmgw.admin_token import AdminTokenError
+    from llmgw.clients import admin_client
+    from llmgw.config import ConfigError
+    from llmgw.errors import Error
+
+    if not layout.server_yaml.is_file():
+        log.info("no %s here: this round's drift stays on /healthz and /metrics (a joined "
+                 "node does not report to the control plane)", layout.server_yaml)
+        return None
+
+    def report(result: Result) -> None:
+        failing = [{"promise": promise_id(r), "since": result.failing_since[promise_id(r)],
+                    "message": _first_line(r)[:4000]} for r in result.failed()]
+        if result.error:
+            failing.append({"promise": "check", "since": result.finished,
+                            "message": result.error[:4000]})
+        body = {"checked": result.finished, "promises": len(result.records), "failing": failing}
+        try:
+            with admin_client(layout) as admin:
+                admin.report_drift(host, body)
+        except (Error, ConfigError, AdminTokenError, OSError) as e:
+            log.warning("could not send this round to the control plane: %s", e)
+
+    return report
+
+
+def _first_line(record: Record) -> str:
+    message = record.get("message", "").strip()
+    first = message.splitlines()[0] if message else ""
+    return first.removeprefix(f"{promise_id(record)}: ")
+
+
+def serve_main(args: Any) -> int:
+    """`llmgw check --serve ADDR [--interval S] [--name HOST]`."""
+    import socket
+
+    from llmgw.layout import Layout
+
+    layout = Layout.for_mode(args.mode if not args.state_dir else "local", args.state_dir)
+    name = args.name or socket.gethostname()
+    watch = Watch(check_round(args.state_dir, args.mode), admin_reporter(layout, name))
+    serve(args.serve, watch, args.interval)
+    return 0
