@@ -73,6 +73,39 @@ class _GatheringHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(_WritesGathered(transport, self.loop))  # type: ignore[arg-type]
 
 
+# How long an idle connection stays open once its server drains: a busy client sends its
+# next request within milliseconds and gets Connection: close with the answer.
+IDLE_DRAIN_S = 1.0
+
+
+class _DrainingHttpToolsProtocol(_GatheringHttpToolsProtocol):
+    """A connection that drains instead of dropping: when the server stops, a request under
+    way finishes, and an idle keep-alive connection stays open a moment longer so that a
+    request already on the wire is answered (with Connection: close) instead of meeting a
+    closed socket; uvicorn closes idle connections at once, and a client loses the request
+    it was sending just then."""
+
+    draining = False
+
+    def shutdown(self) -> None:
+        self.draining = True
+        if self.cycle is None or self.cycle.response_complete:
+            self.loop.call_later(IDLE_DRAIN_S, self._close_if_idle)
+        else:
+            self.cycle.keep_alive = False
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self.draining:
+            self.cycle.keep_alive = False
+
+    def _close_if_idle(self) -> None:
+        if (self.cycle is None or self.cycle.response_complete) and \
+                not self.transport.is_closing():
+            self.transport.close()
+
+
+
 class QuietServer(uvicorn.Server):
     """A uvicorn server that leaves signals to the process, which runs more than it."""
 
@@ -81,15 +114,21 @@ class QuietServer(uvicorn.Server):
         yield
 
 
-def quiet_server(app: Any, listen: str) -> QuietServer:
-    """app served on listen (HOST:PORT), uvicorn logging warnings only."""
+def quiet_server(app: Any, listen: str, *, drain_s: float | None = None) -> QuietServer:
+    """app served on listen (HOST:PORT), uvicorn logging warnings only.
+
+    drain_s: on stop, requests under way (streams too) get this long to finish and idle
+    connections are closed without losing a request on the wire (_DrainingHttpToolsProtocol);
+    None: uvicorn's own stop, which waits for requests without a bound."""
     host, port = parse_listen(listen)
+    protocol = _GatheringHttpToolsProtocol if drain_s is None else _DrainingHttpToolsProtocol
     # No access log: a line per request costs the gateway more than its own work.
     # No proxy headers: nothing here reads the client's address, and the middleware that
     # rewrites it is a layer on every request.
     return QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                      access_log=False, http=_GatheringHttpToolsProtocol,
-                                      proxy_headers=False))
+                                      access_log=False, http=protocol, proxy_headers=False,
+                                      timeout_graceful_shutdown=None if drain_s is None
+                                      else max(1, round(drain_s))))
 
 
 def on_stop_signals(log: logging.Logger, stop: Callable[[], None]) -> None:

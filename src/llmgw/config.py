@@ -83,8 +83,12 @@ class ServerConfig(_Section):
     gateway_max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0)
+    # The gateway's own process (`llmgw gateway`): its metrics on a loopback listener, which
+    # the admin API's /metrics appends, and how long a stop lets requests under way finish.
+    gateway_metrics_listen: StrictStr = "127.0.0.1:9091"
+    gateway_drain_s: float = Field(default=30.0, gt=0, le=600)
 
-    @field_validator("admin_listen", "agent_listen", "gateway_listen")
+    @field_validator("admin_listen", "agent_listen", "gateway_listen", "gateway_metrics_listen")
     @classmethod
     def _has_port(cls, value: str) -> str:
         return _listen(value)

@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import secrets
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -52,6 +53,8 @@ class Router:
 
     It reads the catalog and the replicas at most every ttl_s, not on every request: the
     hot path stays off SQLite, and a replica that died in between costs one failed try.
+    When a read fails (the control plane's database locked, moved or mid-migration while it
+    restarts), it serves from the last table it read and says so once, until a read works.
     """
 
     def __init__(self, store: Store, ttl_s: float = 0.5) -> None:
@@ -62,10 +65,26 @@ class Router:
         self._names: dict[str, dict[str, Any]] = {}
         self._ready: dict[str, list[dict[str, Any]]] = {}
         self.created: dict[str, int] = {}
+        self.stale_since: float | None = None
 
     def _refresh(self) -> None:
         if time.monotonic() - self._read_at < self.ttl_s:
             return
+        try:
+            self._read_table()
+        except (sqlite3.Error, OSError) as e:
+            self._read_at = time.monotonic()  # try again after ttl_s, not on every request
+            if self.stale_since is None:
+                self.stale_since = time.monotonic()
+                log.warning("cannot read the routing table from %s (%s); serving from the "
+                            "last one read until it can", self.store.path, e)
+            return
+        if self.stale_since is not None:
+            log.info("the routing table reads again, after %.1f s of serving the last one",
+                     time.monotonic() - self.stale_since)
+            self.stale_since = None
+
+    def _read_table(self) -> None:
         names, ready = {}, {}
         for model in self.store.models():
             for name in [model["name"], *model.get("aliases", [])]:
@@ -94,7 +113,10 @@ class Router:
         return ready[start:] + ready[:start]
 
     def states(self, model: str) -> str:
-        reps = [r for r in self.store.replicas(model) if r["state"] != "stopped"]
+        try:
+            reps = [r for r in self.store.replicas(model) if r["state"] != "stopped"]
+        except (sqlite3.Error, OSError) as e:
+            return f"the replicas' states cannot be read now ({e})"
         if not reps:
             return "no replica is scheduled"
         return "; ".join(
