@@ -36,9 +36,8 @@ def _gateway(args: argparse.Namespace) -> int:
     if not args.worker:
         return dataplane.run_master(Path(args.config))
     from llmgw._serving import run_service
-    from llmgw.config import load_server
 
-    run_service(dataplane.serve_worker(load_server(args.config)))
+    run_service(dataplane.serve_worker(Path(args.config)))
     return 0
 
 

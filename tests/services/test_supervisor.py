@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,3 +67,25 @@ def test_programs_inherit_a_raised_open_file_limit(supervisor: Supervisor) -> No
     while not out.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert int(out.read_text()) >= min(open_files_limit(), 4096)
+
+
+def test_reload_signals_the_running_program_instead_of_restarting_it(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """The gateway's handover path: the same process gets SIGHUP (and hands its socket to a
+    new worker); a restart would refuse connections meanwhile."""
+    seen = tmp_path / "hups"
+    # One line: supervisord's config holds the command on one.
+    script = (f"import pathlib, signal, time; p = pathlib.Path({str(seen)!r}); "
+              "signal.signal(signal.SIGHUP, lambda *a: p.open('a').write('h')); "
+              "[time.sleep(0.05) for _ in iter(int, 1)]")
+    supervisor.ensure(ServiceSpec(name="hupper", description="counts SIGHUPs",
+                                  command=[sys.executable, "-c", script], stop_timeout_s=45))
+    assert "stopwaitsecs=45\n" in supervisor.definition_path("hupper").read_text()
+    pid = supervisor.pid("hupper")
+    supervisor.reload("hupper")
+    supervisor.reload("hupper")
+    deadline = time.monotonic() + 10
+    while (seen.read_text() if seen.exists() else "") != "hh" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen.read_text() == "hh"
+    assert supervisor.pid("hupper") == pid

@@ -10,6 +10,7 @@ Workers are stateless: each reads the routing table from the control plane's SQL
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import select
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
+from llmgw import __version__
 from llmgw._serving import on_stop_signals, quiet_server
 from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.control._upstream import Timeouts, Upstream
@@ -249,11 +251,22 @@ async def _watch_master(stop: Any) -> None:
     stop()
 
 
-async def serve_worker(config: ServerConfig) -> None:
+def _info(registry: CollectorRegistry, config_path: Path) -> None:
+    """llmgw_gateway_info: which llmgw and which server.yaml (sha256) this worker serves;
+    provisioning compares it with the file to know whether a reload is due."""
+    digest = hashlib.sha256(config_path.read_bytes()).hexdigest()
+    Gauge("llmgw_gateway_info", "The llmgw version and server.yaml (sha256) the gateway "
+          "serves", ["version", "config_sha256"], registry=registry).labels(
+        __version__, digest).set(1)
+
+
+async def serve_worker(config_path: Path) -> None:
     """One worker: the gateway and its metrics on the inherited sockets, until SIGTERM."""
+    config = load_server(config_path)
     gateway_sock, metrics_sock, ready_fd = worker_fds()
     store = Store(Path(config.state_dir) / "control.db", busy_timeout_s=READ_WAIT_S)
     registry = CollectorRegistry()
+    _info(registry, config_path)
     upstream = Upstream(Timeouts(config.upstream_connect_timeout_s,
                                  config.upstream_read_timeout_s))
     app = make_gateway_app(store, tokens=config.tokens, upstream=upstream,

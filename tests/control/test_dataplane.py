@@ -1,0 +1,273 @@
+"""`llmgw gateway` as its own process, in front of the real llama-server: SIGHUP hands the
+socket to a new worker and SIGTERM drains, so a bounded load of concurrent requests
+(streams among them) loses none; a plain restart does lose some (the negative control)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from llmgw.control.store import Store
+from llmgw.netaddr import free_port
+from tests.control.test_gateway import MODEL, ready
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+CLIENTS = 6
+PER_CLIENT = 400  # a bound on the load; the load stops when the test says so, long before
+LOAD_LIMIT_S = 60.0
+
+
+@dataclass
+class Gateway:
+    """`llmgw gateway` on free loopback ports over a store with one ready replica."""
+
+    root: Path
+    engine: str
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "server.yaml"
+
+    def write(self) -> Gateway:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(yaml.safe_dump({
+            "gateway_listen": f"127.0.0.1:{self.port}",
+            "gateway_metrics_listen": f"127.0.0.1:{self.metrics_port}",
+            "state_dir": str(self.root / "state"), "gateway_drain_s": 20.0}))
+        store = Store(self.root / "state" / "control.db")
+        store.add_model(MODEL)
+        ready(store, "r1", self.engine)
+        store.close()
+        return self
+
+    def start(self, argv: list[str] | None = None, **popen: object) -> Gateway:
+        log = open(self.root / "gateway.log", "ab")  # noqa: SIM115 - the process owns it
+        self.proc = subprocess.Popen(
+            argv or [sys.executable, "-m", "llmgw", "gateway", "--config", str(self.config)],
+            stdout=log, stderr=subprocess.STDOUT, **popen)  # type: ignore[call-overload]
+        until(f"{self.url}/healthz to answer", lambda: httpx.get(
+            f"{self.url}/healthz", timeout=1).status_code == 200, self.log)
+        return self
+
+    def log(self) -> str:
+        path = self.root / "gateway.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def workers(self) -> int:
+        """How many workers the log says started serving."""
+        return self.log().count(" serves 127.0.0.1")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def until(what: str, ok: Callable[[], bool], log: Callable[[], str],
+          timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            if ok():
+                return
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last seen: "
+                         f"{last}; the gateway's log: {log()}")
+
+
+@pytest.fixture(scope="module")
+def engine(llama_server, tiny_gguf, tmp_path_factory) -> Iterator[str]:
+    """Module: the real llama-server on the tiny GGUF, on a free loopback port."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("engine") / "engine.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen([llama_server, "-m", str(tiny_gguf[0]), "--host", "127.0.0.1",
+                             "--port", str(port), "--api-key", "k", "-np", "8", "-c", "8192",
+                             "--threads-http", "32"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        until("llama-server's /health", lambda: httpx.get(
+            f"{url}/health", timeout=1).status_code == 200, lambda: "", 60)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+@pytest.fixture
+def gateway(engine, tmp_path) -> Iterator[Gateway]:
+    gw = Gateway(tmp_path / "gw", engine).write()
+    try:
+        yield gw
+    finally:
+        gw.stop()
+
+
+@dataclass
+class Load:
+    """CLIENTS keep-alive clients calling the gateway back to back, every other request a
+    stream; bounded in count (PER_CLIENT each) and time (LOAD_LIMIT_S)."""
+
+    url: str
+    done: int = 0
+    failures: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __enter__(self) -> Load:
+        self.threads = [threading.Thread(target=self._client, args=(i,)) for i in
+                        range(CLIENTS)]
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(LOAD_LIMIT_S)
+
+    def _client(self, i: int) -> None:
+        deadline = time.monotonic() + LOAD_LIMIT_S
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            for n in range(PER_CLIENT):
+                if self.stop.is_set() or time.monotonic() > deadline:
+                    return
+                failure = one_request(client, stream=(i + n) % 2 == 1)
+                with self.lock:
+                    self.done += 1
+                    if failure:
+                        self.failures.append(failure)
+
+    def wait_for(self, count: int) -> None:
+        until(f"{count} answers under load", lambda: self.done >= count, lambda: "", 60)
+
+
+def one_request(client: httpx.Client, stream: bool) -> str:
+    """'' when the gateway answered in full (a stream: up to its [DONE]); else what went
+    wrong."""
+    try:
+        if not stream:
+            r = client.post("/v1/chat/completions", json=CHAT)
+            return "" if r.status_code == 200 else f"{r.status_code}: {r.text[:200]}"
+        with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            text = "".join(r.iter_text())
+        if r.status_code != 200:
+            return f"stream {r.status_code}: {text[:200]}"
+        return "" if "data: [DONE]" in text else f"a stream ended without [DONE]: {text[-200:]}"
+    except httpx.HTTPError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def long_stream(url: str, into: list[str]) -> threading.Thread:
+    """A stream of 800 tokens in a thread; what it read lands in into."""
+    def read() -> None:
+        body = {**CHAT, "stream": True, "max_tokens": 800, "ignore_eos": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
+                              timeout=60) as r:
+                into.append("".join(r.iter_text()))
+        except httpx.HTTPError as e:
+            into.append(f"{type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return thread
+
+
+def test_sighup_hands_over_to_new_workers_and_loses_no_request(gateway) -> None:
+    """Three handovers under load: every answer whole, a long stream across them too."""
+    gateway.start()
+    assert gateway.proc is not None
+    streamed: list[str] = []
+    with Load(gateway.url) as load:
+        load.wait_for(20)
+        stream = long_stream(gateway.url, streamed)
+        for n in range(2, 5):
+            gateway.proc.send_signal(signal.SIGHUP)
+            until(f"worker {n} to serve", lambda n=n: gateway.workers() >= n, gateway.log)
+            load.wait_for(load.done + 20)
+        stream.join(60)
+    assert load.failures == [], f"{len(load.failures)} of {load.done}: {load.failures[:5]}"
+    assert load.done >= 80
+    assert "data: [DONE]" in streamed[0] and streamed[0].count("data: ") > 100, streamed
+    assert "drained and exited" in gateway.log()
+
+
+def test_a_plain_restart_under_the_same_load_loses_requests(gateway) -> None:
+    """The negative control: stop the gateway and start it again, and clients see refused
+    connections (what SIGHUP, or a socket held by systemd, avoids)."""
+    gateway.start()
+    with Load(gateway.url) as load:
+        load.wait_for(20)
+        gateway.stop()
+        gateway.start()
+        load.wait_for(load.done + 20)
+    assert any("ConnectError" in f for f in load.failures), load.failures[:5]
+
+
+def test_a_restart_with_the_socket_held_outside_loses_no_request(gateway) -> None:
+    """As systemd's llmgw-gateway.socket does: the test holds the listening socket and
+    hands it down as fd 3 ($LISTEN_FDS); stopping and starting `llmgw gateway` leaves
+    connections waiting in the backlog, and none is lost."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", gateway.port))
+    held.listen(4096)
+    argv = ["bash", "-c", 'exec 3<&"$HELD"; export LISTEN_PID=$$ LISTEN_FDS=1; exec "$@"',
+            "sh", sys.executable, "-m", "llmgw", "gateway", "--config", str(gateway.config)]
+    env = {**os.environ, "HELD": str(held.fileno())}
+    try:
+        gateway.start(argv, pass_fds=[held.fileno()], env=env)
+        assert "(socket from systemd)" in gateway.log()
+        with Load(gateway.url) as load:
+            load.wait_for(20)
+            gateway.stop()
+            gateway.start(argv, pass_fds=[held.fileno()], env=env)
+            load.wait_for(load.done + 20)
+        assert load.failures == [], f"{len(load.failures)} of {load.done}: {load.failures[:5]}"
+    finally:
+        gateway.stop()
+        held.close()
+
+
+def test_sigterm_finishes_a_stream_under_way_then_exits(gateway) -> None:
+    gateway.start()
+    assert gateway.proc is not None
+    streamed: list[str] = []
+    stream = long_stream(gateway.url, streamed)
+    until("the stream to begin", lambda: "llmgw_gateway_requests_in_flight 1.0" in httpx.get(
+        f"http://127.0.0.1:{gateway.metrics_port}/metrics").text, gateway.log)
+    gateway.proc.send_signal(signal.SIGTERM)
+    assert gateway.proc.wait(40) == 0, gateway.log()
+    stream.join(10)
+    assert "data: [DONE]" in streamed[0], streamed
+    assert json.loads(streamed[0].split("data: ")[1])["model"] == "tiny"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{gateway.url}/healthz", timeout=2)
