@@ -79,11 +79,15 @@ IDLE_DRAIN_S = 1.0
 
 
 class _DrainingHttpToolsProtocol(_GatheringHttpToolsProtocol):
-    """A connection that drains instead of dropping: when the server stops, a request under
-    way finishes, and an idle keep-alive connection stays open a moment longer so that a
-    request already on the wire is answered (with Connection: close) instead of meeting a
-    closed socket; uvicorn closes idle connections at once, and a client loses the request
-    it was sending just then."""
+    """A connection that drains instead of dropping a request when its server stops.
+
+    uvicorn closes an idle keep-alive connection at once, and one whose answer is under way
+    right after it, though that answer's head may already have promised keep-alive: a
+    client that sends its next request just then meets a closed socket and loses it. Here
+    an answer not yet begun says Connection: close; after one that promised keep-alive,
+    and on an idle connection, the next request is answered with Connection: close, and
+    a connection still idle IDLE_DRAIN_S later is closed.
+    """
 
     draining = False
 
@@ -91,7 +95,7 @@ class _DrainingHttpToolsProtocol(_GatheringHttpToolsProtocol):
         self.draining = True
         if self.cycle is None or self.cycle.response_complete:
             self.loop.call_later(IDLE_DRAIN_S, self._close_if_idle)
-        else:
+        elif not self.cycle.response_started:
             self.cycle.keep_alive = False
 
     def on_headers_complete(self) -> None:
@@ -99,11 +103,15 @@ class _DrainingHttpToolsProtocol(_GatheringHttpToolsProtocol):
         if self.draining:
             self.cycle.keep_alive = False
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.draining and not self.transport.is_closing():
+            self.loop.call_later(IDLE_DRAIN_S, self._close_if_idle)
+
     def _close_if_idle(self) -> None:
         if (self.cycle is None or self.cycle.response_complete) and \
                 not self.transport.is_closing():
             self.transport.close()
-
 
 
 class QuietServer(uvicorn.Server):
