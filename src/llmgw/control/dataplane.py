@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import select
@@ -251,13 +252,24 @@ async def _watch_master(stop: Any) -> None:
     stop()
 
 
-def _info(registry: CollectorRegistry, config_path: Path) -> None:
-    """llmgw_gateway_info: which llmgw and which server.yaml (sha256) this worker serves;
-    provisioning compares it with the file to know whether a reload is due."""
-    digest = hashlib.sha256(config_path.read_bytes()).hexdigest()
-    Gauge("llmgw_gateway_info", "The llmgw version and server.yaml (sha256) the gateway "
-          "serves", ["version", "config_sha256"], registry=registry).labels(
-        __version__, digest).set(1)
+# server.yaml keys only the control plane reads: a change to them needs no new worker.
+CONTROL_PLANE_ONLY = {"admin_listen", "agent_listen", "advertise", "tls", "ca_key",
+                      "node_timeout_s", "admin_token_hash", "mirror"}
+
+
+def settings_digest(config: ServerConfig) -> str:
+    """The sha256 of the server.yaml settings a gateway worker serves by (all but the
+    control plane's own)."""
+    data = config.model_dump(exclude=CONTROL_PLANE_ONLY)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _info(registry: CollectorRegistry, config: ServerConfig) -> None:
+    """llmgw_gateway_info: which llmgw and which settings (settings_digest) this worker
+    serves; provisioning compares it with server.yaml to know whether a reload is due."""
+    Gauge("llmgw_gateway_info", "The llmgw version and server.yaml settings (sha256) the "
+          "gateway serves", ["version", "config_sha256"], registry=registry).labels(
+        __version__, settings_digest(config)).set(1)
 
 
 async def serve_worker(config_path: Path) -> None:
@@ -266,7 +278,7 @@ async def serve_worker(config_path: Path) -> None:
     gateway_sock, metrics_sock, ready_fd = worker_fds()
     store = Store(Path(config.state_dir) / "control.db", busy_timeout_s=READ_WAIT_S)
     registry = CollectorRegistry()
-    _info(registry, config_path)
+    _info(registry, config)
     upstream = Upstream(Timeouts(config.upstream_connect_timeout_s,
                                  config.upstream_read_timeout_s))
     app = make_gateway_app(store, tokens=config.tokens, upstream=upstream,
