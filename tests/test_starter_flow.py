@@ -84,7 +84,7 @@ def test_provision_brings_up_the_first_answer(host) -> None:
 def test_checks_pass_then_a_second_provision_keeps_everything(host) -> None:
     checks = host.checks()
     assert checks.returncode == 0, checks.output[-4000:]
-    for step in ("pki", "control_plane", "mirror", "node", "starter"):
+    for step in ("pki", "control_plane", "gateway", "mirror", "node", "starter"):
         assert not checks.skips(step), checks.output[-4000:]
     again = host.provision()
     assert again.returncode == 0, again.output[-4000:]
