@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 CLONE = "/root/llmgw"
 MODEL = "/srv/llmgw-test/tiny.gguf"
-UNITS = ("llmgw-server", "llmgw-mirror", "llmgw-agent")
+UNITS = ("llmgw-server", "llmgw-gateway", "llmgw-mirror", "llmgw-agent")
 STARTER = "qwen2.5-0.5b-instruct"
 UP_TIMEOUT_S = 1800
 # What provisioning writes; `pytest checks/` must leave every byte of it as it was.
@@ -219,6 +219,21 @@ def test_checks_name_a_stopped_mirror(host: SystemdContainer) -> None:
     assert "llmgw-mirror" in proc.stdout and "inactive" in proc.stdout, proc.stdout[-6000:]
 
 
+def test_the_gateway_runs_as_llmgw_hardened_on_a_socket_systemd_holds(
+        host: SystemdContainer) -> None:
+    props = host.show("llmgw-gateway", "User", "NoNewPrivileges", "ProtectSystem",
+                      "ProtectHome", "StateDirectory", "KillMode", "MainPID")
+    assert (props["User"], props["NoNewPrivileges"], props["ProtectSystem"],
+            props["ProtectHome"], props["StateDirectory"], props["KillMode"]) == (
+        "llmgw", "yes", "strict", "yes", "llmgw", "mixed"), props
+    user = host.run("ps", "-o", "user=", "-p", props["MainPID"]).stdout.strip()
+    assert user == "llmgw", user
+    socket = host.show("llmgw-gateway.socket", "ActiveState", "Listen")
+    assert socket["ActiveState"] == "active" and "0.0.0.0:8080" in socket["Listen"], socket
+    log = host.run("journalctl", "-u", "llmgw-gateway", "--no-pager").stdout
+    assert "(socket from systemd)" in log, log[-2000:]
+
+
 def test_a_newer_checkout_is_installed_and_the_units_restarted(host: SystemdContainer) -> None:
     """A commit in the clone, then scripts/up: `done llmgw … installed (was …)`, the three
     units restarted onto it, the engine kept, and the checks agree with the checkout."""
@@ -231,7 +246,7 @@ def test_a_newer_checkout_is_installed_and_the_units_restarted(host: SystemdCont
     assert proc.returncode == 0, proc.stdout[-6000:]
     done = [s["message"] for s in steps if s["status"] == "done"]
     assert len(done) == 1 and "installed in /opt/llmgw (was 0.1.0 (" in done[0], done
-    assert "restarted llmgw-server, llmgw-mirror, llmgw-agent" in done[0], done
+    assert "restarted llmgw-server, llmgw-gateway, llmgw-mirror, llmgw-agent" in done[0], done
     assert all(main_pid(host, u) != pids[u] for u in UNITS)
     assert engine_pids(host) == engines
     assert checks(host).returncode == 0
