@@ -10,7 +10,10 @@ gateway; the bench's own bounded Python load generator where hey is absent):
   1. the control plane restarted (supervisord stop + start of llmgw-server) a quarter in;
   2. the gateway handed over twice (its provisioning's reload: SIGHUP, a new worker on
      the same socket, the old one drains), a quarter and three quarters in.
-Each round prints its answers by status and its errors by kind; the last line sums both.
+With --control, a third round is the negative control: the gateway restarted the plain way
+(supervisord stop + start), which refuses connections meanwhile; it is printed, not summed.
+Each round prints its answers by status and its errors by kind; the last line sums the
+first two.
 """
 
 from __future__ import annotations
@@ -145,6 +148,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per round")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--control", action="store_true",
+                        help="also restart the gateway the plain way (it should lose some)")
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="make the host in DIR and leave its files (it is stopped)")
     args = parser.parse_args()
@@ -200,6 +205,14 @@ def bench(host: ThrowawayHost, gguf: Path, args: argparse.Namespace) -> int:
         round_("gateway restart", load, [(quarter, reload_gateway),
                                          (3 * quarter, reload_gateway)]),
     ]
+    if args.control:
+        def restart_gateway() -> str:
+            started = time.monotonic()
+            supervisor.restart("llmgw-gateway")
+            return f"llmgw-gateway restarted (stop, start) in {time.monotonic() - started:.2f} s"
+
+        round_("negative control, gateway stopped and started", load,
+               [(quarter, restart_gateway)])
     ok = sum(r[0] for r in rounds)
     non200 = sum(r[1] for r in rounds)
     failed = sum(r[2] for r in rounds)
