@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.loadgen import Load
 from tests.system.container import SystemdContainer
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -232,6 +233,30 @@ def test_the_gateway_runs_as_llmgw_hardened_on_a_socket_systemd_holds(
     assert socket["ActiveState"] == "active" and "0.0.0.0:8080" in socket["Listen"], socket
     log = host.run("journalctl", "-u", "llmgw-gateway", "--no-pager").stdout
     assert "(socket from systemd)" in log, log[-2000:]
+
+
+def test_restarts_of_the_gateway_and_the_control_plane_under_load_lose_no_request(
+        host: SystemdContainer) -> None:
+    """Keep-alive clients (streams among them) through `systemctl restart llmgw-gateway`
+    (connections wait in the socket unit's backlog, the old process drains) and a restart
+    of the control plane: every answer whole. The negative control: with the socket unit
+    stopped too for a second, clients are refused."""
+    body = {"model": "qwen-0.5b", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello"}]}
+    with Load("http://127.0.0.1:8080", body) as load:
+        load.wait_for(20)
+        host.run("systemctl", "restart", "llmgw-gateway")
+        load.wait_for(20)
+        host.run("systemctl", "restart", "llmgw-server")
+        load.wait_for(20)
+    assert load.failures == [], f"{len(load.failures)} of {load.done}: {load.failures[:5]}"
+    with Load("http://127.0.0.1:8080", body) as load:
+        load.wait_for(20)
+        host.run("systemctl", "stop", "llmgw-gateway.socket", "llmgw-gateway")
+        time.sleep(1)
+        host.run("systemctl", "start", "llmgw-gateway.socket", "llmgw-gateway")
+        load.wait_for(20)
+    assert any("ConnectError" in f for f in load.failures), load.failures[:5]
 
 
 def test_a_newer_checkout_is_installed_and_the_units_restarted(host: SystemdContainer) -> None:
