@@ -17,7 +17,7 @@ from llmgw.control.client import AdminClient
 from llmgw.netaddr import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-LISTENERS = ("admin", "agent", "gateway", "mirror", "mirror-api")
+LISTENERS = ("admin", "agent", "gateway", "gateway-metrics", "mirror", "mirror-api")
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""A whole host as processes, without the harness: `llmgw server` and `llmgw agent` on free
-loopback ports, with real TLS and the real llama-server, in a local-mode state dir that
-the day-2 commands read (STATE/etc/server.yaml)."""
+"""A whole host as processes, without the harness: `llmgw server`, `llmgw gateway` and
+`llmgw agent` on free loopback ports, with real TLS and the real llama-server, in a
+local-mode state dir that the day-2 commands read (STATE/etc/server.yaml)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class LiveHost:
     def start(self) -> LiveHost:
         etc = self.state / "etc"
         etc.mkdir(parents=True, exist_ok=True)
-        self.ports = {name: free_port() for name in ("admin", "agent", "gateway")}
+        self.ports = {name: free_port() for name in ("admin", "agent", "gateway", "metrics")}
         ca = pki.create_ca()
         ca.write(etc, "ca")
         pki.issue_server(ca, ["127.0.0.1", "localhost"]).write(etc, "server")
@@ -58,6 +58,7 @@ class LiveHost:
             "admin_listen": f"127.0.0.1:{self.ports['admin']}",
             "agent_listen": f"127.0.0.1:{self.ports['agent']}",
             "gateway_listen": f"127.0.0.1:{self.ports['gateway']}",
+            "gateway_metrics_listen": f"127.0.0.1:{self.ports['metrics']}",
             "state_dir": str(self.state / "lib" / "llmgw"), "tokens": [TOKEN],
             "tls": {**tls, "cert": str(etc / "server.pem"), "key": str(etc / "server-key.pem")},
         }))
@@ -67,10 +68,10 @@ class LiveHost:
             "tls": {**tls, "cert": str(etc / "agent.pem"), "key": str(etc / "agent-key.pem")},
             "engine": {"llama_server": self.llama_server},
         }))
-        for what in ("server", "agent"):
+        for what, conf in (("server", "server"), ("gateway", "server"), ("agent", "agent")):
             log = open(self.state / f"{what}.log", "ab")  # noqa: SIM115 - the process owns it
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "llmgw", what, "--config", str(etc / f"{what}.yaml")],
+                [sys.executable, "-m", "llmgw", what, "--config", str(etc / f"{conf}.yaml")],
                 stdout=log, stderr=subprocess.STDOUT))
         self.until("the node is ready", lambda: any(
             n["state"] == "ready" for n in self.get("/api/v1/nodes")))

@@ -141,7 +141,7 @@ def test_checks_pass_then_a_second_provision_keeps_everything(host) -> None:
     (the token stays in mirror.env, the mirror is not restarted)."""
     checks = host.checks(env=NO_HUB_ENV)
     assert checks.returncode == 0, checks.output[-4000:]
-    for step in ("pki", "control_plane", "mirror", "node", "starter"):
+    for step in ("pki", "control_plane", "gateway", "mirror", "node", "starter"):
         assert not checks.skips(step), checks.output[-4000:]
     again = host.provision(env=NO_HUB_ENV)
     assert again.returncode == 0, again.output[-4000:]

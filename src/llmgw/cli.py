@@ -29,6 +29,19 @@ def _server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from llmgw.control import dataplane
+
+    if not args.worker:
+        return dataplane.run_master(Path(args.config))
+    from llmgw._serving import run_service
+
+    run_service(dataplane.serve_worker(Path(args.config)))
+    return 0
+
+
 def _mirror_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -121,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server", help="run the control plane")
     server.add_argument("--config", required=True, help="path to server.yaml")
     server.set_defaults(run=_server)
+
+    gateway = sub.add_parser("gateway", help="run the OpenAI-compatible gateway (SIGHUP: a "
+                             "new worker takes over the socket, the old one drains)")
+    gateway.add_argument("--config", required=True, help="path to server.yaml")
+    gateway.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    gateway.set_defaults(run=_gateway)
 
     mirror = sub.add_parser("mirror", help="the model mirror")
     mirror_sub = mirror.add_subparsers(dest="mirror_command", required=True)

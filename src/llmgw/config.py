@@ -109,8 +109,12 @@ class ServerConfig(_Section):
     gateway_routing: Literal["balanced", "round-robin"] = "balanced"
     gateway_queue_size: int = Field(default=256, ge=0)
     gateway_queue_wait_s: float = Field(default=30.0, gt=0)
+    # The gateway's own process (`llmgw gateway`): its metrics on a loopback listener, which
+    # the admin API's /metrics appends, and how long a stop lets requests under way finish.
+    gateway_metrics_listen: StrictStr = "127.0.0.1:9091"
+    gateway_drain_s: float = Field(default=30.0, gt=0, le=600)
 
-    @field_validator("admin_listen", "agent_listen", "gateway_listen")
+    @field_validator("admin_listen", "agent_listen", "gateway_listen", "gateway_metrics_listen")
     @classmethod
     def _has_port(cls, value: str) -> str:
         return _listen(value)

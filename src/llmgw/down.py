@@ -12,8 +12,10 @@ from llmgw.services import ServiceError
 from llmgw.services._supervisor import Supervisor
 
 # The agent goes first, so that it cannot start an engine again; engines outlive their
-# agent by design, so they are stopped on their own afterwards.
-UNITS = ("llmgw-agent", "llmgw-mirror", "llmgw-server")
+# agent by design, so they are stopped on their own afterwards. The gateway's socket unit
+# goes before its service: it would start the service again on the next connection.
+UNITS = ("llmgw-agent", "llmgw-gateway.socket", "llmgw-gateway", "llmgw-mirror",
+         "llmgw-server")
 
 
 def down(state_dir: str | os.PathLike[str] | None, mode: str = "local") -> Iterator[str]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -12,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from llmgw.control._upstream import Timeouts, Upstream
-from llmgw.control.gateway import make_gateway_app
+from llmgw.control.gateway import Router, make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
 from tests.control.servers import refused_endpoint, scripted_upstream, serve_asgi
@@ -334,3 +336,38 @@ def test_a_pooled_connection_the_replica_closed_is_sent_once_on_a_new_one(store)
             second = gw.post("/v1/completions", json=CHAT).status_code
     posts = [s for s in seen if s.startswith(b"POST")]  # not the balancer's GET /slots
     assert (first, second) == (200, 200) and len(posts) == 2
+
+
+def test_the_routing_table_outlives_a_store_that_cannot_be_read(tmp_path, caplog) -> None:
+    """The control plane's file replaced by one that is no database (as mid-restore): the
+    gateway keeps its last table and says so once; a readable file again, and it reads it."""
+    path = tmp_path / "control.db"
+    writer = Store(path)
+    writer.add_model(MODEL)
+    ready(writer, "r1", "http://127.0.0.1:1")
+    writer.checkpoint()
+    writer.close()
+    good = path.read_bytes()
+    router = Router(Store(path, busy_timeout_s=0.2), ttl_s=0)
+
+    def on_a_new_thread(call: Callable[[], object]) -> object:
+        # Each thread reads through a connection of its own, opened on first use.
+        got: list[object] = []
+        thread = threading.Thread(target=lambda: got.append(call()))
+        thread.start()
+        thread.join(10)
+        return got[0]
+
+    assert on_a_new_thread(lambda: router.resolve("tiny-chat"))["name"] == "tiny"
+    (tmp_path / "junk").write_bytes(b"this is not a database " * 200)
+    os.replace(tmp_path / "junk", path)
+    with caplog.at_level("WARNING", logger="llmgw.gateway"):
+        for _ in range(2):
+            assert on_a_new_thread(lambda: router.resolve("tiny-chat"))["name"] == "tiny"
+            assert [r["id"] for r in on_a_new_thread(lambda: router.ready("tiny"))] == ["r1"]
+    said = [r.getMessage() for r in caplog.records if "routing table" in r.getMessage()]
+    assert len(said) == 1 and "serving from the last one read" in said[0], said
+    assert router.stale_since is not None
+    path.write_bytes(good)
+    on_a_new_thread(lambda: router.resolve("tiny"))
+    assert router.stale_since is None

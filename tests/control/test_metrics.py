@@ -1,11 +1,18 @@
-"""The control plane's metrics: state gauges from the store, engine text relabelled."""
+"""The control plane's metrics: state gauges from the store, engine text relabelled, the
+gateway process's own metrics appended."""
 
 from __future__ import annotations
 
-from prometheus_client import generate_latest
+import asyncio
+import time
 
-from llmgw.control.metrics import ControlPlaneMetrics, relabel
+import httpx
+from prometheus_client import CollectorRegistry, generate_latest
+
+from llmgw.control.dataplane import metrics_app
+from llmgw.control.metrics import ControlPlaneMetrics, GatewayMetrics, relabel
 from llmgw.control.store import Store
+from tests.control.servers import refused_endpoint, serve_asgi
 
 ENGINE = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
 # TYPE llamacpp:prompt_tokens_total counter
@@ -38,3 +45,30 @@ def test_nodes_replicas_and_reported_state_changes_are_exported(tmp_path) -> Non
     assert ('llmgw_replica_state_changes_total{model="m",node="n1",replica="r1",to="ready"} 2.0'
             in text)
     assert 'llmgw_node_heartbeat_age_seconds{node="n1"}' in text
+
+
+def test_the_scrape_appends_the_gateway_process_metrics_and_says_when_it_is_down(
+        tmp_path) -> None:
+    """The gateway runs apart: its families reach the admin API's /metrics through its
+    loopback listener (served as `llmgw gateway` serves it); a stopped gateway shows as
+    llmgw_gateway_metrics_up 0, not as an error."""
+    registry = CollectorRegistry()
+    GatewayMetrics(registry).observe("m", 200, time.perf_counter(), (3, 5))
+    store = Store(tmp_path / "db")
+
+    def scrape(url: str) -> str:
+        async def render() -> bytes:
+            async with httpx.AsyncClient() as client:
+                return await ControlPlaneMetrics(store, 30.0, gateway_url=url).render(client)
+        return asyncio.run(render()).decode()
+
+    with serve_asgi(metrics_app(registry)) as url:
+        text = scrape(url)
+    assert 'llmgw_gateway_requests_total{key="",model="m",status="200"} 1.0' in text
+    assert 'llmgw_gateway_tokens_total{key="",kind="completion",model="m"} 5.0' in text
+    assert "llmgw_gateway_requests_in_flight 0.0" in text
+    assert "llmgw_gateway_metrics_up 1" in text
+    text = scrape(refused_endpoint())
+    assert "llmgw_gateway_requests_total" not in text
+    assert "llmgw_gateway_metrics_up 0" in text
+    assert 'llmgw_nodes{state="ready"} 0.0' in text

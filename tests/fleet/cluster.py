@@ -44,12 +44,13 @@ class ControlPlane:
     node_timeout_s: float = 30.0
     mirror_url: str = ""
     proc: subprocess.Popen[bytes] | None = None
+    gateway_proc: subprocess.Popen[bytes] | None = None
     ports: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pki = self.root / "pki"
         self.pki.mkdir(parents=True, exist_ok=True)
-        for name in ("admin", "agent", "gateway"):
+        for name in ("admin", "agent", "gateway", "gateway-metrics"):
             self.ports.setdefault(name, free_port())
         if not (self.pki / "ca.pem").exists():
             ca = pki.create_ca()
@@ -60,6 +61,7 @@ class ControlPlane:
             admin_listen=f"127.0.0.1:{self.ports['admin']}",
             agent_listen=f"127.0.0.1:{self.ports['agent']}",
             gateway_listen=f"127.0.0.1:{self.ports['gateway']}",
+            gateway_metrics_listen=f"127.0.0.1:{self.ports['gateway-metrics']}",
             state_dir=str(self.root / "state"), advertise="127.0.0.1",
             tls=TLSFiles(ca=str(self.pki / "ca.pem"), cert=str(self.pki / "server.pem"),
                          key=str(self.pki / "server-key.pem")),
@@ -91,6 +93,10 @@ class ControlPlane:
         return f"http://127.0.0.1:{self.ports['gateway']}"
 
     def start(self) -> ControlPlane:
+        """`llmgw server`, and `llmgw gateway` beside it (its own process, as on a host)."""
+        if self.gateway_proc is None:
+            self.gateway_proc = _start(["gateway", "--config", str(self.server_yaml)],
+                                       self.root / "gateway.log")
         self.proc = _start(["server", "--config", str(self.server_yaml)],
                            self.root / "server.log")
         deadline = time.monotonic() + 30
@@ -107,6 +113,8 @@ class ControlPlane:
 
     def stop(self) -> None:
         _stop(self.proc)
+        _stop(self.gateway_proc)
+        self.gateway_proc = None
 
     def log(self) -> str:
         path = self.root / "server.log"

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import control_plane, mirror
+from fixtures import control_plane, gateway, mirror
 from fixtures.node import agent_service
 from fixtures.settings import HostSettings
 from llmgw.layout import Layout
 from llmgw.services import ServiceSpec
-from llmgw.services._systemd import render_unit
+from llmgw.services._systemd import render_socket, render_unit
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 PLACEHOLDER = "ADVERTISED_ADDRESS"
@@ -29,10 +29,13 @@ def rendered() -> dict[str, str]:
     settings = HostSettings(layout=layout, advertise=(PLACEHOLDER,))
     specs: list[ServiceSpec] = [
         control_plane.service_spec(layout),
+        gateway.service_spec(layout),
         mirror.service_spec(settings),
         agent_service(layout.agent_yaml, "system"),
     ]
-    return {f"{s.name}.service": render_unit(s) for s in specs}
+    units = {f"{s.name}.service": render_unit(s) for s in specs}
+    units |= {f"{s.name}.socket": render_socket(s) for s in specs if s.socket}
+    return units
 
 
 @pytest.mark.parametrize("name", sorted(rendered()))
@@ -45,6 +48,17 @@ def test_the_shipped_unit_is_what_provisioning_writes(name: str) -> None:
         f"deploy/systemd/{name} differs from what provisioning writes:\n{diff}\n"
         "regenerate it: .venv/bin/python -m tests.services.test_deploy_units"
     )
+
+
+def test_the_gateway_takes_its_socket_from_systemd_and_may_drain_before_a_kill() -> None:
+    """Connections wait in llmgw-gateway.socket's backlog while the service restarts; the
+    stop lets the drain (gateway_drain_s, 30 s by default) finish first."""
+    socket_unit = (DEPLOY / "llmgw-gateway.socket").read_text()
+    service_unit = (DEPLOY / "llmgw-gateway.service").read_text()
+    assert "ListenStream=0.0.0.0:8080\n" in socket_unit
+    assert "Requires=llmgw-gateway.socket\n" in service_unit
+    assert "TimeoutStopSec=45s\n" in service_unit and "KillMode=mixed\n" in service_unit
+    assert "User=llmgw\n" in service_unit and "ProtectSystem=strict\n" in service_unit
 
 
 def test_the_mirror_unit_shows_the_address_as_a_placeholder() -> None:

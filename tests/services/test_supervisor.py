@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,3 +82,25 @@ def test_an_environment_file_reads_back_what_was_written(tmp_path) -> None:
     path.write_text("not a line\n")
     with pytest.raises(ServiceError, match="line 1 is not KEY=VALUE"):
         read_environment_file(path)
+
+
+def test_reload_signals_the_running_program_instead_of_restarting_it(
+        supervisor: Supervisor, tmp_path: Path) -> None:
+    """The gateway's handover path: the same process gets SIGHUP (and hands its socket to a
+    new worker); a restart would refuse connections meanwhile."""
+    seen = tmp_path / "hups"
+    # One line: supervisord's config holds the command on one.
+    script = (f"import pathlib, signal, time; p = pathlib.Path({str(seen)!r}); "
+              "signal.signal(signal.SIGHUP, lambda *a: p.open('a').write('h')); "
+              "[time.sleep(0.05) for _ in iter(int, 1)]")
+    supervisor.ensure(ServiceSpec(name="hupper", description="counts SIGHUPs",
+                                  command=[sys.executable, "-c", script], stop_timeout_s=45))
+    assert "stopwaitsecs=45\n" in supervisor.definition_path("hupper").read_text()
+    pid = supervisor.pid("hupper")
+    supervisor.reload("hupper")
+    supervisor.reload("hupper")
+    deadline = time.monotonic() + 10
+    while (seen.read_text() if seen.exists() else "") != "hh" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen.read_text() == "hh"
+    assert supervisor.pid("hupper") == pid

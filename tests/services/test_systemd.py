@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from llmgw.services import ServiceSpec
-from llmgw.services._systemd import Systemd, render_unit
+from llmgw.services._systemd import Systemd, render_socket, render_unit
 
 SPEC = ServiceSpec(
     name="llmgw-test",
@@ -63,3 +63,29 @@ def test_units_may_open_enough_files_for_a_fleet() -> None:
     own = ServiceSpec(name="x", description="x", command=["x"],
                       systemd_service=["LimitNOFILE=8"])
     assert render_unit(own).count("LimitNOFILE") == 1
+
+
+SOCKETED = ServiceSpec(name="llmgw-test", description="llmgw test unit",
+                       command=[sys.executable, "-m", "llmgw", "gateway"],
+                       socket=["ListenStream=127.0.0.1:8080"])
+
+
+def test_a_spec_with_socket_lines_gets_a_socket_unit_the_service_requires(tmp_path) -> None:
+    systemd = Systemd(unit_dir=tmp_path)
+    assert systemd.write_unit(SOCKETED)
+    socket_unit = (tmp_path / "llmgw-test.socket").read_text()
+    assert socket_unit == render_socket(SOCKETED)
+    assert "[Socket]\n" in socket_unit and "ListenStream=127.0.0.1:8080\n" in socket_unit
+    assert "Requires=llmgw-test.socket\n" in (tmp_path / "llmgw-test.service").read_text()
+    assert systemd.definition_drift(SOCKETED) == ""
+    assert not systemd.write_unit(SOCKETED)
+    (tmp_path / "llmgw-test.socket").write_text(socket_unit.replace("8080", "8090"))
+    assert "llmgw-test.socket differs" in systemd.definition_drift(SOCKETED)
+    assert systemd.write_unit(SOCKETED)
+    assert not (tmp_path / "llmgw-test.service.bak").exists()
+
+
+def test_a_spec_without_socket_lines_gets_no_socket_unit(tmp_path) -> None:
+    Systemd(unit_dir=tmp_path).write_unit(SPEC)
+    assert not (tmp_path / "llmgw-test.socket").exists()
+    assert "Requires=" not in render_unit(SPEC)

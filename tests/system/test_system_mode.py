@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.loadgen import Load
 from tests.system.container import SystemdContainer
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 CLONE = "/root/llmgw"
 MODEL = "/srv/llmgw-test/tiny.gguf"
-UNITS = ("llmgw-server", "llmgw-mirror", "llmgw-agent")
+UNITS = ("llmgw-server", "llmgw-gateway", "llmgw-mirror", "llmgw-agent")
 STARTER = "llmgw-tiny-test"  # the tiny GGUF's general.name
 UP_TIMEOUT_S = 1800
 # What provisioning writes; `pytest checks/` must leave every byte of it as it was.
@@ -222,6 +223,45 @@ def test_checks_name_a_stopped_mirror(host: SystemdContainer) -> None:
     assert "llmgw-mirror" in proc.stdout and "inactive" in proc.stdout, proc.stdout[-6000:]
 
 
+def test_the_gateway_runs_as_llmgw_hardened_on_a_socket_systemd_holds(
+        host: SystemdContainer) -> None:
+    props = host.show("llmgw-gateway", "User", "NoNewPrivileges", "ProtectSystem",
+                      "ProtectHome", "StateDirectory", "KillMode", "MainPID")
+    assert (props["User"], props["NoNewPrivileges"], props["ProtectSystem"],
+            props["ProtectHome"], props["StateDirectory"], props["KillMode"]) == (
+        "llmgw", "yes", "strict", "yes", "llmgw", "mixed"), props
+    user = host.run("ps", "-o", "user=", "-p", props["MainPID"]).stdout.strip()
+    assert user == "llmgw", user
+    socket = host.show("llmgw-gateway.socket", "ActiveState", "Listen")
+    assert socket["ActiveState"] == "active" and "0.0.0.0:8080" in socket["Listen"], socket
+    log = host.run("journalctl", "-u", "llmgw-gateway", "--no-pager").stdout
+    assert "(socket from systemd)" in log, log[-2000:]
+
+
+def test_restarts_of_the_gateway_and_the_control_plane_under_load_lose_no_request(
+        host: SystemdContainer) -> None:
+    """Keep-alive clients (streams among them) through `systemctl restart llmgw-gateway`
+    (connections wait in the socket unit's backlog, the old process drains) and a restart
+    of the control plane: every answer whole. The negative control: with the socket unit
+    stopped too for a second, clients are refused."""
+    body = {"model": "qwen-0.5b", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello"}]}
+    with Load("http://127.0.0.1:8080", body) as load:
+        load.wait_for(20)
+        host.run("systemctl", "restart", "llmgw-gateway")
+        load.wait_for(20)
+        host.run("systemctl", "restart", "llmgw-server")
+        load.wait_for(20)
+    assert load.failures == [], f"{len(load.failures)} of {load.done}: {load.failures[:5]}"
+    with Load("http://127.0.0.1:8080", body) as load:
+        load.wait_for(20)
+        host.run("systemctl", "stop", "llmgw-gateway.socket", "llmgw-gateway")
+        time.sleep(1)
+        host.run("systemctl", "start", "llmgw-gateway.socket", "llmgw-gateway")
+        load.wait_for(20)
+    assert any("ConnectError" in f for f in load.failures), load.failures[:5]
+
+
 def test_a_newer_checkout_is_installed_and_the_units_restarted(host: SystemdContainer) -> None:
     """A commit in the clone, then scripts/up: `done llmgw … installed (was …)`, the three
     units restarted onto it, the engine kept, and the checks agree with the checkout."""
@@ -234,7 +274,7 @@ def test_a_newer_checkout_is_installed_and_the_units_restarted(host: SystemdCont
     assert proc.returncode == 0, proc.stdout[-6000:]
     done = [s["message"] for s in steps if s["status"] == "done"]
     assert len(done) == 1 and "installed in /opt/llmgw (was 0.1.0 (" in done[0], done
-    assert "restarted llmgw-server, llmgw-mirror, llmgw-agent" in done[0], done
+    assert "restarted llmgw-server, llmgw-gateway, llmgw-mirror, llmgw-agent" in done[0], done
     assert "`pytest checks/` passed after the upgrade" in proc.stdout, proc.stdout[-3000:]
     assert all(main_pid(host, u) != pids[u] for u in UNITS)
     assert engine_pids(host) == engines

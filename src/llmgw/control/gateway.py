@@ -64,8 +64,10 @@ class GatewayError(Exception):
                                      "param": self.param, "code": self.code}}).encode()
 
 
-# How stale the table may be when a model has no ready replica in it (see Router.ready).
-NONE_READY_TTL_S = 0.05
+# How stale the table may be when it lacks what a request needs: a ready replica of its
+# model (Router.ready) or its key (Router.key). The slot poller reads the table every
+# 0.5 s, so without this a request never meets a fresh one.
+FRESH_TTL_S = 0.05
 
 
 class Router:
@@ -73,6 +75,8 @@ class Router:
 
     It reads the catalog and the replicas at most every ttl_s, not on every request: the
     hot path stays off SQLite, and a replica that died in between costs one failed try.
+    When a read fails (the control plane's database locked, moved or mid-migration while it
+    restarts), it serves from the last table it read and says so once, until a read works.
     """
 
     def __init__(self, store: Store, ttl_s: float = 0.5) -> None:
@@ -83,10 +87,26 @@ class Router:
         self._ready: dict[str, list[dict[str, Any]]] = {}
         self.created: dict[str, int] = {}
         self._keys: dict[str, dict[str, Any]] = {}
+        self.stale_since: float | None = None
 
     def _refresh(self, ttl_s: float | None = None) -> None:
         if time.monotonic() - self._read_at < (self.ttl_s if ttl_s is None else ttl_s):
             return
+        try:
+            self._read_table()
+        except (sqlite3.Error, OSError) as e:
+            self._read_at = time.monotonic()  # try again after ttl_s, not on every request
+            if self.stale_since is None:
+                self.stale_since = time.monotonic()
+                log.warning("cannot read the routing table from %s (%s); serving from the "
+                            "last one read until it can", self.store.path, e)
+            return
+        if self.stale_since is not None:
+            log.info("the routing table reads again, after %.1f s of serving the last one",
+                     time.monotonic() - self.stale_since)
+            self.stale_since = None
+
+    def _read_table(self) -> None:
         names, ready = {}, {}
         for model in self.store.models():
             for name in [model["name"], *model.get("aliases", [])]:
@@ -107,8 +127,12 @@ class Router:
         return self._names
 
     def key(self, key_hash: str) -> dict[str, Any] | None:
-        """The live gateway key of this sha256, as of the last refresh."""
+        """The live gateway key of this sha256, as of the last refresh. A hash not in the
+        table has the store read again unless it was just read, so a key made a moment ago
+        works at once; a revoked one is refused from the next refresh on."""
         self._refresh()
+        if key_hash not in self._keys:
+            self._refresh(ttl_s=FRESH_TTL_S)
         return self._keys.get(key_hash)
 
     def ready(self, model: str) -> list[dict[str, Any]]:
@@ -118,7 +142,7 @@ class Router:
         ever being fresh when a request comes)."""
         self._refresh()
         if not self._ready.get(model):
-            self._refresh(ttl_s=NONE_READY_TTL_S)
+            self._refresh(ttl_s=FRESH_TTL_S)
         return self._ready.get(model, [])
 
     def all_ready(self) -> list[dict[str, Any]]:
@@ -126,7 +150,10 @@ class Router:
         return [r for replicas in self._ready.values() for r in replicas]
 
     def states(self, model: str) -> str:
-        reps = [r for r in self.store.replicas(model) if r["state"] != ReplicaState.STOPPED]
+        try:
+            reps = [r for r in self.store.replicas(model) if r["state"] != ReplicaState.STOPPED]
+        except (sqlite3.Error, OSError) as e:
+            return f"the replicas' states cannot be read now ({e})"
         if not reps:
             return "no replica is scheduled"
         return "; ".join(

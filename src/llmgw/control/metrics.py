@@ -1,5 +1,6 @@
-"""The control plane's Prometheus metrics: the gateway, nodes, replicas, heartbeats, and
-each ready replica's own engine metrics relabelled with replica, model and node."""
+"""The control plane's Prometheus metrics: nodes, replicas, heartbeats, the gateway
+process's own metrics, and each ready replica's engine metrics relabelled with replica,
+model and node."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ ENGINE_SCRAPE_TIMEOUT_S = 2.0
 
 
 class GatewayMetrics:
-    """What the gateway counts on its hot path; a registry per control plane."""
+    """What the gateway counts on its hot path; a registry per gateway process."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("llmgw_gateway_requests", "Gateway requests by catalog model, "
@@ -169,16 +170,35 @@ async def engine_metrics(store: Store, client: httpx.AsyncClient) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-class ControlPlaneMetrics:
-    """The control plane's registry, its gateway and heartbeat metrics, and the scrape."""
+async def gateway_metrics(client: httpx.AsyncClient, url: str) -> str:
+    """The gateway process's own metrics (its loopback listener, gateway_metrics_listen),
+    then llmgw_gateway_metrics_up: 1 when they were read, 0 when the gateway did not answer
+    (it is stopped or restarting; its families are missing from this scrape then)."""
+    text = ""
+    if url:
+        try:
+            got = await client.get(f"{url}/metrics", timeout=ENGINE_SCRAPE_TIMEOUT_S)
+            text = got.text if got.status_code == 200 else ""
+        except httpx.HTTPError:
+            pass
+    up = ("# HELP llmgw_gateway_metrics_up Whether the gateway process answered this scrape\n"
+          f"# TYPE llmgw_gateway_metrics_up gauge\nllmgw_gateway_metrics_up {int(bool(text))}\n")
+    return text + up
 
-    def __init__(self, store: Store, node_timeout_s: float) -> None:
+
+class ControlPlaneMetrics:
+    """The control plane's registry (state and heartbeats) and the scrape, which appends
+    the gateway's metrics read from gateway_url (http://HOST:PORT; '' for none)."""
+
+    def __init__(self, store: Store, node_timeout_s: float, gateway_url: str = "") -> None:
         self.store = store
+        self.gateway_url = gateway_url
         self.registry = CollectorRegistry()
-        self.gateway = GatewayMetrics(self.registry)
         self.heartbeats = HeartbeatTimer(self.registry)
         self.registry.register(StateCollector(store, node_timeout_s))
 
     async def render(self, client: httpx.AsyncClient) -> bytes:
         own = await asyncio.to_thread(generate_latest, self.registry)
-        return own + (await engine_metrics(self.store, client)).encode()
+        gateway, engines = await asyncio.gather(gateway_metrics(client, self.gateway_url),
+                                                engine_metrics(self.store, client))
+        return own + gateway.encode() + engines.encode()

@@ -1,4 +1,5 @@
-"""`llmgw server`: the admin API, the agent API and the gateway in one process."""
+"""`llmgw server`: the admin API and the agent API in one process (the gateway runs apart,
+`llmgw gateway`, so that a restart of this one drops no user request)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from pathlib import Path
 
 from llmgw import pki
 from llmgw._serving import on_stop_signals, quiet_server
-from llmgw.config import ServerConfig, parse_listen
-from llmgw.control._upstream import Timeouts, Upstream
+from llmgw.config import ServerConfig, connect_host, parse_listen
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
-from llmgw.control.gateway import make_gateway_app
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.scheduler import Scheduler
 from llmgw.control.store import Store
@@ -99,23 +98,14 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
     _raise_open_files()
     tune_gc()
     store = Store(Path(config.state_dir) / "control.db")
-    metrics = ControlPlaneMetrics(store, config.node_timeout_s)
+    metrics = ControlPlaneMetrics(
+        store, config.node_timeout_s,
+        gateway_url=f"http://{connect_host(config.gateway_metrics_listen)}")
     agent_api = agent_api_server(config, store, metrics)
-    upstream = Upstream(Timeouts(config.upstream_connect_timeout_s,
-                                 config.upstream_read_timeout_s))
-    gateway = make_gateway_app(store, tokens=config.tokens, upstream=upstream,
-                               metrics=metrics.gateway,
-                               max_body_bytes=int(config.gateway_max_body_bytes),
-                               keys_required=config.gateway_keys == "required",
-                               routing=config.gateway_routing,
-                               queue_size=config.gateway_queue_size,
-                               queue_wait_s=config.gateway_queue_wait_s)
     admin = make_admin_app(store, node_timeout_s=config.node_timeout_s,
                            token_hash=admin_token_hash, metrics=metrics,
                            on_node_removed=agent_api.revoke)
-    servers = [quiet_server(admin, config.admin_listen),
-               quiet_server(gateway, config.gateway_listen, certfile=config.gateway_tls.cert,
-                            keyfile=config.gateway_tls.key)]
+    servers = [quiet_server(admin, config.admin_listen)]
     scheduler = Scheduler(store, config.node_timeout_s)
     stopping = asyncio.Event()
 
@@ -126,14 +116,11 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
 
     on_stop_signals(log, stop)
     agent_api.start()
-    log.info(
-        "control plane: admin %s, agent API %s (mTLS), gateway %s, state %s",
-        config.admin_listen, config.agent_listen, config.gateway_listen, config.state_dir,
-    )
+    log.info("control plane: admin %s, agent API %s (mTLS), state %s",
+             config.admin_listen, config.agent_listen, config.state_dir)
     try:
         await asyncio.gather(*(s.serve() for s in servers), _schedule(scheduler, stopping))
     finally:
         agent_api.stop()
-        await upstream.aclose()
         store.close()
         log.info("control plane stopped")

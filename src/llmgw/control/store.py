@@ -105,10 +105,14 @@ class Store:
     connection per thread and take no write lock (WAL lets them run beside a writer).
     """
 
-    def __init__(self, path: str | Path, clock: Any = time.time) -> None:
+    def __init__(self, path: str | Path, clock: Any = time.time,
+                 busy_timeout_s: float = 5.0) -> None:
+        """busy_timeout_s: how long a read waits for a lock another process holds (the
+        gateway waits little: its requests wait on it); writes wait 5 s."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._path = str(path)
-        self._db = self._connect()
+        self._busy_ms = int(busy_timeout_s * 1000)
+        self._db = self._connect(5000)
         self._lock = threading.RLock()
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
@@ -130,17 +134,26 @@ class Store:
         self.hearing = Hearing(since=clock(), last_before=float("-inf") if last is None
                                else float(last))
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, busy_ms: int) -> sqlite3.Connection:
         db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
         db.row_factory = sqlite3.Row
-        db.execute("PRAGMA busy_timeout=5000")
+        db.execute(f"PRAGMA busy_timeout={busy_ms}")
         return db
+
+    @property
+    def path(self) -> str:
+        return self._path
 
     def _migrate(self) -> None:
         have = {r["name"] for r in self._db.execute("PRAGMA table_info(nodes)")}
         for column, kind in _NODE_COLUMNS.items():
             if column not in have:
-                self._db.execute(f"ALTER TABLE nodes ADD COLUMN {column} {kind}")
+                try:
+                    self._db.execute(f"ALTER TABLE nodes ADD COLUMN {column} {kind}")
+                except sqlite3.OperationalError as e:
+                    # The gateway's process opens the same file: it may have added it first.
+                    if "duplicate column" not in str(e):
+                        raise
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -157,7 +170,7 @@ class Store:
         """One statement on this thread's own connection: a snapshot, no write lock."""
         db = getattr(self._local, "db", None)
         if db is None:
-            db = self._local.db = self._connect()
+            db = self._local.db = self._connect(self._busy_ms)
             with self._readers_lock:
                 self._readers.append(db)
         return db.execute(query, args).fetchall()

@@ -47,6 +47,12 @@ class ServiceSpec:
     # systemd only: a root-only file of KEY=VALUE lines read at start, for secrets that
     # must not be in the unit text (every user can read units). Optional: "-" prefixed.
     environment_file: str = ""
+    # systemd only: lines for the [Socket] section of NAME.socket, which holds the listening
+    # socket across restarts of the service (socket activation, $LISTEN_FDS); none: no
+    # socket unit.
+    socket: list[str] = field(default_factory=list)
+    # How long a stop may take before the process is killed (a drain needs its bound).
+    stop_timeout_s: float = 15.0
 
 
 class ServiceManager(Protocol):
@@ -66,6 +72,11 @@ class ServiceManager(Protocol):
 
     def restart(self, name: str) -> None:
         """Stop the service if it runs, then start it."""
+
+    def reload(self, name: str) -> None:
+        """Move the service to a fresh process without refusing a connection: SIGHUP under
+        supervisord (the gateway's master hands its socket to a new worker); a restart
+        under systemd, whose socket unit holds the connections meanwhile."""
 
     def describe(self, name: str) -> str:
         """A line on the service's state, for messages."""

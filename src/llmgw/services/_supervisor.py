@@ -80,7 +80,7 @@ class Supervisor:
             "startsecs=1",
             "startretries=100",
             "stopsignal=TERM",
-            "stopwaitsecs=15",
+            f"stopwaitsecs={round(spec.stop_timeout_s)}",
             "redirect_stderr=true",
             f"stdout_logfile={self.logs / (spec.name + '.log')}",
             "stdout_logfile_maxbytes=10MB",
@@ -200,6 +200,18 @@ class Supervisor:
         except xmlrpc.client.Fault as e:
             raise ServiceError(
                 f"supervisord could not restart {name}: {e.faultString}; "
+                f"its log is {self.logs / (name + '.log')}"
+            ) from e
+
+    def reload(self, name: str) -> None:
+        if not self.is_running(name):
+            self.restart(name)
+            return
+        try:
+            self._rpc().signalProcess(name, "HUP")
+        except xmlrpc.client.Fault as e:
+            raise ServiceError(
+                f"supervisord could not send SIGHUP to {name}: {e.faultString}; "
                 f"its log is {self.logs / (name + '.log')}"
             ) from e
 

@@ -16,11 +16,14 @@ def render_unit(spec: ServiceSpec) -> str:
     env = [f"Environment={shlex.quote(f'{k}={v}')}" for k, v in sorted(spec.environment.items())]
     limits = [] if any(line.startswith("LimitNOFILE=") for line in spec.systemd_service) else [
         f"LimitNOFILE={OPEN_FILES}"]
+    # The socket unit holds the listener; the service takes it from systemd at start.
+    socket = [f"Requires={spec.name}.socket", f"After={spec.name}.socket"] if spec.socket else []
     lines = [
         "[Unit]",
         f"Description={spec.description}",
         "After=network-online.target",
         "Wants=network-online.target",
+        *socket,
         "",
         "[Service]",
         "# Written by llmgw; an edited copy is kept beside it as .bak when llmgw rewrites it.",
@@ -35,6 +38,23 @@ def render_unit(spec: ServiceSpec) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def render_socket(spec: ServiceSpec) -> str:
+    """NAME.socket for a spec with socket lines: the listener systemd holds for NAME.service."""
+    return "\n".join([
+        "[Unit]",
+        f"Description={spec.description} (its listening socket)",
+        "",
+        "[Socket]",
+        "# Written by llmgw. Connections wait in this socket's backlog while the service",
+        "# restarts; the service takes the socket from systemd ($LISTEN_FDS).",
+        *spec.socket,
+        "",
+        "[Install]",
+        "WantedBy=sockets.target",
+        "",
+    ])
 
 
 class Systemd:
@@ -55,12 +75,23 @@ class Systemd:
             )
         return proc.stdout
 
+    def socket_path(self, name: str) -> Path:
+        return self.unit_dir / f"{name}.socket"
+
     def definition_drift(self, spec: ServiceSpec) -> str:
-        return drift(self.definition_path(spec.name), render_unit(spec))
+        found = drift(self.definition_path(spec.name), render_unit(spec))
+        if found or not spec.socket:
+            return found
+        return drift(self.socket_path(spec.name), render_socket(spec))
 
     def write_unit(self, spec: ServiceSpec) -> bool:
-        path = self.definition_path(spec.name)
-        text = render_unit(spec)
+        """The service's unit and, with socket lines, its socket unit; whether either
+        changed."""
+        socket = self._write(self.socket_path(spec.name), render_socket(spec)) \
+            if spec.socket else False
+        return self._write(self.definition_path(spec.name), render_unit(spec)) or socket
+
+    def _write(self, path: Path, text: str) -> bool:
         try:
             old = path.read_text()
         except FileNotFoundError:
@@ -77,12 +108,23 @@ class Systemd:
         if changed:
             self._systemctl("daemon-reload")
         running = self.is_running(spec.name)
+        if spec.socket:
+            self._systemctl("enable", "--now", f"{spec.name}.socket")
         self._systemctl("enable", "--now", spec.name)
-        if changed and running:
+        if changed and running and spec.socket:
+            # A changed address needs the socket bound again, which only a stopped service
+            # lets happen: this restart refuses connections for a moment.
+            self._systemctl("stop", spec.name)
+            self._systemctl("restart", f"{spec.name}.socket")
+            self._systemctl("start", spec.name)
+        elif changed and running:
             self._systemctl("restart", spec.name)
         return changed or not running
 
     def restart(self, name: str) -> None:
+        self._systemctl("restart", name)
+
+    def reload(self, name: str) -> None:
         self._systemctl("restart", name)
 
     def is_running(self, name: str) -> bool:
