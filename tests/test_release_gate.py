@@ -42,3 +42,10 @@ def test_checks_that_fail_restore_the_previous_release_naming_both(
     # Negative control: a second run has nothing pending, so nothing is rolled back again.
     assert release_gate.gate(FAIL, venv, link) == 0
     assert install.installed_release(venv) == upgraded.previous
+
+
+def test_the_checks_get_the_options_of_scripts_up_but_not_its_steps_file() -> None:
+    """The steps file records what provisioning did: the checks must not write over it."""
+    argv = ["--advertise", "127.0.0.1", "--steps-json=/root/up.json", "--steps-json", "/x",
+            "--no-starter"]
+    assert release_gate.checks_args(argv) == ["--advertise", "127.0.0.1", "--no-starter"]

@@ -45,9 +45,23 @@ def gate(checks: Sequence[str], venv: Path = install.VENV, link: Path = install.
     return 1
 
 
+def checks_args(argv: Sequence[str]) -> list[str]:
+    """scripts/up's options for `pytest checks/`, less --steps-json: that file holds what
+    provisioning did, and the checks must not write over it."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--steps-json":
+            skip = True
+        elif not arg.startswith("--steps-json="):
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str]) -> int:
     checks = [sys.executable, "-m", "pytest", str(CHECKOUT / "checks"), "-p", "no:randomly",
-              *argv]
+              *checks_args(argv)]
     return gate(checks)
 
 
