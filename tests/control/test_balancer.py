@@ -227,3 +227,12 @@ def test_a_freed_slot_goes_to_the_first_in_line_when_none_is_at_home_there() -> 
         return lease.replica["id"]  # type: ignore[union-attr]
 
     assert run(main()) == "r1"
+
+
+def test_slots_are_counted_from_llama_servers_answer_and_anything_else_is_unknown() -> None:
+    from llmgw.control._slots import slots_of
+
+    answer = [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}]
+    assert slots_of(answer) == (2, 1)
+    assert slots_of([]) is None and slots_of({"error": "x"}) is None
+    assert slots_of([{"id": 0}]) is None
