@@ -245,3 +245,22 @@ def test_loads_of_replicas_gone_from_ready_are_forgotten_once_idle() -> None:
     balancer.loads["r2"].in_flight = 1
     balancer.prune({"r3"})
     assert set(balancer.loads) == {"r2"}
+
+
+def test_busy_slots_of_requests_that_ended_while_the_poll_was_out_are_not_others() -> None:
+    """Two requests of this gateway ran when the engine counted 2 busy and ended before
+    its answer came: no slot is anyone else's. A third busy slot is."""
+    async def main() -> tuple[int, int]:
+        balancer = Balancer()
+        balancer.observe("r1", 4, 0)
+        leases = [await balancer.acquire("m", [R1], None, set()) for _ in range(2)]
+        balancer.polling("r1")
+        for lease in leases:
+            lease.release()  # type: ignore[union-attr]
+        balancer.observe("r1", 4, busy=2)
+        ended = balancer.loads["r1"].others
+        balancer.polling("r1")
+        balancer.observe("r1", 4, busy=3)
+        return ended, balancer.loads["r1"].others
+
+    assert run(main()) == (0, 3)

@@ -49,6 +49,8 @@ class SlotPoller:
 
     async def poll_once(self) -> None:
         replicas = self.ready()
+        for replica in replicas:
+            self.balancer.polling(replica["id"])
         answers = await asyncio.gather(*(self._slots(r) for r in replicas))
         for replica, answer in zip(replicas, answers, strict=True):
             slots, busy = answer or (None, 0)

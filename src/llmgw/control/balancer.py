@@ -103,6 +103,9 @@ class Load:
     # that were not this gateway's.
     slots: int | None = None
     others: int = 0
+    # The most of this gateway's requests in flight while a poll was out: the engine's
+    # busy slots are counted at some moment then, so the rest are surely others'.
+    peak: int = 0
 
     @property
     def total(self) -> int:
@@ -191,7 +194,9 @@ class Balancer:
             replica = choose(replicas, self.loads, self._home(conv), turn)
         if replica is None:
             return None
-        self.loads.setdefault(replica["id"], Load()).in_flight += 1
+        load = self.loads.setdefault(replica["id"], Load())
+        load.in_flight += 1
+        load.peak = max(load.peak, load.in_flight)
         if conv is not None:
             self._remember(conv.record, replica["id"])
         return Lease(self, model, replica)
@@ -268,11 +273,19 @@ class Balancer:
                     return waiter
         return queue[0] if queue else None
 
+    def polling(self, replica_id: str) -> None:
+        """A poll of the replica goes out now."""
+        load = self.loads.setdefault(replica_id, Load())
+        load.peak = load.in_flight
+
     def observe(self, replica_id: str, slots: int | None, busy: int) -> None:
-        """A poll's answer: the replica's slots and how many were busy (None: unknown)."""
+        """A poll's answer: the replica's slots and how many were busy (None: unknown).
+        Busy slots beyond this gateway's peak in flight while the poll was out are others'
+        (counting against the gateway's in flight now instead took requests that had just
+        ended for others', and held slots that were free for a whole poll interval)."""
         load = self.loads.setdefault(replica_id, Load())
         load.slots = slots
-        load.others = max(0, busy - load.in_flight) if slots is not None else 0
+        load.others = max(0, busy - max(load.peak, load.in_flight)) if slots is not None else 0
 
     def prune(self, ready: set[str]) -> None:
         """Forget the loads of replicas no longer ready (none of their requests left): one
