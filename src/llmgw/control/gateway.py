@@ -235,7 +235,9 @@ class Gateway:
         balanced = self.balancer.routing == "balanced"
         if balanced:
             self.slots.ensure_running()
-        conv = conversation(headers, raw) if balanced else None
+        # With one replica there is no choice to make: its conversations need no keys.
+        many = len(self.router.ready(model)) > 1
+        conv = conversation(headers, raw) if balanced and many else None
         tried: set[str] = set()
         refused = ""
         while lease := await self._lease(model, conv, tried):
