@@ -360,8 +360,12 @@ async def _relay_events(response: Response, send: Send, member: bytes,
     """Relay an event stream event by event, each with the model renamed, bytes otherwise
     as the engine sent them. A client that leaves stops the generation: the gateway hangs
     up on the replica."""
-    await send({"type": "http.response.start", "status": response.status,
-                "headers": _kept(response)})
+    try:
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": _kept(response)})
+    except BaseException:
+        response.abort()  # its connection, and its replica's lease, are not kept
+        raise
     buffer, usage = b"", None
     watcher = asyncio.ensure_future(_disconnect(receive))
     def hang_up(_: object) -> None:
