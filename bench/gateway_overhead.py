@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llmgw.agent.engine import LlamaCpp  # noqa: E402
 from llmgw.config import EngineConfig, connect_host, load_server  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
+from llmgw.control.engine_args import HTTP_THREADS  # noqa: E402
 from llmgw.control.gateway import make_gateway_app  # noqa: E402
 from llmgw.control.metrics import GatewayMetrics  # noqa: E402
 from llmgw.control.store import Store  # noqa: E402
@@ -217,14 +218,19 @@ def serve_gateway(work: Path, port: int) -> None:
 
 def start_own(work: Path, width: int, engine_args: list[str]
               ) -> tuple[list[subprocess.Popen[bytes]], Side, Side, str]:
-    """A llama-server on the tiny GGUF and a gateway in front of it, both started here."""
+    """A llama-server on the tiny GGUF and a gateway in front of it, both started here.
+
+    The engine gets the HTTP threads the control plane gives replicas: with llama-server's
+    default (slots + 2) the keep-alive connections one side left open (nginx's, the
+    gateway's pool) held threads for the engine's 5 s idle timeout, and the next side's
+    connections waited unserved (and the gateway's /slots poll timed out)."""
     gguf = work / "tiny.gguf"
     write_tiny_gguf(gguf)
     key, engine_port, gw_port = secrets.token_urlsafe(16), free_port(), free_port()
     engine = subprocess.Popen(
         [engine_binary(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(engine_port),
          "--api-key", key, "--metrics", "--ctx-size", "2048", "--parallel", str(width),
-         *engine_args],
+         "--threads-http", str(HTTP_THREADS), *engine_args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     store = Store(work / "control.db")
     store.add_model({"name": "tiny", "aliases": [], "source": gguf.as_uri(), "sha256": "",
@@ -260,7 +266,7 @@ http {{
     scgi_temp_path {work}/nginx-scgi;
     upstream engine {{
         server {engine};
-        keepalive 64;
+        keepalive 16;
     }}
     server {{
         listen 127.0.0.1:{port};

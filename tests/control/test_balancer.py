@@ -227,3 +227,40 @@ def test_a_freed_slot_goes_to_the_first_in_line_when_none_is_at_home_there() -> 
         return lease.replica["id"]  # type: ignore[union-attr]
 
     assert run(main()) == "r1"
+
+
+def test_slots_are_counted_from_llama_servers_answer_and_anything_else_is_unknown() -> None:
+    from llmgw.control._slots import slots_of
+
+    answer = [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}]
+    assert slots_of(answer) == (2, 1)
+    assert slots_of([]) is None and slots_of({"error": "x"}) is None
+    assert slots_of([{"id": 0}]) is None
+
+
+def test_loads_of_replicas_gone_from_ready_are_forgotten_once_idle() -> None:
+    balancer = Balancer()
+    balancer.observe("r1", 2, 0)
+    balancer.observe("r2", 2, 0)
+    balancer.loads["r2"].in_flight = 1
+    balancer.prune({"r3"})
+    assert set(balancer.loads) == {"r2"}
+
+
+def test_busy_slots_of_requests_that_ended_while_the_poll_was_out_are_not_others() -> None:
+    """Two requests of this gateway ran when the engine counted 2 busy and ended before
+    its answer came: no slot is anyone else's. A third busy slot is."""
+    async def main() -> tuple[int, int]:
+        balancer = Balancer()
+        balancer.observe("r1", 4, 0)
+        leases = [await balancer.acquire("m", [R1], None, set()) for _ in range(2)]
+        balancer.polling("r1")
+        for lease in leases:
+            lease.release()  # type: ignore[union-attr]
+        balancer.observe("r1", 4, busy=2)
+        ended = balancer.loads["r1"].others
+        balancer.polling("r1")
+        balancer.observe("r1", 4, busy=3)
+        return ended, balancer.loads["r1"].others
+
+    assert run(main()) == (0, 3)

@@ -19,7 +19,7 @@ from llmgw.control.gateway import Gateway, make_gateway_app
 from llmgw.control.store import Store
 from llmgw.netaddr import free_port
 from tests.control.fake_engine import FakeEngine, fake_engine
-from tests.control.servers import serve_asgi
+from tests.control.servers import scripted_upstream, serve_asgi
 
 MODEL = {"name": "m", "aliases": [], "source": "http://m/m.gguf", "sha256": "",
          "scaling": {"min": 1, "max": 2}, "profiles": []}
@@ -222,3 +222,44 @@ def test_a_conversations_next_turn_reuses_the_real_engines_prompt_cache(
     assert first.status_code == second.status_code == 200
     reused = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert (reused > 0) is cached, second.json()["usage"]
+
+
+def test_every_lease_ends_with_its_answer_whole_streamed_broken_or_refused(store) -> None:
+    """After answers whole, streamed, a replica that hung up (502) and a client that left
+    a stream, no request is left counted in flight: no slot leaks. The negative control
+    is the count while a request is held."""
+    events = [b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'] * 50 + [b"data: [DONE]\n\n"]
+
+    def answer(path: str, body: bytes) -> tuple[int, str, list[bytes]] | None:
+        if b"drop" in body:
+            return None
+        if json.loads(body).get("stream"):
+            time.sleep(0.2)
+            return 200, "text/event-stream", events
+        return 200, "application/json", [b'{"model":"x","choices":[]}']
+
+    with scripted_upstream(answer) as up, fake_engine(4, held=True) as held:
+        store.put_replica({"id": "r1", "model": "m", "node": "n1", "profile": "cpu",
+                           "state": "ready", "endpoint": up.endpoint, "api_key": "k"})
+        with gateway(store) as (app, gw):
+            loads = app.balancer.loads
+            assert gw.post("/v1/chat/completions", json=chat("a")).status_code == 200
+            streamed = gw.post("/v1/chat/completions", json={**chat("b"), "stream": True})
+            assert streamed.status_code == 200 and streamed.text.endswith("[DONE]\n\n")
+            assert gw.post("/v1/chat/completions", json=chat("drop")).status_code == 502
+            with gw.stream("POST", "/v1/chat/completions",
+                           json={**chat("c"), "stream": True}) as left:
+                next(left.iter_raw())
+            wait_until("no request in flight", lambda: loads["r1"].in_flight == 0,
+                       lambda: loads)
+            store.put_replica({"id": "r1", "model": "m", "node": "n1", "profile": "cpu",
+                               "state": "ready", "endpoint": held.endpoint, "api_key": "k"})
+            time.sleep(0.6)  # the router's cache of the store
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(gw.post, "/v1/chat/completions", json=chat("d"))
+                wait_until("one request in flight", lambda: loads["r1"].in_flight == 1,
+                           lambda: loads)
+                held.hold.set()
+                assert pending.result().status_code == 200
+            wait_until("none in flight again", lambda: loads["r1"].in_flight == 0,
+                       lambda: loads)

@@ -83,8 +83,9 @@ def conversation(headers: Iterable[tuple[bytes, bytes]], raw: bytes) -> Conversa
 def _parts(body: dict[str, Any]) -> list[bytes]:
     messages = body.get("messages")
     if isinstance(messages, list):
-        return [json.dumps(m, sort_keys=True, separators=(",", ":")).encode() + b"\0"
-                for m in messages]
+        # repr, not a canonical JSON dump (2.5x its cost): a conversation's turns come from
+        # one client, which sends its history the same way each time.
+        return [repr(m).encode() + b"\0" for m in messages]
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         return [prompt[i:i + PROMPT_CHUNK].encode()
@@ -102,6 +103,9 @@ class Load:
     # that were not this gateway's.
     slots: int | None = None
     others: int = 0
+    # The most of this gateway's requests in flight while a poll was out: the engine's
+    # busy slots are counted at some moment then, so the rest are surely others'.
+    peak: int = 0
 
     @property
     def total(self) -> int:
@@ -190,7 +194,9 @@ class Balancer:
             replica = choose(replicas, self.loads, self._home(conv), turn)
         if replica is None:
             return None
-        self.loads.setdefault(replica["id"], Load()).in_flight += 1
+        load = self.loads.setdefault(replica["id"], Load())
+        load.in_flight += 1
+        load.peak = max(load.peak, load.in_flight)
         if conv is not None:
             self._remember(conv.record, replica["id"])
         return Lease(self, model, replica)
@@ -267,11 +273,25 @@ class Balancer:
                     return waiter
         return queue[0] if queue else None
 
+    def polling(self, replica_id: str) -> None:
+        """A poll of the replica goes out now."""
+        load = self.loads.setdefault(replica_id, Load())
+        load.peak = load.in_flight
+
     def observe(self, replica_id: str, slots: int | None, busy: int) -> None:
-        """A poll's answer: the replica's slots and how many were busy (None: unknown)."""
+        """A poll's answer: the replica's slots and how many were busy (None: unknown).
+        Busy slots beyond this gateway's peak in flight while the poll was out are others'
+        (counting against the gateway's in flight now instead took requests that had just
+        ended for others', and held slots that were free for a whole poll interval)."""
         load = self.loads.setdefault(replica_id, Load())
         load.slots = slots
-        load.others = max(0, busy - load.in_flight) if slots is not None else 0
+        load.others = max(0, busy - max(load.peak, load.in_flight)) if slots is not None else 0
+
+    def prune(self, ready: set[str]) -> None:
+        """Forget the loads of replicas no longer ready (none of their requests left): one
+        that comes back is polled afresh."""
+        for rid in [r for r, load in self.loads.items() if r not in ready and not load.in_flight]:
+            del self.loads[rid]
 
     def wake(self) -> None:
         """After polls: slots that other gateways freed go to waiters."""

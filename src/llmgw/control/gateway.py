@@ -365,7 +365,9 @@ class Gateway:
         balanced = self.balancer.routing == "balanced"
         if balanced:
             self.slots.ensure_running()
-        conv = conversation(headers, raw) if balanced else None
+        # With one replica there is no choice to make: its conversations need no keys.
+        many = len(self.router.ready(model)) > 1
+        conv = conversation(headers, raw) if balanced and many else None
         tried: set[str] = set()
         refused = ""
         while lease := await self._lease(model, conv, tried):
@@ -520,8 +522,12 @@ async def _relay_events(response: Response, send: Send, member: bytes,
     """Relay an event stream event by event, each with the model renamed, bytes otherwise
     as the engine sent them. A client that leaves stops the generation: the gateway hangs
     up on the replica."""
-    await send({"type": "http.response.start", "status": response.status,
-                "headers": _kept(response)})
+    try:
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": _kept(response)})
+    except BaseException:
+        response.abort()  # its connection, and its replica's lease, are not kept
+        raise
     buffer, usage = b"", None
     watcher = asyncio.ensure_future(_disconnect(receive))
     def hang_up(_: object) -> None:
