@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from llmgw.contract.records import CheckRecord
+
 __all__ = ["check"]
 
 
@@ -29,26 +31,15 @@ def _harness() -> str:
 
 
 class _Records:
-    """One record per promise: {step, promise, status, message}."""
+    """One record per promise that ran, {step, promise, status, message}: the run's own
+    verdicts, read from the harness at the session's end."""
 
-    def __init__(self) -> None:
-        self.records: dict[str, dict[str, str]] = {}
+    def __init__(self, harness: str) -> None:
+        self.plugin = importlib.import_module(f"{harness}.plugin")
+        self.records: list[CheckRecord] = []
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        promise = report.nodeid.rpartition("[")[2].rstrip("]")
-        if "/" not in promise or (report.when != "call" and report.passed):
-            return
-        status = {"passed": "passed", "failed": "failed", "skipped": "skipped"}[report.outcome]
-        step, _, name = promise.partition("/")
-        record = {"step": step, "promise": name, "status": status, "message": _message(report)}
-        if promise not in self.records or status != "passed":
-            self.records[promise] = record
-
-
-def _message(report: pytest.TestReport) -> str:
-    if report.skipped and isinstance(report.longrepr, tuple):
-        return str(report.longrepr[2]).removeprefix("Skipped: ")
-    return report.longreprtext.strip() if report.failed else ""
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.records = self.plugin.check_records(session.config)
 
 
 def check(state_dir: str | None, mode: str, as_json: bool, extra: list[str]) -> int:
@@ -63,14 +54,14 @@ def check(state_dir: str | None, mode: str, as_json: bool, extra: list[str]) -> 
             f"--mode={mode}", "-rfs", *([f"--state-dir={state_dir}"] if state_dir else []),
             *extra,
         ]
-        records = _Records()
+        records = _Records(harness)
         if as_json:  # stdout carries the records alone; pytest's own lines go to stderr
             with contextlib.redirect_stdout(sys.stderr):
                 code = int(pytest.main([*args, "-q", "--no-header"], plugins=[records]))
         else:
             code = int(pytest.main(args, plugins=[records]))
     if as_json:
-        for record in records.records.values():
+        for record in records.records:
             print(json.dumps(record))
     return code
 
