@@ -94,8 +94,11 @@ class Router:
         self._refresh()
         return self._names
 
-    def ready(self, model: str) -> list[dict[str, Any]]:
-        """The model's ready replicas, in the store's order (the balancer picks)."""
+    def ready(self, model: str, fresh: bool = False) -> list[dict[str, Any]]:
+        """The model's ready replicas, in the store's order (the balancer picks); fresh:
+        read from the store now, not up to ttl_s ago."""
+        if fresh:
+            self._read_at = -float("inf")
         self._refresh()
         return self._ready.get(model, [])
 
@@ -271,8 +274,13 @@ class Gateway:
 
     async def _lease(self, model: str, conv: Conversation | None,
                      tried: set[str]) -> Lease | None:
+        replicas = self.router.ready(model)
+        if all(r["id"] in tried for r in replicas):
+            # About to answer 503: first make sure no replica became ready since the last
+            # read (a replica that just became ready was refused for up to ttl_s).
+            replicas = self.router.ready(model, fresh=True)
         try:
-            return await self.balancer.acquire(model, self.router.ready(model), conv, tried)
+            return await self.balancer.acquire(model, replicas, conv, tried)
         except Saturated as e:
             raise GatewayError(503, f"{e}; try again in {RETRY_AFTER_S} s", "server_busy",
                                "replicas_busy",
