@@ -263,3 +263,13 @@ def test_every_lease_ends_with_its_answer_whole_streamed_broken_or_refused(store
                 assert pending.result().status_code == 200
             wait_until("none in flight again", lambda: loads["r1"].in_flight == 0,
                        lambda: loads)
+
+
+def test_a_replica_ready_since_the_routers_last_read_takes_the_request(store) -> None:
+    """The router reads the store at most every 0.5 s; before it would answer 503 it reads
+    again, so a replica that just became ready is not refused in the meantime."""
+    with fake_engine(4) as e1, gateway(store) as (_, gw):
+        before = gw.post("/v1/chat/completions", json=chat("a"))
+        ready(store, "r1", e1)
+        after = gw.post("/v1/chat/completions", json=chat("b"))
+    assert before.status_code == 503 and after.status_code == 200

@@ -64,9 +64,9 @@ class GatewayError(Exception):
                                      "param": self.param, "code": self.code}}).encode()
 
 
-# How stale the table may be when it lacks what a request needs: a ready replica of its
-# model (Router.ready) or its key (Router.key). The slot poller reads the table every
-# 0.5 s, so without this a request never meets a fresh one.
+# How stale the table may be when it lacks a request's key (Router.key): the slot poller
+# reads the table every 0.5 s, so a key made a moment ago would be refused meanwhile; the
+# floor keeps requests with made-up keys from reading the store each time.
 FRESH_TTL_S = 0.05
 
 
@@ -135,14 +135,14 @@ class Router:
             self._refresh(ttl_s=FRESH_TTL_S)
         return self._keys.get(key_hash)
 
-    def ready(self, model: str) -> list[dict[str, Any]]:
+    def ready(self, model: str, fresh: bool = False) -> list[dict[str, Any]]:
         """The model's ready replicas, in the store's order (the balancer picks). With none
-        in the table, the store is read again unless it was just read: a replica that came
-        ready since is served now, not after a 503 (the slot poller keeps the table from
-        ever being fresh when a request comes)."""
+        in the table, or fresh (every one was tried), the store is read again first: a
+        replica that came ready since is served now, not after a 503 (the slot poller keeps
+        the table from ever being fresh when a request comes)."""
         self._refresh()
-        if not self._ready.get(model):
-            self._refresh(ttl_s=FRESH_TTL_S)
+        if fresh or not self._ready.get(model):
+            self._refresh(ttl_s=0.0)
         return self._ready.get(model, [])
 
     def all_ready(self) -> list[dict[str, Any]]:
@@ -401,8 +401,13 @@ class Gateway:
 
     async def _lease(self, model: str, conv: Conversation | None,
                      tried: set[str]) -> Lease | None:
+        replicas = self.router.ready(model)
+        if all(r["id"] in tried for r in replicas):
+            # About to answer 503: first make sure no replica became ready since the last
+            # read (a replica that just became ready was refused for up to ttl_s).
+            replicas = self.router.ready(model, fresh=True)
         try:
-            return await self.balancer.acquire(model, self.router.ready(model), conv, tried)
+            return await self.balancer.acquire(model, replicas, conv, tried)
         except Saturated as e:
             raise GatewayError(503, f"{e}; try again in {RETRY_AFTER_S} s", "server_busy",
                                "replicas_busy",
