@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from llmgw.contract.records import ReplicaRecord
 from llmgw.control.balancer import Balancer
 
 log = logging.getLogger("llmgw.gateway")
@@ -32,7 +33,7 @@ class SlotPoller:
     replica that answers no slots (an engine started with --no-slots, an error) counts as
     not known: the balancer then sets it no limit."""
 
-    def __init__(self, balancer: Balancer, ready: Callable[[], list[dict[str, Any]]],
+    def __init__(self, balancer: Balancer, ready: Callable[[], list[ReplicaRecord]],
                  interval_s: float = POLL_S) -> None:
         self.balancer, self.ready, self.interval_s = balancer, ready, interval_s
         self._task: asyncio.Task[None] | None = None
@@ -58,7 +59,7 @@ class SlotPoller:
         self.balancer.prune({r["id"] for r in replicas})
         self.balancer.wake()
 
-    async def _slots(self, replica: dict[str, Any]) -> tuple[int, int] | None:
+    async def _slots(self, replica: ReplicaRecord) -> tuple[int, int] | None:
         try:
             async with asyncio.timeout(POLL_TIMEOUT_S):
                 status, body = await _get(replica["endpoint"], "/slots", replica["api_key"])
@@ -69,7 +70,7 @@ class SlotPoller:
         self._say(replica, problem)
         return found
 
-    def _say(self, replica: dict[str, Any], problem: str) -> None:
+    def _say(self, replica: ReplicaRecord, problem: str) -> None:
         """Log a replica's slots going unknown once, not on every poll."""
         if problem and replica["id"] not in self._failing:
             self._failing.add(replica["id"])

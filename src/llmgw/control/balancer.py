@@ -25,10 +25,11 @@ import itertools
 import json
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from llmgw.contract.records import ReplicaRecord
 from llmgw.errors import Error
 
 Routing = Literal["balanced", "round-robin"]
@@ -80,7 +81,7 @@ def conversation(headers: Iterable[tuple[bytes, bytes]], raw: bytes) -> Conversa
     return Conversation(tuple(reversed(keys[-MAX_PREFIXES:])), keys[-1])
 
 
-def _parts(body: dict[str, Any]) -> list[bytes]:
+def _parts(body: Mapping[str, Any]) -> list[bytes]:
     messages = body.get("messages")
     if isinstance(messages, list):
         # repr, not a canonical JSON dump (2.5x its cost): a conversation's turns come from
@@ -116,8 +117,8 @@ class Load:
         return self.slots is None or self.total < self.slots
 
 
-def choose(replicas: list[dict[str, Any]], loads: dict[str, Load], affine: str | None,
-           turn: int) -> dict[str, Any] | None:
+def choose(replicas: list[ReplicaRecord], loads: dict[str, Load], affine: str | None,
+           turn: int) -> ReplicaRecord | None:
     """The replica to take a request (the rule in the module's docstring), None if none is
     free."""
     free = [r for r in replicas if loads.setdefault(r["id"], Load()).free]
@@ -138,7 +139,7 @@ def choose(replicas: list[dict[str, Any]], loads: dict[str, Load], affine: str |
 class Lease:
     """A replica taken for one request; release() once its answer was relayed (or failed)."""
 
-    def __init__(self, balancer: Balancer, model: str, replica: dict[str, Any]) -> None:
+    def __init__(self, balancer: Balancer, model: str, replica: ReplicaRecord) -> None:
         self.balancer, self.model, self.replica = balancer, model, replica
         self._held = True
 
@@ -150,7 +151,7 @@ class Lease:
 
 @dataclass
 class _Waiter:
-    replicas: list[dict[str, Any]]
+    replicas: list[ReplicaRecord]
     conv: Conversation | None
     exclude: set[str]
     future: asyncio.Future[Lease] = field(
@@ -171,7 +172,7 @@ class Balancer:
         self._queues: dict[str, deque[_Waiter]] = {}
         self._turns = itertools.count()
 
-    async def acquire(self, model: str, replicas: list[dict[str, Any]],
+    async def acquire(self, model: str, replicas: list[ReplicaRecord],
                       conv: Conversation | None, exclude: set[str]) -> Lease | None:
         """A lease on a replica not in exclude; None when there is none such; Saturated
         when every one stayed busy."""
@@ -185,11 +186,11 @@ class Balancer:
                 return lease
         return await self._wait(model, queue, _Waiter(candidates, conv, exclude))
 
-    def _try(self, model: str, replicas: list[dict[str, Any]],
+    def _try(self, model: str, replicas: list[ReplicaRecord],
              conv: Conversation | None) -> Lease | None:
         turn = next(self._turns)
         if self.routing == "round-robin":
-            replica: dict[str, Any] | None = replicas[turn % len(replicas)]
+            replica: ReplicaRecord | None = replicas[turn % len(replicas)]
         else:
             replica = choose(replicas, self.loads, self._home(conv), turn)
         if replica is None:
@@ -298,7 +299,7 @@ class Balancer:
         for model in list(self._queues):
             self._hand_over(model)
 
-    def _describe(self, replicas: list[dict[str, Any]]) -> str:
+    def _describe(self, replicas: list[ReplicaRecord]) -> str:
         return "; ".join(
             f"{r['id']}: {self.loads[r['id']].total} in flight of "
             f"{self.loads[r['id']].slots} slots" for r in replicas if r["id"] in self.loads)

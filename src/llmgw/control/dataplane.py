@@ -27,6 +27,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from llmgw import __version__
+from llmgw._asgi import Receive, Scope, Send
 from llmgw._serving import on_stop_signals, quiet_server
 from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.control._upstream import Timeouts, Upstream
@@ -208,7 +209,7 @@ def run_master(config_path: Path) -> int:
 
 def metrics_app(registry: CollectorRegistry) -> Any:
     """GET /metrics: the registry's exposition text (the admin API's /metrics appends it)."""
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})

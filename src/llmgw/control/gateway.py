@@ -13,11 +13,11 @@ import logging
 import secrets
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
+from llmgw._asgi import Receive, Scope, Send
 from llmgw.contract import ReplicaState
+from llmgw.contract.records import KeyRecord, ModelSpec, ReplicaRecord
 from llmgw.control import _wire, keys
 from llmgw.control._slots import SlotPoller
 from llmgw.control._upstream import ConnectFailed, Response, Upstream, UpstreamError
@@ -35,8 +35,6 @@ from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.gateway")
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 FORWARDED = {"/v1/chat/completions": "chat", "/v1/completions": "chat",
              "/v1/embeddings": "embedding"}
@@ -83,10 +81,10 @@ class Router:
         self.store = store
         self.ttl_s = ttl_s
         self._read_at = -float("inf")
-        self._names: dict[str, dict[str, Any]] = {}
-        self._ready: dict[str, list[dict[str, Any]]] = {}
+        self._names: dict[str, ModelSpec] = {}
+        self._ready: dict[str, list[ReplicaRecord]] = {}
         self.created: dict[str, int] = {}
-        self._keys: dict[str, dict[str, Any]] = {}
+        self._keys: dict[str, KeyRecord] = {}
         self.stale_since: float | None = None
 
     def _refresh(self, ttl_s: float | None = None) -> None:
@@ -118,15 +116,15 @@ class Router:
         self._keys = {k["hash"]: k for k in self.store.keys()}
         self._names, self._ready, self._read_at = names, ready, time.monotonic()
 
-    def resolve(self, requested: str) -> dict[str, Any] | None:
+    def resolve(self, requested: str) -> ModelSpec | None:
         self._refresh()
         return self._names.get(requested)
 
-    def names(self) -> dict[str, dict[str, Any]]:
+    def names(self) -> dict[str, ModelSpec]:
         self._refresh()
         return self._names
 
-    def key(self, key_hash: str) -> dict[str, Any] | None:
+    def key(self, key_hash: str) -> KeyRecord | None:
         """The live gateway key of this sha256, as of the last refresh. A hash not in the
         table has the store read again unless it was just read, so a key made a moment ago
         works at once; a revoked one is refused from the next refresh on."""
@@ -135,7 +133,7 @@ class Router:
             self._refresh(ttl_s=FRESH_TTL_S)
         return self._keys.get(key_hash)
 
-    def ready(self, model: str, fresh: bool = False) -> list[dict[str, Any]]:
+    def ready(self, model: str, fresh: bool = False) -> list[ReplicaRecord]:
         """The model's ready replicas, in the store's order (the balancer picks). With none
         in the table, or fresh (every one was tried), the store is read again first: a
         replica that came ready since is served now, not after a 503 (the slot poller keeps
@@ -145,7 +143,7 @@ class Router:
             self._refresh(ttl_s=0.0)
         return self._ready.get(model, [])
 
-    def all_ready(self) -> list[dict[str, Any]]:
+    def all_ready(self) -> list[ReplicaRecord]:
         self._refresh()
         return [r for replicas in self._ready.values() for r in replicas]
 
@@ -172,7 +170,7 @@ class Caller:
     models: tuple[str, ...] = ()
     limits: keys.Limits | None = None
 
-    def may_use(self, model: dict[str, Any], names: dict[str, dict[str, Any]]) -> bool:
+    def may_use(self, model: ModelSpec, names: dict[str, ModelSpec]) -> bool:
         """A key's models are catalog names or aliases; naming one allows all its names."""
         return not self.models or any(
             names.get(n, {}).get("name") == model["name"] for n in self.models)
@@ -207,7 +205,7 @@ class Gateway:
         self.balancer = balancer or Balancer()
         self.slots = SlotPoller(self.balancer, self.router.all_ready)
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             if self.balancer.routing == "balanced":
                 self.slots.ensure_running()
@@ -244,7 +242,7 @@ class Gateway:
             log.warning("could not write the usage of %d gateway keys to the store (%s); "
                         "kept, trying again in %.0f s", len(taken), e, self.usage_flush_s)
 
-    async def _dispatch(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
         kind = FORWARDED.get(path)
         if kind is not None:
@@ -265,7 +263,7 @@ class Gateway:
                            "/v1/models, /v1/chat/completions, /v1/completions and "
                            "/v1/embeddings", "invalid_request_error", "unknown_url")
 
-    def _authorize(self, scope: dict[str, Any]) -> Caller:
+    def _authorize(self, scope: Scope) -> Caller:
         """Who sent the request, or a 401. The scheme is matched without regard to case;
         a gateway key by its sha256, then compared in constant time; a server.yaml token
         byte for byte, in constant time."""
@@ -299,7 +297,7 @@ class Gateway:
                                                        tuple(key["models"]), limits)
         return caller
 
-    def _models(self, path: str, caller: Caller) -> dict[str, Any]:
+    def _models(self, path: str, caller: Caller) -> dict[str, object]:
         names, created = self.router.names(), self.router.created
         listed = [{"id": name, "object": "model", "created": created.get(m["name"], 0),
                    "owned_by": "llmgw", "root": m["name"]} for name, m in names.items()
@@ -314,7 +312,7 @@ class Gateway:
                                "model_not_found", "model")
         return found
 
-    async def _forward(self, scope: dict[str, Any], receive: Receive, send: Send,
+    async def _forward(self, scope: Scope, receive: Receive, send: Send,
                        kind: str) -> None:
         """Counted under the catalog name, or model="" when the request named none."""
         started, name, status, usage, caller = time.perf_counter(), "", 500, None, NOBODY
@@ -413,7 +411,7 @@ class Gateway:
                                "replicas_busy",
                                headers=[(b"retry-after", str(RETRY_AFTER_S).encode())]) from e
 
-    async def _body(self, scope: dict[str, Any], receive: Receive) -> bytes:
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and \
                     int(value) > self.max_body_bytes:
@@ -494,7 +492,7 @@ def _parse(raw: bytes) -> tuple[str, bool]:
     return model, bool(body.get("stream"))
 
 
-def _check_kind(model: dict[str, Any], kind: str, path: str) -> None:
+def _check_kind(model: ModelSpec, kind: str, path: str) -> None:
     profile = model.get("routing_profile", "chat")
     if (profile == "embedding") != (kind == "embedding"):
         serves = "/v1/embeddings" if profile == "embedding" else \
