@@ -38,6 +38,8 @@ class Load:
 
     url: str
     body: dict[str, object] = field(default_factory=lambda: dict(CHAT))
+    # The gateway key sent as the bearer token ("" for an open gateway).
+    key: str = ""
     done: int = 0
     answered: int = 0
     failures: list[str] = field(default_factory=list)
@@ -59,7 +61,8 @@ class Load:
 
     def _client(self, i: int) -> None:
         deadline = time.monotonic() + LOAD_LIMIT_S
-        with httpx.Client(base_url=self.url, timeout=30) as client:
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        with httpx.Client(base_url=self.url, timeout=30, headers=headers) as client:
             for n in range(PER_CLIENT):
                 if self.stop.is_set() or time.monotonic() > deadline:
                     return

@@ -27,7 +27,9 @@ def host(tmp_path_factory, tiny_gguf):
     h.down()
 
 
-def ask(host: ThrowawayHost, token: str = "") -> httpx.Response:
+def ask(host: ThrowawayHost, token: str | None = None) -> httpx.Response:
+    """A chat completion with token ('' for none), by default the owner's key."""
+    token = host.gateway_key if token is None else token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.post(f"http://127.0.0.1:{host.ports['gateway']}/v1/chat/completions",
                       json=ASK, headers=headers, timeout=30)
@@ -72,7 +74,7 @@ def test_a_changed_server_yaml_is_found_then_handed_to_a_new_worker(host) -> Non
         assert any("handed over to a worker" in line for line in again.lines("done")), \
             again.lines("done")
         assert Supervisor(host.state_dir).pid("llmgw-gateway") == master, "not restarted"
-        assert ask(host).status_code == 401
+        assert ask(host, "").status_code == 401
         assert ask(host, "sk-flow").status_code == 200
         assert host.checks().returncode == 0
     finally:

@@ -140,14 +140,15 @@ def test_a_host_from_before_keys_keeps_its_open_gateway_and_checks_warn(provisio
     server_yaml.write_text(yaml.safe_dump(data))
     conf = provisioned.state_dir / "supervisord.conf"
     ctl = [sys.executable, "-m", "supervisor.supervisorctl", "-c", str(conf)]
-    subprocess.run([*ctl, "restart", "llmgw-server"], check=True, capture_output=True)
+    # A new listen address: the gateway binds it when it starts (a handover keeps sockets).
+    subprocess.run([*ctl, "restart", "llmgw-gateway"], check=True, capture_output=True)
     try:
         checks = provisioned.checks()
         gateway = f"http://127.0.0.1:{data['gateway_listen'].rsplit(':', 1)[1]}"
         anonymous = httpx.get(f"{gateway}/v1/models", timeout=10)
     finally:
         server_yaml.write_text(before)
-        subprocess.run([*ctl, "restart", "llmgw-server"], check=True, capture_output=True)
+        subprocess.run([*ctl, "restart", "llmgw-gateway"], check=True, capture_output=True)
     assert checks.returncode == 0, checks.output
     assert anonymous.status_code == 200
     warned = [s["message"] for s in checks.steps if s["status"] == "warn"]

@@ -70,11 +70,16 @@ def engine_pids(c: SystemdContainer) -> dict[str, int]:
     return found
 
 
+def owner_key(c: SystemdContainer) -> str:
+    """The owner's gateway key, which provisioning made."""
+    return c.path("/etc/llmgw/gateway-key").read_text().strip()
+
+
 def ask(c: SystemdContainer, timeout_s: float = 120) -> str:
-    """One chat completion with the owner's gateway key, which provisioning made."""
+    """One chat completion with the owner's gateway key."""
     body = {"model": "qwen-0.5b", "max_tokens": 8,
             "messages": [{"role": "user", "content": "hello"}]}
-    key = c.path("/etc/llmgw/gateway-key").read_text().strip()
+    key = owner_key(c)
     r = httpx.post("http://127.0.0.1:8080/v1/chat/completions", json=body, timeout=timeout_s,
                    headers={"Authorization": f"Bearer {key}"})
     assert r.status_code == 200, r.text
@@ -246,14 +251,14 @@ def test_restarts_of_the_gateway_and_the_control_plane_under_load_lose_no_reques
     stopped too for a second, clients are refused."""
     body = {"model": "qwen-0.5b", "max_tokens": 4,
             "messages": [{"role": "user", "content": "hello"}]}
-    with Load("http://127.0.0.1:8080", body) as load:
+    with Load("http://127.0.0.1:8080", body, key=owner_key(host)) as load:
         load.wait_for(20)
         host.run("systemctl", "restart", "llmgw-gateway")
         load.wait_for(20)
         host.run("systemctl", "restart", "llmgw-server")
         load.wait_for(20)
     assert load.failures == [], f"{len(load.failures)} of {load.done}: {load.failures[:5]}"
-    with Load("http://127.0.0.1:8080", body) as load:
+    with Load("http://127.0.0.1:8080", body, key=owner_key(host)) as load:
         load.wait_for(20)
         host.run("systemctl", "stop", "llmgw-gateway.socket", "llmgw-gateway")
         time.sleep(1)

@@ -75,7 +75,7 @@ def test_a_host_of_the_previous_release_is_upgraded_in_place(
         assert "path=/usr/local/bin/llmgw " in c.show(unit, "ExecStart")["ExecStart"], unit
     kept = [s["message"] for s in steps if s["status"] == "kept"]
     assert any("agent certificate for" in k for k in kept), kept
-    wait_for("a chat completion through the gateway", ask, timeout_s=180)
+    wait_for("a chat completion through the gateway", lambda: ask(c), timeout_s=180)
 
 
 def installed(c: SystemdContainer) -> str:
@@ -105,7 +105,7 @@ def this_release_serving(c: SystemdContainer) -> str:
         c.path(MODEL).parent.chmod(0o755)
     proc, _ = up(c, "/root/this.json")
     assert proc.returncode == 0, proc.stdout[-6000:]
-    wait_for("a chat completion through the gateway", ask, timeout_s=180)
+    wait_for("a chat completion through the gateway", lambda: ask(c), timeout_s=180)
     return installed(c)
 
 
@@ -113,7 +113,8 @@ class Clients:
     """Chat completions through the gateway, one after another, until stopped: every
     answer that is not a 200, and every connection error, is counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, c: SystemdContainer) -> None:
+        self.c = c
         self.ok, self.failed, self.errors = 0, 0, []  # type: ignore[var-annotated]
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -123,7 +124,7 @@ class Clients:
         while (not self.stopping.is_set() and self.ok + self.failed < MAX_REQUESTS
                and time.monotonic() - began < MAX_CLIENT_S):
             try:
-                ask(timeout_s=60)
+                ask(self.c, timeout_s=60)
                 self.ok += 1
             except (httpx.HTTPError, AssertionError) as e:
                 self.failed += 1
@@ -155,7 +156,7 @@ def test_an_upgrade_with_clients_running_fails_no_request(
                     "an upgrade drops connections (issue 16 part 1 makes it socket-activated)")
     commit = release_at(c, NEXT, ("src/llmgw/__init__.py", "\n", "\n# a newer release\n"),
                         "a newer release")
-    with Clients() as clients:
+    with Clients(c) as clients:
         time.sleep(2)
         proc, _ = up(c, "/root/next.json", cwd=NEXT)
         time.sleep(2)
@@ -189,5 +190,5 @@ def test_a_release_whose_checks_fail_is_rolled_back_naming_both(
     assert not c.path("/opt/llmgw/pending-upgrade.json").exists()
     target = c.run("readlink", "-f", "/usr/local/bin/llmgw").stdout.strip()
     assert target.startswith("/opt/llmgw/releases/") and commit not in target, target
-    wait_for("a chat completion through the gateway of the restored release", ask,
+    wait_for("a chat completion through the gateway of the restored release", lambda: ask(c),
              timeout_s=180)
