@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 
 from llmgw._asgi import Receive, Scope, Send
-from llmgw.contract import ReplicaState
-from llmgw.contract.records import KeyRecord, ModelSpec, ReplicaRecord
+from llmgw.contract.records import ModelSpec
 from llmgw.control import _wire, keys
+from llmgw.control._relay import relay_events, relay_whole, respond
+from llmgw.control._router import Router
 from llmgw.control._slots import SlotPoller
 from llmgw.control._upstream import ConnectFailed, Response, Upstream, UpstreamError
 from llmgw.control.balancer import (
@@ -60,105 +61,6 @@ class GatewayError(Exception):
     def body(self) -> bytes:
         return json.dumps({"error": {"message": self.message, "type": self.type,
                                      "param": self.param, "code": self.code}}).encode()
-
-
-# How stale the table may be when it lacks a request's key (Router.key): the slot poller
-# reads the table every 0.5 s, so a key made a moment ago would be refused meanwhile; the
-# floor keeps requests with made-up keys from reading the store each time.
-FRESH_TTL_S = 0.05
-
-
-class Router:
-    """Resolves a requested model to the catalog and hands out its ready replicas.
-
-    It reads the catalog and the replicas at most every ttl_s, not on every request: the
-    hot path stays off SQLite, and a replica that died in between costs one failed try.
-    When a read fails (the control plane's database locked, moved or mid-migration while it
-    restarts), it serves from the last table it read and says so once, until a read works.
-    """
-
-    def __init__(self, store: Store, ttl_s: float = 0.5) -> None:
-        self.store = store
-        self.ttl_s = ttl_s
-        self._read_at = -float("inf")
-        self._names: dict[str, ModelSpec] = {}
-        self._ready: dict[str, list[ReplicaRecord]] = {}
-        self.created: dict[str, int] = {}
-        self._keys: dict[str, KeyRecord] = {}
-        self.stale_since: float | None = None
-
-    def _refresh(self, ttl_s: float | None = None) -> None:
-        if time.monotonic() - self._read_at < (self.ttl_s if ttl_s is None else ttl_s):
-            return
-        try:
-            self._read_table()
-        except (sqlite3.Error, OSError) as e:
-            self._read_at = time.monotonic()  # try again after ttl_s, not on every request
-            if self.stale_since is None:
-                self.stale_since = time.monotonic()
-                log.warning("cannot read the routing table from %s (%s); serving from the "
-                            "last one read until it can", self.store.path, e)
-            return
-        if self.stale_since is not None:
-            log.info("the routing table reads again, after %.1f s of serving the last one",
-                     time.monotonic() - self.stale_since)
-            self.stale_since = None
-
-    def _read_table(self) -> None:
-        names, ready = {}, {}
-        for model in self.store.models():
-            for name in [model["name"], *model.get("aliases", [])]:
-                names[name] = model
-        for r in self.store.replicas():
-            if r["state"] == ReplicaState.READY and r["endpoint"]:
-                ready.setdefault(r["model"], []).append(r)
-        self.created = self.store.created()
-        self._keys = {k["hash"]: k for k in self.store.keys()}
-        self._names, self._ready, self._read_at = names, ready, time.monotonic()
-
-    def resolve(self, requested: str) -> ModelSpec | None:
-        self._refresh()
-        return self._names.get(requested)
-
-    def names(self) -> dict[str, ModelSpec]:
-        self._refresh()
-        return self._names
-
-    def key(self, key_hash: str) -> KeyRecord | None:
-        """The live gateway key of this sha256, as of the last refresh. A hash not in the
-        table has the store read again unless it was just read, so a key made a moment ago
-        works at once; a revoked one is refused from the next refresh on."""
-        self._refresh()
-        if key_hash not in self._keys:
-            self._refresh(ttl_s=FRESH_TTL_S)
-        return self._keys.get(key_hash)
-
-    def ready(self, model: str, fresh: bool = False) -> list[ReplicaRecord]:
-        """The model's ready replicas, in the store's order (the balancer picks). With none
-        in the table, or fresh (every one was tried), the store is read again first: a
-        replica that came ready since is served now, not after a 503 (the slot poller keeps
-        the table from ever being fresh when a request comes)."""
-        self._refresh()
-        if fresh or not self._ready.get(model):
-            self._refresh(ttl_s=0.0)
-        return self._ready.get(model, [])
-
-    def all_ready(self) -> list[ReplicaRecord]:
-        self._refresh()
-        return [r for replicas in self._ready.values() for r in replicas]
-
-    def states(self, model: str) -> str:
-        try:
-            reps = [r for r in self.store.replicas(model) if r["state"] != ReplicaState.STOPPED]
-        except (sqlite3.Error, OSError) as e:
-            return f"the replicas' states cannot be read now ({e})"
-        if not reps:
-            return "no replica is scheduled"
-        return "; ".join(
-            f"{r['id']} on {r['node'] or '(no node)'}: {r['state']}"
-            + (f" ({r['err']})" if r["err"] else "")
-            for r in reps
-        )
 
 
 @dataclass
@@ -222,7 +124,7 @@ class Gateway:
         try:
             await self._dispatch(scope, receive, send)
         except GatewayError as e:
-            await _respond(send, e.status, e.body(), [*_JSON, *e.headers])
+            await respond(send, e.status, e.body(), [*_JSON, *e.headers])
 
     async def _flush_every(self) -> None:
         while True:
@@ -254,10 +156,10 @@ class Gateway:
             if method not in ("GET", "HEAD"):
                 raise _not_allowed(method, path, "GET")
             if path == "/healthz":
-                await _respond(send, 200, b'{"status":"ok"}', _JSON)
+                await respond(send, 200, b'{"status":"ok"}', _JSON)
                 return
             caller = self._authorize(scope)
-            await _respond(send, 200, json.dumps(self._models(path, caller)).encode(), _JSON)
+            await respond(send, 200, json.dumps(self._models(path, caller)).encode(), _JSON)
             return
         raise GatewayError(404, f"{method} {path} is not a route of this gateway; it serves "
                            "/v1/models, /v1/chat/completions, /v1/completions and "
@@ -334,9 +236,9 @@ class Gateway:
             status = response.status
             member = _wire.model_value(requested)
             if stream and status == 200:
-                usage = await _relay_events(response, send, member, receive)
+                usage = await relay_events(response, send, member, receive)
             else:
-                usage = await _relay_whole(response, send, member)
+                usage = await relay_whole(response, send, member)
         except GatewayError as e:
             status = e.status
             raise
@@ -505,67 +407,6 @@ def _check_kind(model: ModelSpec, kind: str, path: str) -> None:
 def _not_allowed(method: str, path: str, allowed: str) -> GatewayError:
     return GatewayError(405, f"{path} takes {allowed}, not {method}", "invalid_request_error",
                         "method_not_allowed")
-
-
-def _kept(response: Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in response.headers.items()
-            if k in (b"content-type", b"cache-control")]
-
-
-async def _relay_whole(response: Response, send: Send, member: bytes) -> tuple[int, int] | None:
-    data = await response.read()
-    if response.status == 200 and b"json" in response.headers.get(b"content-type", b""):
-        data = _wire.rename_model(data, member)
-    await _respond(send, response.status, data, _kept(response))
-    return _wire.usage(data) if response.status == 200 else None
-
-
-async def _relay_events(response: Response, send: Send, member: bytes,
-                        receive: Receive) -> tuple[int, int] | None:
-    """Relay an event stream event by event, each with the model renamed, bytes otherwise
-    as the engine sent them. A client that leaves stops the generation: the gateway hangs
-    up on the replica."""
-    try:
-        await send({"type": "http.response.start", "status": response.status,
-                    "headers": _kept(response)})
-    except BaseException:
-        response.abort()  # its connection, and its replica's lease, are not kept
-        raise
-    buffer, usage = b"", None
-    watcher = asyncio.ensure_future(_disconnect(receive))
-    def hang_up(_: object) -> None:
-        response.abort()
-
-    watcher.add_done_callback(hang_up)
-    try:
-        async for part in response.iter_raw():
-            events, buffer = _wire.split_events(buffer + part)
-            for event in events:
-                usage = _wire.usage(event) or usage
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": _wire.rename_model(event, member)})
-    except UpstreamError as e:
-        # The status is sent; the client sees the stream end without its [DONE].
-        if not watcher.done():
-            log.warning("a stream broke off: %s", e)
-    finally:
-        watcher.remove_done_callback(hang_up)
-        watcher.cancel()
-        response.release()
-    await send({"type": "http.response.body", "body": buffer, "more_body": False})
-    return usage
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _respond(send: Send, status: int, body: bytes,
-                   headers: list[tuple[bytes, bytes]]) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -1,0 +1,74 @@
+"""Relaying a replica's answer to the gateway's client: whole, or event by event, with the
+model renamed at the byte level (`_wire`) and every other byte as the engine sent it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from llmgw._asgi import Receive, Send
+from llmgw.control import _wire
+from llmgw.control._upstream import Response, UpstreamError
+
+log = logging.getLogger("llmgw.gateway")
+
+
+def kept(response: Response) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in response.headers.items()
+            if k in (b"content-type", b"cache-control")]
+
+
+async def relay_whole(response: Response, send: Send, member: bytes) -> tuple[int, int] | None:
+    data = await response.read()
+    if response.status == 200 and b"json" in response.headers.get(b"content-type", b""):
+        data = _wire.rename_model(data, member)
+    await respond(send, response.status, data, kept(response))
+    return _wire.usage(data) if response.status == 200 else None
+
+
+async def relay_events(response: Response, send: Send, member: bytes,
+                        receive: Receive) -> tuple[int, int] | None:
+    """Relay an event stream event by event, each with the model renamed, bytes otherwise
+    as the engine sent them. A client that leaves stops the generation: the gateway hangs
+    up on the replica."""
+    try:
+        await send({"type": "http.response.start", "status": response.status,
+                    "headers": kept(response)})
+    except BaseException:
+        response.abort()  # its connection, and its replica's lease, are not kept
+        raise
+    buffer, usage = b"", None
+    watcher = asyncio.ensure_future(disconnect(receive))
+    def hang_up(_: object) -> None:
+        response.abort()
+
+    watcher.add_done_callback(hang_up)
+    try:
+        async for part in response.iter_raw():
+            events, buffer = _wire.split_events(buffer + part)
+            for event in events:
+                usage = _wire.usage(event) or usage
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": _wire.rename_model(event, member)})
+    except UpstreamError as e:
+        # The status is sent; the client sees the stream end without its [DONE].
+        if not watcher.done():
+            log.warning("a stream broke off: %s", e)
+    finally:
+        watcher.remove_done_callback(hang_up)
+        watcher.cancel()
+        response.release()
+    await send({"type": "http.response.body", "body": buffer, "more_body": False})
+    return usage
+
+
+async def disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def respond(send: Send, status: int, body: bytes,
+                   headers: list[tuple[bytes, bytes]]) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
