@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from llmgw.config import parse_listen
+from llmgw.contract.records import DriftFailure, DriftReport
 
 log = logging.getLogger("llmgw.watch")
 
@@ -187,33 +188,66 @@ def serve(addr: str, watch: Watch, interval_s: float,
         server.server_close()
 
 
-def admin_reporter(layout: Any, host: str) -> Callable[[Result], None] | None:
-    """Send each round to the control plane's admin API, when this machine holds it (its
-    server.yaml and admin token); None on a machine that only runs a node."""
+def drift_report(result: Result) -> DriftReport:
+    """A round as the control plane keeps it: the promises failing, since when, and why."""
+    failing: list[DriftFailure] = [
+        {"promise": promise_id(r), "since": result.failing_since[promise_id(r)],
+         "message": _first_line(r)[:4000]} for r in result.failed()]
+    if result.error:
+        failing.append({"promise": "check", "since": result.finished,
+                        "message": result.error[:4000]})
+    return {"checked": result.finished, "promises": len(result.records), "failing": failing}
+
+
+def reporter(layout: Any, host: str) -> Callable[[Result], None] | None:
+    """Send each round to the control plane: through its admin API on its own machine (the
+    admin token is readable there), else through the agent API as this node (a joined
+    node: its certificate names it); None where this machine is neither."""
     from llmgw.admin_token import AdminTokenError
-    from llmgw.clients import admin_client
     from llmgw.config import ConfigError
     from llmgw.errors import Error
 
-    if not layout.server_yaml.is_file():
-        log.info("no %s here: this round's drift stays on /healthz and /metrics (a joined "
-                 "node does not report to the control plane)", layout.server_yaml)
+    if layout.server_yaml.is_file():
+        send = _to_admin_api(layout, host)
+    elif layout.agent_yaml.is_file():
+        send = _to_agent_api(layout)
+    else:
+        log.info("neither %s nor %s here: this round's drift stays on /healthz and /metrics",
+                 layout.server_yaml, layout.agent_yaml)
         return None
 
     def report(result: Result) -> None:
-        failing = [{"promise": promise_id(r), "since": result.failing_since[promise_id(r)],
-                    "message": _first_line(r)[:4000]} for r in result.failed()]
-        if result.error:
-            failing.append({"promise": "check", "since": result.finished,
-                            "message": result.error[:4000]})
-        body = {"checked": result.finished, "promises": len(result.records), "failing": failing}
         try:
-            with admin_client(layout) as admin:
-                admin.report_drift(host, body)
+            send(drift_report(result))
         except (Error, ConfigError, AdminTokenError, OSError) as e:
             log.warning("could not send this round to the control plane: %s", e)
 
     return report
+
+
+def _to_admin_api(layout: Any, host: str) -> Callable[[DriftReport], object]:
+    from llmgw.clients import admin_client
+
+    def send(body: DriftReport) -> object:
+        with admin_client(layout) as admin:
+            return admin.report_drift(host, body)
+
+    return send
+
+
+def _to_agent_api(layout: Any) -> Callable[[DriftReport], object]:
+    from llmgw.agent.client import AgentClient
+    from llmgw.config import load_agent
+
+    def send(body: DriftReport) -> object:
+        agent = load_agent(layout.agent_yaml)
+        client = AgentClient(agent.server, agent.tls, timeout=10.0)
+        try:
+            return client.report_drift(body)
+        finally:
+            client.close()
+
+    return send
 
 
 def _first_line(record: Record) -> str:
@@ -230,6 +264,6 @@ def serve_main(args: Any) -> int:
 
     layout = Layout.for_mode(args.mode if not args.state_dir else "local", args.state_dir)
     name = args.name or socket.gethostname()
-    watch = Watch(check_round(args.state_dir, args.mode), admin_reporter(layout, name))
+    watch = Watch(check_round(args.state_dir, args.mode), reporter(layout, name))
     serve(args.serve, watch, args.interval)
     return 0

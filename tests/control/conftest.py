@@ -63,7 +63,7 @@ def live_control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
     token = admin_token.read_token(token_path)
     app = make_admin_app(store, node_timeout_s=30.0,
                          token_hash=admin_token.hash_path_for(token_path),
-                         on_node_removed=agent_api.revoke)
+                         on_node_removed=agent_api.revoke, drift=agent_api.api.drift)
     admin = TestClient(app, headers={"Authorization": f"Bearer {token}"})
     try:
         yield ControlPlane(store, admin, agent_api.port, ca, tmp_path, token, app, agent_api)

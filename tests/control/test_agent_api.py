@@ -108,3 +108,31 @@ def test_a_heartbeat_with_a_wrong_type_is_422_naming_the_key_and_nothing_is_stor
     # Negative control: the same node with valid values is recorded.
     assert _heartbeat(cp, cp.client_cert("node-a"), {"cpus": 4}).status_code == 200
     assert [n["id"] for n in cp.admin.get("/api/v1/nodes").json()] == ["node-a"]
+
+
+def test_a_nodes_drift_is_kept_under_its_certificate_and_shown_by_the_admin_api(
+        live_control_plane, tmp_path) -> None:
+    """A joined node's `llmgw check --serve` reports through the agent API: the round is
+    kept under the certificate's CN (the body names no host), the admin API lists it beside
+    the others; a body that is no report is 422, a client without a certificate 401."""
+    from llmgw.agent.client import AgentAPIError, AgentClient
+    from llmgw.config import TLSFiles
+
+    cp = live_control_plane
+    cert, key = cp.client_cert("node-b")
+    client = AgentClient(f"https://127.0.0.1:{cp.agent_port}",
+                         TLSFiles(ca=str(cp.pki_dir / "ca.pem"), cert=cert, key=key))
+    failing = [{"promise": "node/ready", "since": 5.0, "message": "not ready"}]
+    try:
+        kept = client.report_drift({"checked": 9.0, "promises": 12, "failing": failing})
+        assert kept["host"] == "node-b"
+        with pytest.raises(AgentAPIError, match="422"):
+            client.report_drift({"checked": "soon"})  # type: ignore[typeddict-item]
+    finally:
+        client.close()
+    listed = cp.admin.get("/api/v1/drift").json()
+    assert [(d["host"], d["promises"], d["failing"]) for d in listed] == [
+        ("node-b", 12, failing)]
+    with httpx.Client(verify=str(cp.pki_dir / "ca.pem"), timeout=5) as anonymous:
+        r = anonymous.put(f"https://127.0.0.1:{cp.agent_port}{AgentPaths.DRIFT}", json={})
+    assert r.status_code == 401

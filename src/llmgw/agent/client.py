@@ -14,7 +14,7 @@ from llmgw import pki
 from llmgw._files import atomic_write
 from llmgw.config import TLSFiles
 from llmgw.contract import AgentPaths
-from llmgw.contract.records import Heartbeat, HeartbeatAnswer, NodeView
+from llmgw.contract.records import DriftReport, Heartbeat, HeartbeatAnswer, HostDrift, NodeView
 from llmgw.errors import Error
 
 
@@ -81,6 +81,11 @@ class AgentClient:
         until it has sent a heartbeat."""
         response = self._send_or_raise("GET", AgentPaths.SELF)
         return None if response.status_code == 404 else self._body(response)
+
+    def report_drift(self, report: DriftReport) -> HostDrift:
+        """This node's last round of `llmgw check --serve`; the control plane keeps it under
+        this node's certificate's name."""
+        return self._call("PUT", AgentPaths.DRIFT, json=report)  # type: ignore[return-value]
 
     def renew(self, key_pem: bytes, csr_pem: bytes) -> None:
         """Swap this node's certificate for a new one over the current mTLS connection; the

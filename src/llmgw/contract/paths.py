@@ -10,6 +10,8 @@ class AgentPaths:
     HEARTBEAT = "/api/v1/agent/heartbeat"
     SELF = "/api/v1/agent/self"
     RENEW = "/api/v1/agent/renew"
+    # A joined node's last round of `llmgw check --serve`, under its certificate's name.
+    DRIFT = "/api/v1/agent/drift"
     JOIN = "/api/v1/join"
     JOIN_CA = "/api/v1/join/ca"
     # Public, as any CA's revocation list is: a node refused at the handshake reads it to

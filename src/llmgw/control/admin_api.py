@@ -26,7 +26,7 @@ from llmgw.contract.records import (
 from llmgw.control import keys
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import Model
-from llmgw.control.drift import add_drift_routes
+from llmgw.control.drift import DriftBoard, add_drift_routes
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
@@ -101,6 +101,7 @@ def make_admin_app(
     store: Store, *, node_timeout_s: float, token_hash: Path | None,
     metrics: ControlPlaneMetrics | None = None,
     on_node_removed: Callable[[list[str]], None] = lambda serials: None,
+    drift: DriftBoard | None = None,
 ) -> FastAPI:
     """The admin API; every path but /healthz needs the admin token whose sha256 is in
     token_hash (with none, every such request is refused), /metrics too.
@@ -111,7 +112,7 @@ def make_admin_app(
     app.add_middleware(RequireAdminToken, hash_path=token_hash)
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
     scraper = httpx.AsyncClient()
-    add_drift_routes(app)
+    add_drift_routes(app, drift or DriftBoard())
 
     @app.get("/metrics")
     async def prometheus() -> Response:

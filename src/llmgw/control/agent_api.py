@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
+from pydantic import ValidationError
 
 from llmgw import pki
 from llmgw.contract import REPORTED_REPLICA_STATES, AgentPaths
@@ -28,6 +29,7 @@ from llmgw.contract.records import (
     RecordError,
 )
 from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
+from llmgw.control.drift import DriftBoard, Report
 from llmgw.control.engine_args import engine_args
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
@@ -74,6 +76,8 @@ class AgentAPI:
         self.node_timeout_s = node_timeout_s
         self.mirror_url = mirror_url
         self.revoked = set(store.revoked_serials())
+        # Hosts' drift; the admin API shows the same board (server.py hands it over).
+        self.drift = DriftBoard()
 
     # --- routing ---
 
@@ -89,6 +93,7 @@ class AgentAPI:
             ("POST", AgentPaths.HEARTBEAT): self._heartbeat,
             ("GET", AgentPaths.SELF): self._self,
             ("POST", AgentPaths.RENEW): self._renew,
+            ("PUT", AgentPaths.DRIFT): self._drift,
             ("GET", AgentPaths.JOIN_CA): self._ca,
             ("GET", AgentPaths.CRL): self._crl,
             ("POST", AgentPaths.JOIN): self._join,
@@ -136,6 +141,15 @@ class AgentAPI:
             return Reply(404, {"detail": f"{request.peer.cn} has not sent a heartbeat yet"})
         return Reply(200, node_view(node, self.store.clock(), self.node_timeout_s,
                                    self.store.hearing))
+
+    def _drift(self, request: Request) -> Reply:
+        """This node's last round of `llmgw check --serve`, kept under its certificate's
+        name (whatever the body says), beside the rounds the admin API takes."""
+        try:
+            report = Report.model_validate(request.json())
+            return Reply(200, self.drift.put(request.peer.cn, report))
+        except ValidationError as e:
+            return Reply(422, {"detail": f"the drift report is not one: {e}"})
 
     def _renew(self, request: Request) -> Reply:
         """A new certificate for the same node, for a key the node made."""

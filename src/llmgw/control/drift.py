@@ -30,24 +30,42 @@ class Report(BaseModel):
     failing: list[Failing] = Field(default_factory=list, max_length=1000)
 
 
-def add_drift_routes(app: FastAPI) -> None:
+class DriftBoard:
+    """Every host's last round, by host name: filled through the admin API (the control
+    plane's own machine) and the agent API (a joined node, named by its certificate)."""
+
+    def __init__(self) -> None:
+        self._reports: dict[str, HostDrift] = {}
+        self._lock = threading.Lock()
+
+    def put(self, host: str, body: Report) -> HostDrift:
+        """Keep host's last round, replacing the one before; ValueError for a bad name."""
+        if not _HOST.match(host):
+            raise ValueError(f"host {host[:80]!r} is not a host name (letters, digits, "
+                             "'.', '_', '-')")
+        entry: HostDrift = {"host": host, "received": time.time(),  # type: ignore[typeddict-item]
+                            **body.model_dump()}
+        with self._lock:
+            self._reports[host] = entry
+        return entry
+
+    def all(self) -> list[HostDrift]:
+        with self._lock:
+            return [self._reports[h] for h in sorted(self._reports)]
+
+
+def add_drift_routes(app: FastAPI, board: DriftBoard) -> None:
     """PUT /api/v1/drift/{host} (a host's last round), GET /api/v1/drift (every host's)."""
-    reports: dict[str, HostDrift] = {}
-    lock = threading.Lock()
 
     @app.put(AdminPaths.drift("{host}"))
     def report(host: str, body: Report) -> HostDrift:
         """The last round of `llmgw check --serve` on host; replaces the one before."""
-        if not _HOST.match(host):
-            raise HTTPException(422, f"host {host[:80]!r} is not a host name (letters, digits, "
-                                     "'.', '_', '-')")
-        entry: HostDrift = {"host": host, "received": time.time(), **body.model_dump()}  # type: ignore[typeddict-item]
-        with lock:
-            reports[host] = entry
-        return entry
+        try:
+            return board.put(host, body)
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
 
     @app.get(AdminPaths.DRIFT)
     def drift() -> list[HostDrift]:
         """Every host's last report, by host name."""
-        with lock:
-            return [reports[h] for h in sorted(reports)]
+        return board.all()

@@ -104,7 +104,7 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
     agent_api = agent_api_server(config, store, metrics)
     admin = make_admin_app(store, node_timeout_s=config.node_timeout_s,
                            token_hash=admin_token_hash, metrics=metrics,
-                           on_node_removed=agent_api.revoke)
+                           on_node_removed=agent_api.revoke, drift=agent_api.api.drift)
     servers = [quiet_server(admin, config.admin_listen)]
     scheduler = Scheduler(store, config.node_timeout_s)
     stopping = asyncio.Event()
