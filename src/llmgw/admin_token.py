@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -188,20 +189,39 @@ async def _refuse(send: Any, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def file_problem(token_path: Path) -> str:
-    """'' when the token is private (0600) and its hash file matches it; else what is wrong
-    and what to do (for the checks)."""
+@dataclass(frozen=True)
+class TokenFinding:
+    """What is wrong with the admin token's files (and why), and what a person runs."""
+
+    found: str
+    todo: str
+
+    def __str__(self) -> str:
+        return f"{self.found}; {self.todo}"
+
+
+def token_finding(token_path: Path) -> TokenFinding | None:
+    """None when the token is private (0600) and its hash file matches it."""
     mode = file_mode(token_path)
     if mode is None:
-        return f"{token_path} is missing; run `pytest provision/` to make the admin token"
+        return TokenFinding(f"{token_path} is missing",
+                            "run `pytest provision/` to make the admin token")
     if mode != TOKEN_MODE:
-        return (f"the admin token {token_path} has mode {mode:o}, so others on this machine "
-                f"can read it and manage the host; run `chmod 600 {token_path}`")
+        return TokenFinding(f"the admin token {token_path} has mode {mode:o}, so others on "
+                            "this machine can read it and manage the host",
+                            f"run `chmod 600 {token_path}`")
     hash_path = hash_path_for(token_path)
     if (_text_or_none(hash_path) or "").strip() != hash_token(read_token(token_path)):
-        return (f"{hash_path} does not hold the sha256 of {token_path}, so the services "
-                "refuse that token; run `pytest provision/` to write it again")
-    return ""
+        return TokenFinding(f"{hash_path} does not hold the sha256 of {token_path}, so the "
+                            "services refuse that token",
+                            "run `pytest provision/` to write it again")
+    return None
+
+
+def file_problem(token_path: Path) -> str:
+    """'' when the token's files are right; else what is wrong and what to do, in a line."""
+    finding = token_finding(token_path)
+    return str(finding) if finding else ""
 
 
 def anonymous_answer(url: str) -> str:
