@@ -133,6 +133,7 @@ def test_a_nodes_drift_is_kept_under_its_certificate_and_shown_by_the_admin_api(
     listed = cp.admin.get("/api/v1/drift").json()
     assert [(d["host"], d["promises"], d["failing"]) for d in listed] == [
         ("node-b", 12, failing)]
-    with httpx.Client(verify=str(cp.pki_dir / "ca.pem"), timeout=5) as anonymous:
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(cp.pki_dir / "ca.pem")),
+                      timeout=5) as anonymous:
         r = anonymous.put(f"https://127.0.0.1:{cp.agent_port}{AgentPaths.DRIFT}", json={})
     assert r.status_code == 401
