@@ -4,12 +4,16 @@ host's server.yaml (found by --mode and --state-dir, as pytest provision/ finds 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TypeVar
 
 from llmgw.clients import admin_client
 from llmgw.config import ConfigError
 from llmgw.control.client import AdminClient
 from llmgw.errors import Error
 from llmgw.layout import Layout
+
+T = TypeVar("T")
 
 # Exit codes: 1 the control plane refused the request, 3 it cannot be reached or found.
 EXIT_REFUSED = 1
@@ -41,3 +45,14 @@ def unreachable(client: AdminClient, e: Error) -> Unreachable:
     return Unreachable(f"the control plane does not answer at {client.base_url}: {e}; is it "
                        "running? `pytest provision/` starts it, `pytest checks/` says what "
                        "is wrong")
+
+
+def call(client: AdminClient, do: Callable[[], T]) -> T:
+    """do()'s answer; a control plane that does not answer at all is Unreachable (the
+    command's exit status says so), any other error goes on as it is."""
+    try:
+        return do()
+    except Error as e:
+        if getattr(e, "status", 0) is None:
+            raise unreachable(client, e) from None
+        raise

@@ -43,7 +43,7 @@ def _create(args: argparse.Namespace) -> int:
         raise Error(str(e)) from None
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     with _admin.admin(args) as client:
-        made = _call(client, lambda: client.create_key(
+        made = _admin.call(client, lambda: client.create_key(
             name=args.name, models=models, rpm=args.rpm, tpm=args.tpm, expires=expires))
     print(made["key"])
     print(f"# key {made['name']} ({made['prefix']}): {_scope(made)}. It is shown only now; "
@@ -53,7 +53,7 @@ def _create(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     with _admin.admin(args) as client:
-        found = _call(client, client.keys)
+        found = _admin.call(client, client.keys)
     now = time.time()
     rows = [[k["name"], k["prefix"], ",".join(k["models"]) or "all", _limits(k),
              _expires(k, now), ago(now - k["last_used"]) if k["last_used"] else "never",
@@ -66,7 +66,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _rm(args: argparse.Namespace) -> int:
     with _admin.admin(args) as client:
-        gone = _call(client, lambda: client.revoke_key(args.name))
+        gone = _admin.call(client, lambda: client.revoke_key(args.name))
     print(f"revoked {gone['name']} ({gone['prefix']}); the gateway refuses it from its next "
           "refresh (within a second)")
     return 0
@@ -87,12 +87,3 @@ def _expires(key: PublicKey, now: float) -> str:
         return "never"
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(key["expires"]))
     return f"{when} (expired)" if key["expires"] <= now else when
-
-
-def _call(client, do):  # type: ignore[no-untyped-def]
-    try:
-        return do()
-    except _admin.Error as e:
-        if getattr(e, "status", 0) is None:
-            raise _admin.unreachable(client, e) from None
-        raise

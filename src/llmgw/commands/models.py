@@ -28,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _ls(args: argparse.Namespace) -> int:
     with _admin.admin(args) as client:
-        models, replicas = _call(client, client.models), _call(client, client.replicas)
+        models = _admin.call(client, client.models)
+        replicas = _admin.call(client, client.replicas)
     rows = []
     for m in models:
         mine = [r for r in replicas
@@ -49,22 +50,13 @@ def _add(args: argparse.Namespace) -> int:
         raise Error(f"{args.file} should hold one model as a mapping, found "
                     f"{type(spec).__name__}")
     with _admin.admin(args) as client:
-        added = _call(client, lambda: client.add_model(spec))
+        added = _admin.call(client, lambda: client.add_model(spec))
     print(f"added {added['name']}; `llmgw status` shows its replicas come up")
     return 0
 
 
 def _rm(args: argparse.Namespace) -> int:
     with _admin.admin(args) as client:
-        _call(client, lambda: client.delete_model(args.name))
+        _admin.call(client, lambda: client.delete_model(args.name))
     print(f"removed {args.name}; its replicas stop within a few seconds")
     return 0
-
-
-def _call(client, do):  # type: ignore[no-untyped-def]
-    try:
-        return do()
-    except _admin.Error as e:
-        if getattr(e, "status", 0) is None:
-            raise _admin.unreachable(client, e) from None
-        raise

@@ -13,6 +13,7 @@ from llmgw.errors import Error
 from llmgw.layout import Layout
 
 __all__ = [
+    "HARDENING",
     "OPEN_FILES",
     "ServiceError",
     "ServiceManager",
@@ -28,6 +29,12 @@ __all__ = [
 # Open files a service may hold: the agent API keeps a connection (a socket) per node,
 # and 5,000 nodes do not fit the usual default of 1,024.
 OPEN_FILES = 65536
+
+
+# The [Service] lines every llmgw unit that runs as user llmgw shares: no new privileges,
+# a read-only system, no home folders, a private /tmp.
+HARDENING = ("NoNewPrivileges=true", "ProtectSystem=strict", "ProtectHome=true",
+             "PrivateTmp=true")
 
 
 class ServiceError(Error):
