@@ -1,14 +1,22 @@
 """The services' uvicorn listeners: what is written in one turn of the event loop leaves in
-one send(), and nothing written is held past that turn."""
+one send(), nothing written is held past that turn, and an idle HTTPS client does not hold
+a draining server open."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
-from llmgw._serving import _WritesGathered
+import httpx
+
+from llmgw import pki
+from llmgw._serving import _WritesGathered, quiet_server
+from llmgw.netaddr import free_port
 from tests.control.servers import serve_asgi
 
 
@@ -137,3 +145,32 @@ def test_a_real_listener_streams_each_event_while_the_app_still_waits() -> None:
                 seen += client.recv(4096)
     assert seen.startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"data: 2\n\n" in seen
+
+
+def test_an_idle_https_keep_alive_client_does_not_hold_a_draining_server(tmp_path: Path) -> None:
+    """A TLS close waits for the peer's close_notify, which an idle keep-alive client never
+    sends: without the abort after TLS_CLOSE_GRACE_S the stop took the whole drain bound
+    (30 s measured, here too). The client stays open throughout, as a pooled one does."""
+    ca = pki.create_ca()
+    cert, key = pki.issue_server(ca, ["127.0.0.1"]).write(tmp_path, "server")
+    bundle, _ = ca.write(tmp_path, "ca")
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    server = quiet_server(app, f"127.0.0.1:{port}", drain_s=30, certfile=str(cert),
+                          keyfile=str(key))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(bundle))) as client:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        assert client.get(f"https://127.0.0.1:{port}/").text == "ok"
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "an idle HTTPS client held the server past 15 s"

@@ -15,6 +15,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from llmgw.config import parse_listen
 
 
+# How long a closed TLS connection may wait for the peer's close_notify.
+TLS_CLOSE_GRACE_S = 1.0
+
+
 class _WritesGathered:
     """A transport that sends what is written in one turn of the event loop in one send().
 
@@ -57,6 +61,18 @@ class _WritesGathered:
     def close(self) -> None:
         self._flush()
         self._transport.close()
+        if self._transport.get_extra_info("sslcontext") is not None:
+            self._loop.call_later(TLS_CLOSE_GRACE_S, self._abort_once_sent)
+
+    def _abort_once_sent(self) -> None:
+        """A closed TLS connection waits for the peer's close_notify (30 s in uvloop),
+        which an idle keep-alive client sends only when it next uses the connection: a
+        draining server waited its whole bound for one (measured: an idle HTTPS client
+        held the gateway's stop 30 s). Once everything written has left, the socket goes."""
+        if self._transport.get_write_buffer_size():
+            self._loop.call_later(TLS_CLOSE_GRACE_S, self._abort_once_sent)
+        else:
+            self._transport.abort()
 
     def abort(self) -> None:
         self._pending.clear()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.services import ServiceSpec
-from llmgw.services._supervisor import Supervisor
+from llmgw.services._supervisor import _STOP_MARGIN_S, Supervisor
 
 
 def _sleeper(name: str, seconds: int) -> ServiceSpec:
@@ -51,6 +51,16 @@ def test_stop_daemon_stops_programs(supervisor: Supervisor) -> None:
     assert not supervisor.daemon_running()
     assert not Path(f"/proc/{pid}").exists()
     assert not supervisor.stop_daemon(), "a second stop finds nothing running"
+
+
+def test_a_shutdown_waits_for_every_programs_stop_in_turn(supervisor: Supervisor) -> None:
+    """supervisord stops its programs one after another, so `llmgw down` waits for the sum
+    of their stop bounds (a gateway draining 30 s, then the rest), not one fixed bound."""
+    supervisor.programs.mkdir(parents=True)
+    for name, stop_s in (("draining", 45), ("quick", 15)):
+        spec = ServiceSpec(name=name, description="d", command=["true"], stop_timeout_s=stop_s)
+        supervisor.definition_path(name).write_text(supervisor.render_program(spec))
+    assert supervisor.stop_bound_s() == 45 + 15 + _STOP_MARGIN_S
 
 
 def test_programs_inherit_a_raised_open_file_limit(supervisor: Supervisor) -> None:

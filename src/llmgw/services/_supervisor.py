@@ -19,6 +19,8 @@ from llmgw.services import OPEN_FILES, ServiceError, ServiceSpec, drift
 from llmgw.waiting import Probe, wait_until
 
 _START_TIMEOUT_S = 15.0
+# What supervisord's own stop adds to its programs' (measured: well under a second).
+_STOP_MARGIN_S = 10.0
 
 
 def _quote_env(env: dict[str, str]) -> str:
@@ -241,10 +243,20 @@ class Supervisor:
             f"its log: {self.logs / (name + '.log')}"
         )
 
-    def stop_daemon(self, timeout_s: float = 30.0) -> bool:
-        """Stop every program and supervisord itself; returns whether it was running."""
+    def stop_bound_s(self) -> float:
+        """How long a shutdown may take: supervisord stops its programs one at a time, each
+        within its stopwaitsecs (the gateway's drain among them), then itself."""
+        waits = [int(line.partition("=")[2]) for conf in self.programs.glob("*.conf")
+                 for line in conf.read_text().splitlines() if line.startswith("stopwaitsecs=")]
+        return sum(waits) + _STOP_MARGIN_S
+
+    def stop_daemon(self, timeout_s: float | None = None) -> bool:
+        """Stop every program and supervisord itself; returns whether it was running.
+        timeout_s: how long to wait for it to exit (stop_bound_s() when None)."""
         if not self.daemon_running():
             return False
+        if timeout_s is None:
+            timeout_s = self.stop_bound_s()
         pid = int(self.pidfile.read_text().strip()) if self.pidfile.exists() else None
         self._rpc().shutdown()
         if pid is not None:
