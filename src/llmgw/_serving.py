@@ -14,7 +14,6 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from llmgw.config import parse_listen
 
-
 # How long a closed TLS connection may wait for the peer's close_notify.
 TLS_CLOSE_GRACE_S = 1.0
 
