@@ -56,6 +56,10 @@ def mtls_context(ca: str, cert: str, key: str, crl: str | None = None) -> ssl.SS
     ctx.load_cert_chain(cert, key)
     ctx.load_verify_locations(ca)
     ctx.verify_mode = ssl.CERT_OPTIONAL
+    # No TLS 1.3 session tickets: no agent resumes a session (httpx does not), and making
+    # two per handshake was a quarter of the control plane's CPU per reconnect
+    # (bench/handshakes.py), which is what a restart under 5,000 nodes is made of.
+    ctx.num_tickets = 0
     if crl:
         ctx.load_verify_locations(crl)
         ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
