@@ -193,3 +193,35 @@ def test_handshakes_wait_for_a_turn(
         client.close()
         server.stop()
         store.close()
+
+
+def test_the_agent_api_makes_no_session_tickets(
+    tmp_path: Path, cluster: dict[str, pki.KeyPair], agent_api: AgentAPIServer
+) -> None:
+    """No agent resumes a session, and two tickets per handshake were a quarter of the
+    server's CPU per reconnect. The control: a context with the default makes them."""
+    import socket
+    import ssl
+
+    tls = node_tls(tmp_path, cluster["ca"], "node-t", "node-t")
+
+    def ticket_after_an_exchange(port: int) -> bool:
+        ctx = ssl.create_default_context(cafile=tls.ca)
+        ctx.load_cert_chain(tls.cert, tls.key)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+                ctx.wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+            conn.sendall(b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            while conn.recv(4096):  # tickets come after the handshake, before the answer
+                pass
+            return conn.session is not None and conn.session.has_ticket
+
+    assert not ticket_after_an_exchange(agent_api.port)
+    with_tickets = mtls_context(tls.ca, str(tmp_path / "server.pem"),
+                                str(tmp_path / "server-key.pem"))
+    with_tickets.num_tickets = 2
+    control = AgentAPIServer("127.0.0.1", 0, with_tickets, AgentAPI(agent_api.store))  # type: ignore[attr-defined]
+    control.start()
+    try:
+        assert ticket_after_an_exchange(control.port)
+    finally:
+        control.stop()
