@@ -8,7 +8,6 @@ import asyncio
 import socket
 import ssl
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import httpx
 from llmgw import pki
 from llmgw._serving import _WritesGathered, quiet_server
 from llmgw.netaddr import free_port
-from tests.control.servers import serve_asgi
+from tests.control.servers import run_in_thread, serve_asgi
 
 
 class Recorded:
@@ -163,13 +162,8 @@ def test_an_idle_https_keep_alive_client_does_not_hold_a_draining_server(tmp_pat
     port = free_port()
     server = quiet_server(app, f"127.0.0.1:{port}", drain_s=30, certfile=str(cert),
                           keyfile=str(key))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    thread = run_in_thread(server)
     with httpx.Client(verify=ssl.create_default_context(cafile=str(bundle))) as client:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
         assert client.get(f"https://127.0.0.1:{port}/").text == "ok"
         server.should_exit = True
         thread.join(15)

@@ -12,8 +12,19 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from llmgw._serving import quiet_server
+from llmgw._serving import QuietServer, quiet_server
 from llmgw.netaddr import free_port
+
+
+def run_in_thread(server: QuietServer) -> threading.Thread:
+    """server running in a daemon thread of its own, once it has started."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    return thread
 
 
 @contextmanager
@@ -22,12 +33,7 @@ def serve_asgi(app: Any, certfile: str = "", keyfile: str = "") -> Iterator[str]
     protocol and settings), for the length of the block; HTTPS with certfile and keyfile."""
     port = free_port()
     server = quiet_server(app, f"127.0.0.1:{port}", certfile=certfile, keyfile=keyfile)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
+    thread = run_in_thread(server)
     try:
         yield f"{'https' if certfile else 'http'}://127.0.0.1:{port}"
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,9 +202,6 @@ def test_the_agent_api_makes_no_session_tickets(
 ) -> None:
     """No agent resumes a session, and two tickets per handshake were a quarter of the
     server's CPU per reconnect. The control: a context with the default makes them."""
-    import socket
-    import ssl
-
     tls = node_tls(tmp_path, cluster["ca"], "node-t", "node-t")
 
     def ticket_after_an_exchange(port: int) -> bool:

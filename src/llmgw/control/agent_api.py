@@ -57,8 +57,8 @@ def mtls_context(ca: str, cert: str, key: str, crl: str | None = None) -> ssl.SS
     ctx.load_verify_locations(ca)
     ctx.verify_mode = ssl.CERT_OPTIONAL
     # No TLS 1.3 session tickets: no agent resumes a session (httpx does not), and making
-    # two per handshake was about a quarter of the server's CPU per handshake (measured
-    # with OpenSSL 3.0 here): a restart under 5,000 nodes is 5,000 handshakes.
+    # two per handshake was about a quarter of the server's CPU per handshake
+    # (bench/handshakes.py, OpenSSL 3.0): a restart under 5,000 nodes is 5,000 of them.
     ctx.num_tickets = 0
     if crl:
         ctx.load_verify_locations(crl)
