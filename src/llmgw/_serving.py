@@ -59,19 +59,7 @@ class _WritesGathered:
 
     def close(self) -> None:
         self._flush()
-        self._transport.close()
-        if self._transport.get_extra_info("sslcontext") is not None:
-            self._loop.call_later(TLS_CLOSE_GRACE_S, self._abort_once_sent)
-
-    def _abort_once_sent(self) -> None:
-        """A closed TLS connection waits for the peer's close_notify (30 s in uvloop),
-        which an idle keep-alive client sends only when it next uses the connection: a
-        draining server waited its whole bound for one (measured: an idle HTTPS client
-        held the gateway's stop 30 s). Once everything written has left, the socket goes."""
-        if self._transport.get_write_buffer_size():
-            self._loop.call_later(TLS_CLOSE_GRACE_S, self._abort_once_sent)
-        else:
-            self._transport.abort()
+        close_transport(self._transport, self._loop)
 
     def abort(self) -> None:
         self._pending.clear()
@@ -79,6 +67,26 @@ class _WritesGathered:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+def close_transport(transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    """Close transport; on TLS, cut the socket once everything written has left, a
+    TLS_CLOSE_GRACE_S after.
+
+    A closed TLS connection waits for the peer's close_notify (30 s in uvloop), which an
+    idle keep-alive client sends only when it next uses the connection: a draining server
+    waited its whole bound for one (measured: an idle HTTPS client held the gateway's stop
+    30 s)."""
+    transport.close()
+    if transport.get_extra_info("sslcontext") is not None:
+        loop.call_later(TLS_CLOSE_GRACE_S, _abort_once_sent, transport, loop)
+
+
+def _abort_once_sent(transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    if transport.get_write_buffer_size():
+        loop.call_later(TLS_CLOSE_GRACE_S, _abort_once_sent, transport, loop)
+    else:
+        transport.abort()
 
 
 class _GatheringHttpToolsProtocol(HttpToolsProtocol):

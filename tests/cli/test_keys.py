@@ -18,7 +18,7 @@ from llmgw.control.admin_api import make_admin_app
 from llmgw.control.gateway import make_gateway_app
 from llmgw.control.store import Store
 from tests.cli.test_day2 import MODEL, write_server_yaml
-from tests.control.servers import serve_asgi
+from tests.control.servers import serve_asgi, serve_gateway
 
 
 def llmgw(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -35,7 +35,7 @@ def host(tmp_path: Path) -> Iterator[tuple[Path, Store, str]]:
     hash_path = tmp_path / "state" / "etc" / admin_token.HASH_FILE
     gateway = make_gateway_app(store, tokens=[], upstream=Upstream(), keys_required=True)
     with serve_asgi(make_admin_app(store, node_timeout_s=30.0, token_hash=hash_path)) as url, \
-            serve_asgi(gateway) as gateway_url:
+            serve_gateway(gateway) as gateway_url:
         write_server_yaml(tmp_path / "state", int(url.rsplit(":", 1)[1]))
         yield tmp_path / "state", store, gateway_url
 

@@ -1,5 +1,6 @@
-"""Real servers on loopback for the gateway's tests: an ASGI app under uvicorn in a
-thread, and an upstream that answers with exactly the bytes a test scripts."""
+"""Real servers on loopback for the gateway's tests: an ASGI app under uvicorn or under
+the gateway's own server in a thread, and an upstream that answers with exactly the bytes
+a test scripts."""
 
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from llmgw._http1 import Http1Server
 from llmgw._serving import QuietServer, quiet_server
 from llmgw.netaddr import free_port
 
 
-def run_in_thread(server: QuietServer) -> threading.Thread:
+def run_in_thread(server: QuietServer | Http1Server) -> threading.Thread:
     """server running in a daemon thread of its own, once it has started."""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.02)
     return thread
 
@@ -33,6 +35,21 @@ def serve_asgi(app: Any, certfile: str = "", keyfile: str = "") -> Iterator[str]
     protocol and settings), for the length of the block; HTTPS with certfile and keyfile."""
     port = free_port()
     server = quiet_server(app, f"127.0.0.1:{port}", certfile=certfile, keyfile=keyfile)
+    thread = run_in_thread(server)
+    try:
+        yield f"{'https' if certfile else 'http'}://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@contextmanager
+def serve_gateway(app: Any, certfile: str = "", keyfile: str = "") -> Iterator[str]:
+    """The app on a free loopback port under the server `llmgw gateway` runs (Http1Server),
+    for the length of the block; HTTPS with certfile and keyfile."""
+    port = free_port()
+    server = Http1Server(app, f"127.0.0.1:{port}", drain_s=5.0, certfile=certfile,
+                         keyfile=keyfile)
     thread = run_in_thread(server)
     try:
         yield f"{'https' if certfile else 'http'}://127.0.0.1:{port}"

@@ -17,7 +17,7 @@ from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.gateway import Router, make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
-from tests.control.servers import refused_endpoint, scripted_upstream, serve_asgi
+from tests.control.servers import refused_endpoint, scripted_upstream, serve_gateway
 
 MODEL = {"name": "tiny", "aliases": ["tiny-chat"], "source": "http://m/tiny.gguf", "sha256": "",
          "scaling": {"min": 1, "max": 1},
@@ -48,7 +48,7 @@ def gateway(store: Store, tokens: list[str] | None = None, max_body_bytes: int =
             timeouts: Timeouts | None = None) -> Iterator[httpx.Client]:
     app = make_gateway_app(store, tokens=tokens or [], upstream=Upstream(timeouts),
                            metrics=metrics, max_body_bytes=max_body_bytes)
-    with serve_asgi(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+    with serve_gateway(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         yield client
 
 

@@ -25,7 +25,7 @@ from llmgw.control.admin_api import KeyRequest, create_key
 from llmgw.control.gateway import make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
-from tests.control.servers import scripted_upstream, serve_asgi
+from tests.control.servers import scripted_upstream, serve_gateway
 from tests.control.test_gateway import CHAT, json_answer, ready, store  # noqa: F401
 
 HI = [{"role": "user", "content": "hi"}]
@@ -50,7 +50,7 @@ def gateway(store: Store, *, required: bool = True, tokens: list[str] | None = N
             certfile: str = "", keyfile: str = "") -> Iterator[str]:
     app = make_gateway_app(store, tokens=tokens or [], upstream=Upstream(), metrics=metrics,
                            keys_required=required, usage_flush_s=flush_s)
-    with serve_asgi(app, certfile, keyfile) as url:
+    with serve_gateway(app, certfile, keyfile) as url:
         yield url
 
 
@@ -191,7 +191,7 @@ def test_a_revoked_key_is_401_within_one_routing_refresh(store, replica) -> None
             return False
 
         until("the revoked key to be refused", refused, 2.0)
-    assert time.monotonic() - revoked_at < 1.0  # the router reads the keys every 0.5 s
+        assert time.monotonic() - revoked_at < 1.0  # the router reads the keys every 0.5 s
 
 
 def test_usage_reaches_the_store_in_batches_and_metrics_count_tokens_per_key(
@@ -217,7 +217,7 @@ def test_usage_waits_in_memory_while_the_store_is_busy(store, replica, tmp_path)
     kept, and written once the lock is gone."""
     secret = key(store, name="patient")
     app = make_gateway_app(store, tokens=[], upstream=Upstream(), keys_required=True)
-    with serve_asgi(app) as url:
+    with serve_gateway(app) as url:
         chat(client(url, secret))
     other = sqlite3.connect(tmp_path / "db.sqlite", isolation_level=None)
     other.execute("BEGIN IMMEDIATE")

@@ -19,7 +19,7 @@ from llmgw.control.gateway import Gateway, make_gateway_app
 from llmgw.control.store import Store
 from llmgw.netaddr import free_port
 from tests.control.fake_engine import FakeEngine, fake_engine
-from tests.control.servers import scripted_upstream, serve_asgi
+from tests.control.servers import scripted_upstream, serve_gateway
 
 MODEL = {"name": "m", "aliases": [], "source": "http://m/m.gguf", "sha256": "",
          "scaling": {"min": 1, "max": 2}, "profiles": []}
@@ -40,7 +40,7 @@ def ready(store: Store, rid: str, engine: FakeEngine, key: str = "k") -> None:
 @contextmanager
 def gateway(store: Store, **routing: Any) -> Iterator[tuple[Gateway, httpx.Client]]:
     app = make_gateway_app(store, tokens=[], upstream=Upstream(), **routing)
-    with serve_asgi(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+    with serve_gateway(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         yield app, client
 
 

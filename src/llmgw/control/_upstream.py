@@ -1,7 +1,8 @@
 """A small pooled HTTP/1.1 client for the gateway's hot path: replicas only, POST only.
 
 httpx costs the gateway about as much CPU per request as the engine spends on a short
-answer (profiled, issue 11), so the hot path speaks HTTP/1.1 itself over asyncio streams.
+answer (profiled, issue 11), so the hot path speaks HTTP/1.1 itself: an asyncio protocol
+per connection, its answers parsed by httptools (the parser uvicorn uses).
 It tells the two failures that matter apart: ConnectFailed (the request never reached
 the engine: safe to try another replica) and UpstreamError (it was sent: never resent,
 so a generation is never run twice).
@@ -15,6 +16,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+import httptools
 
 from llmgw.errors import Error
 
@@ -72,23 +75,155 @@ class _Replica:
             self.open -= 1
 
 
-@dataclass
-class _Conn:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    replica: _Replica
-    idle_since: float = 0.0
-    _closed: bool = False
+# A connection stops reading from the replica while this much of an answer waits, unread
+# by the gateway (a slow client of a stream): the replica then waits, not the gateway's RAM.
+READ_AHEAD_BYTES = 1 << 20
+
+
+class _Conn(asyncio.Protocol):
+    """One connection to a replica, read by the event loop's callbacks: httptools parses
+    each answer as it arrives (de-chunked), and the request waiting on it is woken only
+    when there is something to take. No stream reader, no task, no timer per read: those
+    were most of what relaying an answer cost (profiled against a scripted replica)."""
+
+    def __init__(self, replica: _Replica) -> None:
+        self.replica = replica
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.idle_since = 0.0
+        self._closed = False
+        self.lost = False
+        self._begin()
+
+    def _begin(self) -> None:
+        """Ready for the next answer."""
+        self.head: asyncio.Future[None] | None = None
+        self.status = 0
+        self.headers: dict[bytes, bytes] = {}
+        self.parts: list[bytes] = []
+        self.buffered = 0
+        self.complete = False
+        self.failed: BaseException | None = None
+        self.got_bytes = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def send(self, data: bytes) -> asyncio.Future[None]:
+        """Write one request; the future is done when its answer's head is read."""
+        self._begin()
+        self.head = asyncio.get_running_loop().create_future()
+        assert self.transport is not None
+        self.transport.write(data)
+        return self.head
 
     def usable(self, now: float) -> bool:
-        return (not self.reader.at_eof() and not self.writer.is_closing()
+        return (not self.lost and self.transport is not None
+                and not self.transport.is_closing()
                 and now - self.idle_since < IDLE_EXPIRY_S)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.writer.close()
+            if self.transport is not None:
+                self.transport.close()
             self.replica.closed()
+
+    # --- what the event loop calls ---
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(ValueError(f"the replica's answer is not HTTP/1.1: {e}"))
+            assert self.transport is not None
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.head is not None and self.head.done() and not self.complete and \
+                b"content-length" not in self.headers and \
+                self.headers.get(b"transfer-encoding", b"").lower() != b"chunked":
+            # An answer without a length ends where the connection does.
+            self.headers[b"connection"] = b"close"
+            self.on_message_complete()
+            return
+        self._fail(asyncio.IncompleteReadError(b"x" if self.got_bytes else b"", None)
+                   if exc is None else exc)
+
+    # --- what httptools calls ---
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.lower()] = value
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if self.head is not None and not self.head.done():
+            self.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.parts.append(body)
+        self.buffered += len(body)
+        if self.buffered > READ_AHEAD_BYTES and self.transport is not None:
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        if not self.parser.should_keep_alive():
+            self.headers[b"connection"] = b"close"
+        self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        if self.complete or self.failed is not None:
+            return
+        self.failed = error
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # --- what the request reads ---
+
+    def take(self) -> bytes:
+        """What arrived of the body since the last take."""
+        data = b"".join(self.parts) if len(self.parts) != 1 else self.parts[0]
+        self.parts.clear()
+        if self.buffered > READ_AHEAD_BYTES and self.transport is not None:
+            self.transport.resume_reading()
+        self.buffered = 0
+        return data
+
+    async def more(self, timeout_s: float) -> None:
+        """Until more of the body, its end, or a failure arrives."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        await _within(self.waiter, timeout_s)
+
+
+class _Expired(Exception):
+    pass
+
+
+async def _within(future: asyncio.Future[None], timeout_s: float) -> None:
+    """Wait for future, raising TimeoutError after timeout_s: one timer, no task (which
+    asyncio.wait_for makes) and no context manager (asyncio.timeout) per wait."""
+    def expire() -> None:
+        if not future.done():
+            future.set_exception(_Expired())
+
+    timer = asyncio.get_running_loop().call_later(timeout_s, expire)
+    try:
+        await future
+    except _Expired:
+        raise TimeoutError from None
+    finally:
+        timer.cancel()
 
 
 @dataclass
@@ -109,47 +244,36 @@ class Response:
         return self.headers.get(b"transfer-encoding", b"").lower() == b"chunked"
 
     async def read(self) -> bytes:
+        conn = self._conn
+        if conn.complete:  # the usual case: the whole answer came with its head
+            data = conn.take()
+            self._done = True
+            self.release()
+            return data
         return b"".join([part async for part in self.iter_raw()])
 
     async def iter_raw(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive, de-chunked; the connection is pooled after."""
+        conn = self._conn
         try:
-            if self.chunked:
-                async for part in self._chunks():
-                    yield part
-            elif b"content-length" in self.headers:
-                n = int(self.headers[b"content-length"])
-                if n:
-                    yield await self._wait(self._conn.reader.readexactly(n))
-            else:
-                while part := await self._wait(self._conn.reader.read(65536)):
-                    yield part
-                self.headers[b"connection"] = b"close"
+            while True:
+                if conn.parts:
+                    yield conn.take()
+                    continue
+                if conn.complete:
+                    break
+                if conn.failed is not None:
+                    raise conn.failed
+                try:
+                    await conn.more(self._read_s)
+                except TimeoutError as e:
+                    raise UpstreamError(f"the replica sent nothing for {self._read_s:g} s "
+                                        "(upstream_read_timeout_s in server.yaml)") from e
             self._done = True
         except (OSError, asyncio.IncompleteReadError, ValueError) as e:
             raise UpstreamError(f"the replica broke off its answer: {e!r}") from e
         finally:
             self.release()
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        reader = self._conn.reader
-        while True:
-            size_line = await self._wait(reader.readuntil(b"\r\n"))
-            size = int(size_line.split(b";", 1)[0], 16)
-            if size == 0:
-                await self._wait(reader.readuntil(b"\r\n"))  # no trailers from llama-server
-                return
-            data = await self._wait(reader.readexactly(size + 2))
-            yield data[:-2]
-
-    async def _wait(self, step):  # type: ignore[no-untyped-def]
-        # asyncio.timeout, not wait_for: wait_for wraps each read in a task (profiled).
-        try:
-            async with asyncio.timeout(self._read_s):
-                return await step
-        except TimeoutError as e:
-            raise UpstreamError(f"the replica sent nothing for {self._read_s:g} s "
-                                "(upstream_read_timeout_s in server.yaml)") from e
 
     def abort(self) -> None:
         """Hang up on the replica mid-answer: llama-server stops generating for it."""
@@ -193,45 +317,41 @@ class Upstream:
                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
         conn, reused = await self._checkout(key)
         try:
-            conn.writer.write(head + body)
-            async with asyncio.timeout(self.timeouts.read_s):
-                status, headers = await self._head(conn.reader)
-        except (ConnectionError, asyncio.IncompleteReadError) as e:
-            conn.close()
-            if not reused or (isinstance(e, asyncio.IncompleteReadError) and e.partial):
-                raise UpstreamError(f"{endpoint} took the request and closed the "
-                                    f"connection without an answer: {e!r}") from e
-            # A pooled connection the replica had already closed (its engine restarted or
-            # died, or it dropped the idle connection): nothing of an answer came, so the
-            # request never reached a live engine. Send it once on a new connection, which
-            # fails as ConnectFailed when the engine is gone (the gateway then moves on).
-            return await self._post_fresh(endpoint, key, head + body)
+            await _within(conn.send(head + body), self.timeouts.read_s)
         except BaseException as e:
             conn.close()
-            if isinstance(e, TimeoutError):
-                raise UpstreamError(f"{endpoint} sent no answer within "
-                                    f"{self.timeouts.read_s:g} s (upstream_read_timeout_s "
-                                    "in server.yaml)") from e
-            if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError)):
-                raise UpstreamError(f"{endpoint} took the request and closed the "
-                                    f"connection without an answer: {e!r}") from e
-            raise
-        return Response(status, headers, conn, self, self.timeouts.read_s)
+            if reused and not conn.got_bytes and isinstance(
+                    e, (ConnectionError, asyncio.IncompleteReadError)):
+                # A pooled connection the replica had already closed (its engine restarted
+                # or died, or it dropped the idle connection): nothing of an answer came,
+                # so the request never reached a live engine. Send it once on a new
+                # connection, which fails as ConnectFailed when the engine is gone (the
+                # gateway then moves on).
+                return await self._post_fresh(endpoint, key, head + body)
+            raise self._no_answer(endpoint, e) from e
+        return Response(conn.status, conn.headers, conn, self, self.timeouts.read_s)
 
     async def _post_fresh(self, endpoint: str, key: tuple[str, int],
                           request: bytes) -> Response:
         conn, _ = await self._checkout(key, pooled=False)
         try:
-            conn.writer.write(request)
-            async with asyncio.timeout(self.timeouts.read_s):
-                status, headers = await self._head(conn.reader)
+            await _within(conn.send(request), self.timeouts.read_s)
         except BaseException as e:
             conn.close()
-            if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError, TimeoutError)):
-                raise UpstreamError(f"{endpoint} took the request and closed the "
-                                    f"connection without an answer: {e!r}") from e
-            raise
-        return Response(status, headers, conn, self, self.timeouts.read_s)
+            raise self._no_answer(endpoint, e) from e
+        return Response(conn.status, conn.headers, conn, self, self.timeouts.read_s)
+
+    def _no_answer(self, endpoint: str, e: BaseException) -> BaseException:
+        """The error for a request sent that got no answer's head (e itself when it is not
+        the replica's doing: a cancellation)."""
+        if isinstance(e, TimeoutError):
+            return UpstreamError(f"{endpoint} sent no answer within "
+                                 f"{self.timeouts.read_s:g} s (upstream_read_timeout_s in "
+                                 "server.yaml)")
+        if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError)):
+            return UpstreamError(f"{endpoint} took the request and closed the connection "
+                                 f"without an answer: {e!r}")
+        return e
 
     async def _checkout(self, key: tuple[str, int], pooled: bool = True
                         ) -> tuple[_Conn, bool]:
@@ -281,23 +401,13 @@ class Upstream:
                 replica.waiters.remove(waiter)
 
     async def _connect(self, key: tuple[str, int], replica: _Replica) -> _Conn:
+        loop = asyncio.get_running_loop()
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(*key, limit=1 << 20), self.timeouts.connect_s)
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(replica), *key), self.timeouts.connect_s)
         except (OSError, TimeoutError) as e:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {e!r}") from e
-        return _Conn(reader, writer, replica)
-
-    @staticmethod
-    async def _head(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes]]:
-        raw = await reader.readuntil(b"\r\n\r\n")
-        lines = raw[:-4].split(b"\r\n")
-        status = int(lines[0].split(b" ", 2)[1])
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers[name.strip().lower()] = value.strip()
-        return status, headers
+        return conn
 
     def _give_back(self, conn: _Conn, keep: bool) -> None:
         if not keep:

@@ -28,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from llmgw import __version__
 from llmgw._asgi import Receive, Scope, Send
-from llmgw._serving import on_stop_signals, quiet_server
+from llmgw._http1 import Http1Server
+from llmgw._serving import on_stop_signals
 from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.gateway import make_gateway_app
@@ -289,9 +290,9 @@ async def serve_worker(config_path: Path) -> None:
                            routing=config.gateway_routing,
                            queue_size=config.gateway_queue_size,
                            queue_wait_s=config.gateway_queue_wait_s)
-    servers = [quiet_server(app, config.gateway_listen, drain_s=config.gateway_drain_s,
-                            certfile=config.gateway_tls.cert, keyfile=config.gateway_tls.key),
-               quiet_server(metrics_app(registry), config.gateway_metrics_listen)]
+    servers = [Http1Server(app, drain_s=config.gateway_drain_s,
+                           certfile=config.gateway_tls.cert, keyfile=config.gateway_tls.key),
+               Http1Server(metrics_app(registry), drain_s=1.0)]
 
     def stop() -> None:
         for s in servers:
