@@ -205,6 +205,7 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
+        self._expect_continue = False
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- the event loop's side ---
@@ -263,6 +264,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url, self._headers, self._head_bytes = b"", [], 0
+        self._expect_continue = False
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
@@ -277,24 +279,29 @@ class _Connection(asyncio.Protocol):
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > MAX_HEAD_BYTES:
             raise _HeadTooLarge
-        self._headers.append((name.lower(), value))
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
+        self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        parsed = httptools.parse_url(self._url)
-        raw_path = parsed.path
+        url = self._url
+        if b"?" in url or not url.startswith(b"/"):
+            parsed = httptools.parse_url(url)
+            raw_path, query = parsed.path, parsed.query or b""
+        else:
+            raw_path, query = url, b""
         path = raw_path.decode("latin-1")
         scope: Scope = {
             "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": self.parser.get_http_version(), "scheme": self.scheme,
             "method": self.parser.get_method().decode("ascii"), "root_path": "",
             "path": unquote(path) if "%" in path else path, "raw_path": raw_path,
-            "query_string": parsed.query or b"", "headers": self._headers,
+            "query_string": query, "headers": self._headers,
             "server": self.sockname, "client": self.client, "state": {},
         }
-        expect = any(n == b"expect" and v.lower() == b"100-continue"
-                     for n, v in self._headers)
         cycle = _Cycle(self, scope, self.parser.should_keep_alive() and not self.draining,
-                       expect)
+                       self._expect_continue)
         self.parsing = cycle
         if self.current is None:
             self._start(cycle)
