@@ -209,11 +209,11 @@ def serve_gateway(work: Path, port: int) -> None:
     """The real gateway app over the bench's store, served as `llmgw server` serves it."""
     from prometheus_client import CollectorRegistry
 
-    from llmgw._serving import quiet_server, run_service
+    from llmgw._http1 import Http1Server
 
     app = make_gateway_app(Store(work / "control.db"), tokens=[], upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
-    run_service(quiet_server(app, f"127.0.0.1:{port}").serve())
+    Http1Server(app, f"127.0.0.1:{port}").run()
 
 
 def start_own(work: Path, width: int, engine_args: list[str]

@@ -102,11 +102,11 @@ def wait_ok(url: str, proc: subprocess.Popen[bytes]) -> None:
 
 
 def serve_gateway(work: Path, port: int, routing: str) -> None:
-    from llmgw._serving import quiet_server, run_service
+    from llmgw._http1 import Http1Server
 
     app = make_gateway_app(Store(work / "control.db"), tokens=[], upstream=Upstream(),
                            routing=routing)  # type: ignore[arg-type]
-    run_service(quiet_server(app, f"127.0.0.1:{port}").serve())
+    Http1Server(app, f"127.0.0.1:{port}").run()
 
 
 def start(work: Path, args: argparse.Namespace) -> tuple[list[subprocess.Popen[bytes]],

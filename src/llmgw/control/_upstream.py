@@ -304,17 +304,16 @@ class Upstream:
         self.timeouts = timeouts or Timeouts()
         self.max_connections = max_connections
         self._replicas: dict[tuple[str, int], _Replica] = {}
+        self._targets: dict[tuple[str, str, str, bytes], tuple[tuple[str, int], bytes]] = {}
 
     async def post(self, endpoint: str, path: str, body: bytes, api_key: str,
                    content_type: bytes = b"application/json") -> Response:
         """Send one POST to a replica and read its status and headers."""
-        url = urlsplit(endpoint)
-        key = (url.hostname or "127.0.0.1", url.port or 80)
-        host = url.netloc.encode()
-        head = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + host
-                + b"\r\nAuthorization: Bearer " + api_key.encode()
-                + b"\r\nContent-Type: " + content_type
-                + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        target = self._targets.get((endpoint, path, api_key, content_type))
+        if target is None:
+            target = self._target(endpoint, path, api_key, content_type)
+        key, head = target
+        head += b"%d\r\n\r\n" % len(body)
         conn, reused = await self._checkout(key)
         try:
             await _within(conn.send(head + body), self.timeouts.read_s)
@@ -330,6 +329,19 @@ class Upstream:
                 return await self._post_fresh(endpoint, key, head + body)
             raise self._no_answer(endpoint, e) from e
         return Response(conn.status, conn.headers, conn, self, self.timeouts.read_s)
+
+    def _target(self, endpoint: str, path: str, api_key: str, content_type: bytes
+                ) -> tuple[tuple[str, int], bytes]:
+        """Where a request goes and its head up to the body's length, made once."""
+        url = urlsplit(endpoint)
+        key = (url.hostname or "127.0.0.1", url.port or 80)
+        head = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + url.netloc.encode()
+                + b"\r\nAuthorization: Bearer " + api_key.encode()
+                + b"\r\nContent-Type: " + content_type + b"\r\nContent-Length: ")
+        if len(self._targets) >= 4096:  # replicas come and go: the cache stays small
+            self._targets.clear()
+        self._targets[(endpoint, path, api_key, content_type)] = (key, head)
+        return key, head
 
     async def _post_fresh(self, endpoint: str, key: tuple[str, int],
                           request: bytes) -> Response:

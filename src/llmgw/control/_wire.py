@@ -7,6 +7,7 @@ the bytes of the top-level "model" value and leaves every other byte as the engi
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -19,6 +20,7 @@ _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
+@functools.lru_cache(maxsize=1024)
 def model_value(requested: str) -> bytes:
     """The bytes of the "model" member as the client should see it."""
     return b'"model":' + json.dumps(requested, ensure_ascii=False).encode()

@@ -121,7 +121,10 @@ def choose(replicas: list[ReplicaRecord], loads: dict[str, Load], affine: str | 
            turn: int) -> ReplicaRecord | None:
     """The replica to take a request (the rule in the module's docstring), None if none is
     free."""
-    free = [r for r in replicas if loads.setdefault(r["id"], Load()).free]
+    for r in replicas:
+        if r["id"] not in loads:
+            loads[r["id"]] = Load()
+    free = [r for r in replicas if loads[r["id"]].free]
     if not free:
         return None
     least = min(loads[r["id"]].total for r in free)
@@ -195,7 +198,9 @@ class Balancer:
             replica = choose(replicas, self.loads, self._home(conv), turn)
         if replica is None:
             return None
-        load = self.loads.setdefault(replica["id"], Load())
+        load = self.loads.get(replica["id"])
+        if load is None:
+            load = self.loads[replica["id"]] = Load()
         load.in_flight += 1
         load.peak = max(load.peak, load.in_flight)
         if conv is not None:
