@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 from urllib.parse import urlsplit
 
 import httptools
@@ -327,7 +328,7 @@ class Upstream:
                 # connection, which fails as ConnectFailed when the engine is gone (the
                 # gateway then moves on).
                 return await self._post_fresh(endpoint, key, head + body)
-            raise self._no_answer(endpoint, e) from e
+            self._no_answer(endpoint, e)
         return Response(conn.status, conn.headers, conn, self, self.timeouts.read_s)
 
     def _target(self, endpoint: str, path: str, api_key: str, content_type: bytes
@@ -350,26 +351,28 @@ class Upstream:
             await _within(conn.send(request), self.timeouts.read_s)
         except BaseException as e:
             conn.close()
-            raise self._no_answer(endpoint, e) from e
+            self._no_answer(endpoint, e)
         return Response(conn.status, conn.headers, conn, self, self.timeouts.read_s)
 
-    def _no_answer(self, endpoint: str, e: BaseException) -> BaseException:
-        """The error for a request sent that got no answer's head (e itself when it is not
-        the replica's doing: a cancellation)."""
+    def _no_answer(self, endpoint: str, e: BaseException) -> NoReturn:
+        """Raise the error for a request sent that got no answer's head (e itself when it
+        is not the replica's doing: a cancellation)."""
         if isinstance(e, TimeoutError):
-            return UpstreamError(f"{endpoint} sent no answer within "
-                                 f"{self.timeouts.read_s:g} s (upstream_read_timeout_s in "
-                                 "server.yaml)")
+            raise UpstreamError(f"{endpoint} sent no answer within "
+                                f"{self.timeouts.read_s:g} s (upstream_read_timeout_s in "
+                                "server.yaml)") from e
         if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError)):
-            return UpstreamError(f"{endpoint} took the request and closed the connection "
-                                 f"without an answer: {e!r}")
-        return e
+            raise UpstreamError(f"{endpoint} took the request and closed the connection "
+                                f"without an answer: {e!r}") from e
+        raise e
 
     async def _checkout(self, key: tuple[str, int], pooled: bool = True
                         ) -> tuple[_Conn, bool]:
         """A pooled connection (and True), else a new one (and False); at the replica's
         limit, the first connection given back or the place of one that closed."""
-        replica = self._replicas.setdefault(key, _Replica(self.max_connections))
+        replica = self._replicas.get(key)
+        if replica is None:
+            replica = self._replicas[key] = _Replica(self.max_connections)
         now = time.monotonic()
         while pooled and replica.idle:
             conn = replica.idle.pop()

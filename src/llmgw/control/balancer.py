@@ -182,7 +182,9 @@ class Balancer:
         candidates = [r for r in replicas if r["id"] not in exclude]
         if not candidates:
             return None
-        queue = self._queues.setdefault(model, deque())
+        queue = self._queues.get(model)
+        if queue is None:
+            queue = self._queues[model] = deque()
         if not queue:
             lease = self._try(model, candidates, conv)
             if lease is not None:
