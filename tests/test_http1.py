@@ -20,8 +20,7 @@ import httpx
 import pytest
 
 from llmgw import pki
-from llmgw._http1 import BODY_READ_AHEAD_BYTES, MAX_HEAD_BYTES, Http1Server
-from llmgw._serving import IDLE_DRAIN_S
+from llmgw._http1 import BODY_READ_AHEAD_BYTES, IDLE_DRAIN_S, MAX_HEAD_BYTES, Http1Server
 from llmgw.netaddr import free_port
 from tests.control.servers import run_in_thread, serve_gateway
 

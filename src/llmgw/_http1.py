@@ -9,8 +9,7 @@ asyncio protocol per connection: httptools parses the request, one task runs the
 answer whose body comes in one message leaves in one write with its head, a streamed one
 as HTTP chunks. Keep-alive, pipelining (one request at a time, in order), Expect:
 100-continue, HEAD, a client that leaves (http.disconnect), write backpressure and a
-drain that loses no request on the wire (as `_serving._DrainingHttpToolsProtocol`) are
-kept. HTTP/1.1 only: no upgrades, no HTTP/2.
+drain that loses no request on the wire are kept. HTTP/1.1 only: no upgrades, no HTTP/2.
 """
 
 from __future__ import annotations
@@ -27,13 +26,18 @@ from urllib.parse import unquote
 import httptools
 
 from llmgw._asgi import Message, Scope
-from llmgw._serving import IDLE_DRAIN_S, close_transport, run_service
+from llmgw._serving import close_transport, run_service
 from llmgw.config import parse_listen
 
 log = logging.getLogger("llmgw.http")
 
 # An idle keep-alive connection is closed after this long (uvicorn's default too).
 KEEP_ALIVE_S = 5.0
+# How long an idle connection stays open once its server drains: a busy client sends its
+# next request within milliseconds and gets Connection: close with the answer. (uvicorn
+# closes an idle connection at once, and one whose answer promised keep-alive right after
+# it: a client that sent its next request just then lost it.)
+IDLE_DRAIN_S = 1.0
 # A request's line and headers together may be this long at most: 431 beyond.
 MAX_HEAD_BYTES = 64 << 10
 # Reading from a client stops while this much of its body waits for the app.

@@ -96,47 +96,6 @@ class _GatheringHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(_WritesGathered(transport, self.loop))  # type: ignore[arg-type]
 
 
-# How long an idle connection stays open once its server drains: a busy client sends its
-# next request within milliseconds and gets Connection: close with the answer.
-IDLE_DRAIN_S = 1.0
-
-
-class _DrainingHttpToolsProtocol(_GatheringHttpToolsProtocol):
-    """A connection that drains instead of dropping a request when its server stops.
-
-    uvicorn closes an idle keep-alive connection at once, and one whose answer is under way
-    right after it, though that answer's head may already have promised keep-alive: a
-    client that sends its next request just then meets a closed socket and loses it. Here
-    an answer not yet begun says Connection: close; after one that promised keep-alive,
-    and on an idle connection, the next request is answered with Connection: close, and
-    a connection still idle IDLE_DRAIN_S later is closed.
-    """
-
-    draining = False
-
-    def shutdown(self) -> None:
-        self.draining = True
-        if self.cycle is None or self.cycle.response_complete:
-            self.loop.call_later(IDLE_DRAIN_S, self._close_if_idle)
-        elif not self.cycle.response_started:
-            self.cycle.keep_alive = False
-
-    def on_headers_complete(self) -> None:
-        super().on_headers_complete()
-        if self.draining:
-            self.cycle.keep_alive = False
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self.draining and not self.transport.is_closing():
-            self.loop.call_later(IDLE_DRAIN_S, self._close_if_idle)
-
-    def _close_if_idle(self) -> None:
-        if (self.cycle is None or self.cycle.response_complete) and \
-                not self.transport.is_closing():
-            self.transport.close()
-
-
 class QuietServer(uvicorn.Server):
     """A uvicorn server that leaves signals to the process, which runs more than it."""
 
@@ -145,24 +104,19 @@ class QuietServer(uvicorn.Server):
         yield
 
 
-def quiet_server(app: Any, listen: str, *, drain_s: float | None = None, certfile: str = "",
-                 keyfile: str = "") -> QuietServer:
+def quiet_server(app: Any, listen: str, *, certfile: str = "", keyfile: str = ""
+                 ) -> QuietServer:
     """app served on listen (HOST:PORT), uvicorn logging warnings only; HTTPS with
-    certfile (the chain, leaf first) and keyfile.
-
-    drain_s: on stop, requests under way (streams too) get this long to finish and idle
-    connections are closed without losing a request on the wire (_DrainingHttpToolsProtocol);
-    None: uvicorn's own stop, which waits for requests without a bound."""
+    certfile (the chain, leaf first) and keyfile. On stop, uvicorn waits for requests
+    under way without a bound (the gateway, which bounds its drain, runs `_http1`)."""
     host, port = parse_listen(listen)
-    protocol = _GatheringHttpToolsProtocol if drain_s is None else _DrainingHttpToolsProtocol
-    # No access log: a line per request costs the gateway more than its own work.
+    # No access log: a line per request costs more than a request's own work.
     # No proxy headers: nothing here reads the client's address, and the middleware that
     # rewrites it is a layer on every request.
     return QuietServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                      access_log=False, http=protocol, proxy_headers=False,
-                                      ssl_certfile=certfile or None, ssl_keyfile=keyfile or None,
-                                      timeout_graceful_shutdown=None if drain_s is None
-                                      else max(1, round(drain_s))))
+                                      access_log=False, http=_GatheringHttpToolsProtocol,
+                                      proxy_headers=False, ssl_certfile=certfile or None,
+                                      ssl_keyfile=keyfile or None))
 
 
 def on_stop_signals(log: logging.Logger, stop: Callable[[], None]) -> None:
