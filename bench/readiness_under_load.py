@@ -4,9 +4,9 @@ Run on demand:  python bench/readiness_under_load.py [--seconds 30] [--clients 3
                                                      [--direct] [--engine-args ARGS]
 
 The agent's replica supervisor starts the real llama-server on the tests' tiny GGUF; the
-real gateway runs under uvicorn in its own process; `hey` (or a Python generator in its
-own process) sends --clients concurrent chat completions through the gateway for
---seconds. Meanwhile this process plays the agent's heartbeat: every second it asks the
+real gateway runs on its own server (llmgw._http1) in its own process; `hey` (or a Python
+generator in its own process) sends --clients concurrent chat completions through the
+gateway for --seconds. Meanwhile this process plays the agent's heartbeat: every second it asks the
 supervisor for its report (which probes /health) and separately times a bare /health
 probe, the way the agent probed before issue 11 (2 s timeout, one failure = not ready).
 It prints the status codes, the states the replica was reported in, the probe latencies

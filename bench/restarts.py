@@ -42,11 +42,12 @@ BODY = '{"model": "qwen-0.5b", "messages": [{"role": "user", "content": "hi"}], 
        '"max_tokens": 4}'
 
 
-def hey(url: str, concurrency: int, duration_s: float) -> tuple[Counter[str], Counter[str]]:
-    """(answers by status, errors by kind) from one hey run."""
+def hey(url: str, key: str, concurrency: int, duration_s: float
+        ) -> tuple[Counter[str], Counter[str]]:
+    """(answers by status, errors by kind) from one hey run, with the gateway key."""
     proc = subprocess.run(
         ["hey", "-c", str(concurrency), "-z", f"{duration_s:.0f}s", "-m", "POST",
-         "-T", "application/json", "-d", BODY, url],
+         "-T", "application/json", "-H", f"Authorization: Bearer {key}", "-d", BODY, url],
         capture_output=True, text=True, timeout=duration_s + 60)
     statuses: Counter[str] = Counter()
     errors: Counter[str] = Counter()
@@ -67,7 +68,7 @@ def hey(url: str, concurrency: int, duration_s: float) -> tuple[Counter[str], Co
     return statuses, errors
 
 
-def python_load(url: str, concurrency: int,
+def python_load(url: str, key: str, concurrency: int,
                 duration_s: float) -> tuple[Counter[str], Counter[str]]:
     """hey's two counts from threads with keep-alive clients, bounded by duration_s and
     20,000 requests each."""
@@ -82,7 +83,8 @@ def python_load(url: str, concurrency: int,
                 if time.monotonic() > deadline:
                     return
                 try:
-                    r = c.post(url, content=BODY, headers={"Content-Type": "application/json"})
+                    r = c.post(url, content=BODY, headers={"Content-Type": "application/json",
+                                                           "Authorization": f"Bearer {key}"})
                     with lock:
                         statuses[str(r.status_code)] += 1
                 except httpx.HTTPError as e:
@@ -179,10 +181,13 @@ def bench(host: ThrowawayHost, gguf: Path, args: argparse.Namespace) -> int:
     print(f"load: {tool} -c {args.concurrency} for {args.duration:.0f} s per round, {url}",
           flush=True)
 
+    # The owner's key: provisioning makes every request need one (gateway_keys: required).
+    key = host.gateway_key
+
     def load() -> tuple[Counter[str], Counter[str]]:
         if tool == "hey":
-            return hey(url, args.concurrency, args.duration)
-        return python_load(url, args.concurrency, args.duration)
+            return hey(url, key, args.concurrency, args.duration)
+        return python_load(url, key, args.concurrency, args.duration)
 
     def restart_control_plane() -> str:
         started = time.monotonic()
