@@ -15,6 +15,7 @@ drain that loses no request on the wire are kept. HTTP/1.1 only: no upgrades, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -462,16 +463,35 @@ class Http1Server:
             self.ssl = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             self.ssl.load_cert_chain(certfile, keyfile or None)
         self.started = False
-        self.should_exit = False
+        self._should_exit = False
+        self._exiting: asyncio.Event | None = None
         self.draining = False
         self.connections: set[_Connection] = set()
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+
+    @property
+    def should_exit(self) -> bool:
+        return self._should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        """Set from any thread (a signal handler, a test): the listeners close in the
+        loop's next turn, not at a poll. A worker handed over shares its sockets with the
+        new one, and must stop taking their connections at once: one it took after the
+        new worker served would be answered by the old code and settings."""
+        self._should_exit = value
+        if value and self._exiting is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: it served out
+                self.loop.call_soon_threadsafe(self._exiting.set)
 
     def run(self) -> None:
         run_service(self.serve())
 
     async def serve(self, sockets: list[Any] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self._exiting = asyncio.Event()
+        if self._should_exit:
+            self._exiting.set()
         lifespan = _Lifespan(self.app)
         await lifespan.startup()
         servers = []
@@ -486,8 +506,7 @@ class Http1Server:
                     lambda: _Connection(self), host, port, ssl=self.ssl, backlog=BACKLOG,
                     reuse_address=True))
             self.started = True
-            while not self.should_exit:
-                await asyncio.sleep(0.1)
+            await self._exiting.wait()
         finally:
             for server in servers:
                 server.close()
