@@ -22,7 +22,7 @@ import pytest
 from llmgw import pki
 from llmgw._http1 import BODY_READ_AHEAD_BYTES, IDLE_DRAIN_S, MAX_HEAD_BYTES, Http1Server
 from llmgw.netaddr import free_port
-from tests.control.servers import run_in_thread, serve_gateway
+from tests.control.servers import events_released_by, run_in_thread, serve_gateway
 
 # The bound on every read and wait: reached only when something is wrong.
 WAIT_S = 5.0
@@ -234,17 +234,7 @@ def test_a_streamed_answer_leaves_as_chunks_each_while_the_app_still_waits() -> 
     """Negative control for holding writes: were they held until the answer ends, the
     client would never see the first chunk while the app waits for it to be read."""
     first_read = threading.Event()
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
-        released = await asyncio.to_thread(first_read.wait, WAIT_S)
-        body = b"data: 2\n\n" if released else b"data: timed out\n\n"
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    app = events_released_by(first_read, WAIT_S)
 
     try:
         with serve_gateway(app) as url, Client(port_of(url)) as client:

@@ -16,7 +16,7 @@ import httpx
 from llmgw import pki
 from llmgw._serving import _WritesGathered, quiet_server
 from llmgw.netaddr import free_port
-from tests.control.servers import run_in_thread, serve_asgi
+from tests.control.servers import events_released_by, run_in_thread, serve_asgi
 
 
 class Recorded:
@@ -118,16 +118,7 @@ def test_a_real_listener_streams_each_event_while_the_app_still_waits() -> None:
     """Negative control for holding writes: were they held until the answer ends, the
     client would never see the first event while the app waits for it to be read."""
     first_read = threading.Event()
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
-        released = await asyncio.to_thread(first_read.wait, 10)
-        body = b"data: 2\n\n" if released else b"data: timed out\n\n"
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+    app = events_released_by(first_read, 10)
 
     with serve_asgi(app) as url:
         port = int(url.rsplit(":", 1)[1])

@@ -21,6 +21,7 @@ import ssl
 import time
 from collections import deque
 from email.utils import formatdate
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote
 
@@ -45,13 +46,8 @@ MAX_HEAD_BYTES = 64 << 10
 BODY_READ_AHEAD_BYTES = 256 << 10
 BACKLOG = 4096
 
-_REASONS = {100: b"Continue", 200: b"OK", 201: b"Created", 204: b"No Content",
-            400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden",
-            404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
-            409: b"Conflict", 413: b"Content Too Large", 422: b"Unprocessable Content",
-            429: b"Too Many Requests", 431: b"Request Header Fields Too Large",
-            500: b"Internal Server Error", 502: b"Bad Gateway",
-            503: b"Service Unavailable", 504: b"Gateway Timeout"}
+# Reason phrases as the standard library names them (every status the gateway sends).
+_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
 
 class _Date:

@@ -4,6 +4,8 @@ a test scripts."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -30,32 +32,49 @@ def run_in_thread(server: QuietServer | Http1Server) -> threading.Thread:
 
 
 @contextmanager
-def serve_asgi(app: Any, certfile: str = "", keyfile: str = "") -> Iterator[str]:
+def _served(server: QuietServer | Http1Server, port: int, tls: bool) -> Iterator[str]:
+    """server in a thread for the length of the block; its URL."""
+    thread = run_in_thread(server)
+    try:
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def serve_asgi(app: Any, certfile: str = "", keyfile: str = ""
+               ) -> contextlib.AbstractContextManager[str]:
     """The app on a free loopback port under uvicorn, as the services serve it (their
     protocol and settings), for the length of the block; HTTPS with certfile and keyfile."""
     port = free_port()
-    server = quiet_server(app, f"127.0.0.1:{port}", certfile=certfile, keyfile=keyfile)
-    thread = run_in_thread(server)
-    try:
-        yield f"{'https' if certfile else 'http'}://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return _served(quiet_server(app, f"127.0.0.1:{port}", certfile=certfile, keyfile=keyfile),
+                   port, bool(certfile))
 
 
-@contextmanager
-def serve_gateway(app: Any, certfile: str = "", keyfile: str = "") -> Iterator[str]:
+def serve_gateway(app: Any, certfile: str = "", keyfile: str = ""
+                  ) -> contextlib.AbstractContextManager[str]:
     """The app on a free loopback port under the server `llmgw gateway` runs (Http1Server),
     for the length of the block; HTTPS with certfile and keyfile."""
     port = free_port()
-    server = Http1Server(app, f"127.0.0.1:{port}", drain_s=5.0, certfile=certfile,
-                         keyfile=keyfile)
-    thread = run_in_thread(server)
-    try:
-        yield f"{'https' if certfile else 'http'}://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return _served(Http1Server(app, f"127.0.0.1:{port}", drain_s=5.0, certfile=certfile,
+                               keyfile=keyfile), port, bool(certfile))
+
+
+def events_released_by(first_read: threading.Event, wait_s: float) -> Any:
+    """An app that streams one event, waits (up to wait_s) until the client has read it,
+    then sends the second and ends the answer."""
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        released = await asyncio.to_thread(first_read.wait, wait_s)
+        body = b"data: 2\n\n" if released else b"data: timed out\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return app
 
 
 @dataclass

@@ -225,8 +225,7 @@ class Gateway:
             raw = await self._body(scope, receive)
             requested, stream = _parse(raw)
             model = self.router.resolve(requested)
-            if model is None or caller.models and not caller.may_use(model,
-                                                                     self.router.names()):
+            if model is None or not caller.may_use(model, self.router.names()):
                 raise GatewayError(404, f"The model '{requested}' does not exist; GET "
                                    "/v1/models lists what this gateway serves",
                                    "invalid_request_error", "model_not_found", "model")
