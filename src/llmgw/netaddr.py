@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import random
 import socket
 import struct
 from pathlib import Path
@@ -68,9 +69,42 @@ def interface_holding(address: str) -> str | None:
     return None
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PICK = 10000
+_handed_out: set[int] = set()
+
+
+def ephemeral_ports(source: Path = EPHEMERAL_RANGE) -> range:
+    """The ports the kernel gives outgoing connections (Linux's default when unreadable)."""
+    try:
+        low, high = (int(n) for n in source.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on at host right now (the kernel's pick)."""
+    """A port nothing is bound to at host right now, outside the ephemeral range.
+
+    The kernel's own pick (bind to port 0) comes from the range it also gives outgoing
+    connections: between the pick and the listener's bind, any connection may take the
+    port as its source and the bind fails (EADDRINUSE). A port below the range is only
+    ever taken by another bind. Each port is handed out once per process."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    ephemeral = ephemeral_ports()
+    outside = range(_LOWEST_PICK, ephemeral.start) if ephemeral.start > _LOWEST_PICK + 1000 \
+        else range(ephemeral.stop, 65536)
+    for _ in range(64):
+        port = random.choice(outside)
+        if port in _handed_out:
+            continue
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket(family) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
