@@ -205,18 +205,20 @@ def measured(load, side: Side, body: str, width: int, seconds: float,  # type: i
     return run
 
 
-def serve_gateway(work: Path, port: int) -> None:
-    """The real gateway app over the bench's store, served as `llmgw server` serves it."""
+def serve_gateway(work: Path, port: int, fast: bool) -> None:
+    """The real gateway app over the bench's store, served as `llmgw gateway` serves it
+    (without its fast path when not fast)."""
     from prometheus_client import CollectorRegistry
 
     from llmgw._http1 import Http1Server
+    from llmgw.control._fastpath import FastPath
 
     app = make_gateway_app(Store(work / "control.db"), tokens=[], upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
-    Http1Server(app, f"127.0.0.1:{port}").run()
+    Http1Server(app, f"127.0.0.1:{port}", fast=FastPath(app) if fast else None).run()
 
 
-def start_own(work: Path, width: int, engine_args: list[str]
+def start_own(work: Path, width: int, engine_args: list[str], fast: bool = True
               ) -> tuple[list[subprocess.Popen[bytes]], Side, Side, str]:
     """A llama-server on the tiny GGUF and a gateway in front of it, both started here.
 
@@ -240,7 +242,7 @@ def start_own(work: Path, width: int, engine_args: list[str]
                        "api_key": key})
     store.close()
     gateway = subprocess.Popen([sys.executable, __file__, "--serve-gateway", str(work),
-                                str(gw_port)])
+                                str(gw_port), "fast" if fast else "general"])
     wait_ok(f"http://127.0.0.1:{engine_port}/health")
     wait_ok(f"http://127.0.0.1:{gw_port}/healthz")
     return ([gateway, engine],
@@ -344,7 +346,7 @@ def _host_key(layout: Layout, tokens: list[str]) -> str:
 
 def main() -> None:
     if sys.argv[1:2] == ["--serve-gateway"]:
-        serve_gateway(Path(sys.argv[2]), int(sys.argv[3]))
+        serve_gateway(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "fast")
         return
     if sys.argv[1:2] == ["--generate"]:
         url, key, body, width, seconds = sys.argv[2:7]
@@ -364,6 +366,9 @@ def main() -> None:
                         help="more flags for the bench's llama-server, as one string: "
                              "'--threads 1' leaves the gateway and the load generator a core "
                              "of 2; '--poll 0' stops its threads spinning while they wait")
+    parser.add_argument("--general-path", action="store_true",
+                        help="serve the bench's gateway without its fast path (every request "
+                             "on the coroutine path), to compare the two")
     parser.add_argument("--no-nginx", action="store_true",
                         help="leave out the third side, nginx in front of the engine")
     parser.add_argument("--host", action="store_true",
@@ -383,7 +388,8 @@ def main() -> None:
     if args.host:
         direct, via, body = on_host(Layout.for_mode(args.mode, args.state_dir), args.model)
     else:
-        procs, direct, via, body = start_own(work, max(WIDTHS), shlex.split(args.engine_args))
+        procs, direct, via, body = start_own(work, max(WIDTHS), shlex.split(args.engine_args),
+                                             fast=not args.general_path)
         if args.gateway_nice:
             os.setpriority(os.PRIO_PROCESS, via.pid, args.gateway_nice)
     sides = [("direct", direct), ("gateway", via)]

@@ -103,10 +103,11 @@ def wait_ok(url: str, proc: subprocess.Popen[bytes]) -> None:
 
 def serve_gateway(work: Path, port: int, routing: str) -> None:
     from llmgw._http1 import Http1Server
+    from llmgw.control._fastpath import FastPath
 
     app = make_gateway_app(Store(work / "control.db"), tokens=[], upstream=Upstream(),
                            routing=routing)  # type: ignore[arg-type]
-    Http1Server(app, f"127.0.0.1:{port}").run()
+    Http1Server(app, f"127.0.0.1:{port}", fast=FastPath(app)).run()
 
 
 def start(work: Path, args: argparse.Namespace) -> tuple[list[subprocess.Popen[bytes]],

@@ -20,6 +20,7 @@ import logging
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
@@ -91,6 +92,33 @@ class _Cycle:
         self.chunked = False
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        # Held for the server's fast handler until the whole body is in.
+        self.deferred = False
+
+    # --- what a fast handler (Http1Server's fast=) uses ---
+
+    @property
+    def lost(self) -> bool:
+        """The client went away: what is written now is dropped."""
+        return self.conn.lost
+
+    def body_bytes(self) -> bytes:
+        """The whole body (the fast handler is called once it is in); it stays there for
+        the app's receive() should the request fall back to it."""
+        if len(self.body) > 1:
+            self.body[:] = [b"".join(self.body)]
+        return self.body[0] if self.body else b""
+
+    def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """The whole answer, head and body, in one write; then on to the next request."""
+        self.started = True
+        self.status = status
+        self.headers = headers
+        self._write(body, False)
+
+    def fall_back(self) -> None:
+        """The fast handler let go of the request, before answering: the app answers it."""
+        self.conn._start(self)
 
     def wake(self) -> None:
         waiter, self.waiter = self.waiter, None
@@ -134,7 +162,12 @@ class _Cycle:
         if not self.started or self.complete:
             raise RuntimeError("http.response.body sent before http.response.start or "
                                "after the last body")
-        body, more = message.get("body", b""), message.get("more_body", False)
+        self._write(message.get("body", b""), message.get("more_body", False))
+        if not self.complete and conn.paused_writing:
+            await conn.writable()
+
+    def _write(self, body: bytes, more: bool) -> None:
+        conn = self.conn
         if conn.lost:
             return
         if self.status:  # the head is not written yet
@@ -162,8 +195,6 @@ class _Cycle:
         if self.complete:
             self.wake()  # a receive() waiting for the client to leave: it is done
             conn.answered(self)
-        elif conn.paused_writing:
-            await conn.writable()
 
     def _head(self, body: bytes, more: bool) -> bytes:
         lines = [b"HTTP/1.1 %d %s\r\n" % (self.status, _REASONS.get(self.status, b""))]
@@ -315,11 +346,14 @@ class _Connection(asyncio.Protocol):
         cycle = _Cycle(self, scope, self.parser.should_keep_alive() and not self.draining,
                        self._expect_continue)
         self.parsing = cycle
-        if self.current is None:
-            self._start(cycle)
-        else:
+        if self.current is not None:
             self.queued.append(cycle)
             self.pause_reading()
+        elif self.server.fast is not None and not cycle.expect_continue:
+            self.current = cycle  # answered once its body is in (_begin)
+            cycle.deferred = True
+        else:
+            self._start(cycle)
 
     def on_body(self, body: bytes) -> None:
         cycle = self.parsing
@@ -328,6 +362,8 @@ class _Connection(asyncio.Protocol):
         cycle.body.append(body)
         cycle.buffered += len(body)
         if cycle.buffered > BODY_READ_AHEAD_BYTES:
+            if cycle.deferred:  # a large body: the app reads it as it comes
+                self._start(cycle)
             self.pause_reading()
         cycle.wake()
 
@@ -335,11 +371,30 @@ class _Connection(asyncio.Protocol):
         cycle, self.parsing = self.parsing, None
         if cycle is not None:
             cycle.body_complete = True
-            cycle.wake()
+            if cycle.deferred:
+                self._begin(cycle)
+            else:
+                cycle.wake()
 
     # --- answers ---
 
+    def _begin(self, cycle: _Cycle) -> None:
+        """A request whose body is all in: the fast handler's, or else the app's."""
+        cycle.deferred = False
+        self.current = cycle
+        try:
+            taken = self.server.fast(cycle)  # type: ignore[misc]
+        except Exception:
+            # Called from the parser's callback: what it raised would read as a bad request.
+            log.exception("the fast handler failed on %s %s; the app answers it",
+                          cycle.scope["method"], cycle.scope["path"])
+            taken = cycle.started
+        if not taken:
+            self._start(cycle)
+
     def _start(self, cycle: _Cycle) -> None:
+        """The app answers the request, in a task of its own."""
+        cycle.deferred = False
         self.current = cycle
         task = self.loop.create_task(self._run(cycle))
         self._tasks.add(task)
@@ -374,9 +429,14 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         if self.queued:
-            self._start(self.queued.popleft())
+            cycle = self.queued.popleft()
             if not self.queued:
                 self.resume_reading()
+            if self.server.fast is not None and cycle.body_complete and \
+                    not cycle.expect_continue:
+                self._begin(cycle)
+            else:
+                self._start(cycle)
             return
         self.resume_reading()
         if self._idle is not None:
@@ -447,11 +507,19 @@ class Http1Server:
 
     On stop: no new connections; requests under way (streams too) get drain_s to finish,
     idle connections are closed without losing a request on the wire; then whatever is
-    left is cut."""
+    left is cut.
+
+    fast, when given, is offered each request (but one that expects 100-continue) once its
+    whole body is in, before the app: it returns False to leave it to the app, or True
+    having taken it, and then answers it from the event loop's callbacks, no task (with
+    cycle.answer), or lets go of it unanswered (cycle.fall_back: the app answers). A
+    body over the read-ahead goes to the app as it comes."""
 
     def __init__(self, app: Any, listen: str = "", *, drain_s: float = 30.0,
-                 certfile: str = "", keyfile: str = "") -> None:
+                 certfile: str = "", keyfile: str = "",
+                 fast: Callable[[_Cycle], bool] | None = None) -> None:
         self.app = app
+        self.fast = fast
         self.listen = listen
         self.drain_s = drain_s
         self.ssl: ssl.SSLContext | None = None

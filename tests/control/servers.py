@@ -17,6 +17,8 @@ from typing import Any
 
 from llmgw._http1 import Http1Server
 from llmgw._serving import QuietServer, quiet_server
+from llmgw.control._fastpath import FastPath
+from llmgw.control.gateway import Gateway
 from llmgw.netaddr import free_port
 
 
@@ -51,13 +53,21 @@ def serve_asgi(app: Any, certfile: str = "", keyfile: str = ""
                    port, bool(certfile))
 
 
-def serve_gateway(app: Any, certfile: str = "", keyfile: str = ""
-                  ) -> contextlib.AbstractContextManager[str]:
-    """The app on a free loopback port under the server `llmgw gateway` runs (Http1Server),
-    for the length of the block; HTTPS with certfile and keyfile."""
+# Whether serve_gateway offers requests to the fast path first, as `llmgw gateway` does;
+# the gateway's tests run once each way (tests/control/conftest.py).
+FAST_PATH = True
+
+
+def serve_gateway(app: Any, certfile: str = "", keyfile: str = "",
+                  fast: FastPath | None = None) -> contextlib.AbstractContextManager[str]:
+    """The app on a free loopback port under the server `llmgw gateway` runs (Http1Server,
+    with the fast path for a Gateway unless FAST_PATH is off; fast: that one), for the
+    length of the block; HTTPS with certfile and keyfile."""
     port = free_port()
+    if fast is None and FAST_PATH and isinstance(app, Gateway):
+        fast = FastPath(app)
     return _served(Http1Server(app, f"127.0.0.1:{port}", drain_s=5.0, certfile=certfile,
-                               keyfile=keyfile), port, bool(certfile))
+                               keyfile=keyfile, fast=fast), port, bool(certfile))
 
 
 def events_released_by(first_read: threading.Event, wait_s: float) -> Any:

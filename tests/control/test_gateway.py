@@ -19,6 +19,8 @@ from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
 from tests.control.servers import refused_endpoint, scripted_upstream, serve_gateway
 
+pytestmark = pytest.mark.usefixtures("gateway_path")
+
 MODEL = {"name": "tiny", "aliases": ["tiny-chat"], "source": "http://m/tiny.gguf", "sha256": "",
          "scaling": {"min": 1, "max": 1},
          "profiles": [{"name": "cpu", "engine": "llamacpp", "gpu_class": "", "priority": 100,

@@ -94,6 +94,10 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self._closed = False
         self.lost = False
+        # Sent by Upstream.send_now: called once the answer is in whole, or failed.
+        self.on_done: Callable[[_Conn], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.read_at = 0.0
         self._begin()
 
     def _begin(self) -> None:
@@ -135,6 +139,8 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        if self._timer is not None:
+            self.read_at = time.monotonic()  # the read timeout counts from here
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -167,7 +173,8 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.parts.append(body)
         self.buffered += len(body)
-        if self.buffered > READ_AHEAD_BYTES and self.transport is not None:
+        if self.buffered > READ_AHEAD_BYTES and self.transport is not None and \
+                self.on_done is None:  # sent by send_now, the answer is kept whole
             self.transport.pause_reading()
         self._wake()
 
@@ -175,15 +182,39 @@ class _Conn(asyncio.Protocol):
         self.complete = True
         if not self.parser.should_keep_alive():
             self.headers[b"connection"] = b"close"
-        self._wake()
+        if self.on_done is not None:
+            self._done()
+        else:
+            self._wake()
 
     def _fail(self, error: BaseException) -> None:
         if self.complete or self.failed is not None:
             return
         self.failed = error
+        if self.on_done is not None:
+            self._done()
+            return
         if self.head is not None and not self.head.done():
             self.head.set_exception(error)
         self._wake()
+
+    def _done(self) -> None:
+        done, self.on_done = self.on_done, None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        done(self)  # type: ignore[misc]
+
+    def _expire(self, timeout_s: float) -> None:
+        """send_now's read timeout: timeout_s without a byte from the replica, as post()
+        and iter_raw() wait (one timer a request, moved on only when it fires)."""
+        idle_s = time.monotonic() - self.read_at
+        if idle_s < timeout_s:
+            self._timer = asyncio.get_running_loop().call_later(
+                timeout_s - idle_s, self._expire, timeout_s)
+            return
+        self._timer = None
+        self._fail(TimeoutError())
 
     def _wake(self) -> None:
         waiter, self.waiter = self.waiter, None
@@ -239,6 +270,8 @@ class Response:
     _done: bool = field(default=False)
     # Called once, when the answer is done with (read whole, broken off or hung up on).
     on_release: Callable[[], None] | None = None
+    # The replica that answers (its id), for what is said when it fails.
+    source: str = ""
 
     @property
     def chunked(self) -> bool:
@@ -330,6 +363,63 @@ class Upstream:
                 return await self._post_fresh(endpoint, key, head + body)
             self._no_answer(endpoint, e)
         return Response(conn.status, conn.headers, conn, self, self.timeouts.read_s)
+
+    def send_now(self, endpoint: str, path: str, body: bytes, api_key: str,
+                 done: Callable[[_Conn], None]) -> _Conn | None:
+        """Write one POST on an idle pooled connection to the replica, at once, and call
+        done(conn) from the event loop when the whole answer is in (conn.status,
+        conn.headers, conn.take()) or it failed (conn.failed); then give it to finish().
+        None, with nothing sent, when no pooled connection is at hand."""
+        target = self._targets.get((endpoint, path, api_key, b"application/json"))
+        if target is None:
+            target = self._target(endpoint, path, api_key, b"application/json")
+        key, head = target
+        replica = self._replicas.get(key)
+        if replica is None or not replica.idle:
+            return None
+        now = time.monotonic()
+        while replica.idle:
+            conn = replica.idle.pop()
+            if conn.usable(now):
+                break
+            conn.close()
+        else:
+            return None
+        conn._begin()
+        conn.on_done = done
+        read_s = self.timeouts.read_s
+        conn.read_at = now
+        conn._timer = asyncio.get_running_loop().call_later(read_s, conn._expire, read_s)
+        conn.transport.write(head + b"%d\r\n\r\n" % len(body) + body)  # type: ignore[union-attr]
+        return conn
+
+    @staticmethod
+    def stale(conn: _Conn) -> bool:
+        """A request sent by send_now on a connection the replica had closed: nothing of an
+        answer came, so it never reached a live engine and may be sent again (as post()
+        does on a new connection)."""
+        return not conn.got_bytes and isinstance(
+            conn.failed, (ConnectionError, asyncio.IncompleteReadError))
+
+    def failure(self, conn: _Conn, endpoint: str) -> str:
+        """What went wrong with a request send_now sent, worded as post() and iter_raw()
+        word it."""
+        error, read_s = conn.failed, self.timeouts.read_s
+        if not conn.status:  # no answer's head came
+            if isinstance(error, TimeoutError):
+                return (f"{endpoint} sent no answer within {read_s:g} s "
+                        "(upstream_read_timeout_s in server.yaml)")
+            return (f"{endpoint} took the request and closed the connection without an "
+                    f"answer: {error!r}")
+        if isinstance(error, TimeoutError):
+            return (f"the replica sent nothing for {read_s:g} s (upstream_read_timeout_s in "
+                    "server.yaml)")
+        return f"the replica broke off its answer: {error!r}"
+
+    def finish(self, conn: _Conn) -> None:
+        """After send_now's done: the connection back to the pool, or closed."""
+        keep = conn.complete and conn.headers.get(b"connection", b"").lower() != b"close"
+        self._give_back(conn, keep)
 
     def _target(self, endpoint: str, path: str, api_key: str, content_type: bytes
                 ) -> tuple[tuple[str, int], bytes]:

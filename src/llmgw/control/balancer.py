@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import itertools
 import json
 import time
 from collections import OrderedDict, deque
@@ -60,17 +59,19 @@ class Conversation:
     record: bytes
 
 
-def conversation(headers: Iterable[tuple[bytes, bytes]], raw: bytes) -> Conversation | None:
+def conversation(headers: Iterable[tuple[bytes, bytes]], raw: bytes,
+                 body: Any = None) -> Conversation | None:
     """A request's conversation: its X-Session-Id, else the prefixes of its messages (or of
-    its prompt); None when it has neither."""
+    its prompt); None when it has neither. body: raw already parsed, when it was."""
     for name, value in headers:
         if name == SESSION_HEADER and value:
             key = b"s:" + value[:MAX_SESSION_BYTES]
             return Conversation((key,), key)
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
+    if body is None:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return None
     parts = _parts(body) if isinstance(body, dict) else []
     if not parts:
         return None
@@ -151,6 +152,14 @@ class Lease:
             self._held = False
             self.balancer._release(self)
 
+    def unused(self) -> None:
+        """Released at once, nothing sent (Balancer.try_now's caller could not send): the
+        turn it took is given back, so the request's next pick is the one it would have
+        been (ties among the idlest go in turn)."""
+        if self._held:
+            self.release()
+            self.balancer._turn -= 1
+
 
 @dataclass
 class _Waiter:
@@ -173,7 +182,7 @@ class Balancer:
         self._homes: OrderedDict[bytes, str] = OrderedDict()
         self._affinity_entries = affinity_entries
         self._queues: dict[str, deque[_Waiter]] = {}
-        self._turns = itertools.count()
+        self._turn = 0
 
     async def acquire(self, model: str, replicas: list[ReplicaRecord],
                       conv: Conversation | None, exclude: set[str]) -> Lease | None:
@@ -191,9 +200,19 @@ class Balancer:
                 return lease
         return await self._wait(model, queue, _Waiter(candidates, conv, exclude))
 
+    def try_now(self, model: str, replicas: list[ReplicaRecord],
+                conv: Conversation | None) -> Lease | None:
+        """A lease at once, or None when none is free or requests already wait (acquire
+        then queues the request behind them). Nothing may run between this and the lease's
+        unused(), if it is not used."""
+        if not replicas or self._queues.get(model):
+            return None
+        return self._try(model, replicas, conv)
+
     def _try(self, model: str, replicas: list[ReplicaRecord],
              conv: Conversation | None) -> Lease | None:
-        turn = next(self._turns)
+        turn = self._turn
+        self._turn += 1
         if self.routing == "round-robin":
             replica: ReplicaRecord | None = replicas[turn % len(replicas)]
         else:

@@ -31,6 +31,7 @@ from llmgw._asgi import Receive, Scope, Send
 from llmgw._http1 import Http1Server
 from llmgw._serving import on_stop_signals
 from llmgw.config import ServerConfig, load_server, parse_listen
+from llmgw.control._fastpath import FastPath
 from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.gateway import make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
@@ -291,7 +292,8 @@ async def serve_worker(config_path: Path) -> None:
                            queue_size=config.gateway_queue_size,
                            queue_wait_s=config.gateway_queue_wait_s)
     servers = [Http1Server(app, drain_s=config.gateway_drain_s,
-                           certfile=config.gateway_tls.cert, keyfile=config.gateway_tls.key),
+                           certfile=config.gateway_tls.cert, keyfile=config.gateway_tls.key,
+                           fast=FastPath(app)),
                Http1Server(metrics_app(registry), drain_s=1.0)]
 
     def stop() -> None:

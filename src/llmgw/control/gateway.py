@@ -238,7 +238,11 @@ class Gateway:
             if stream and status == 200:
                 usage = await relay_events(response, send, member, receive)
             else:
-                usage = await relay_whole(response, send, member)
+                try:
+                    usage = await relay_whole(response, send, member)
+                except UpstreamError as e:
+                    status = 502
+                    raise _replica_failed(response.source, name, e) from e
         except GatewayError as e:
             status = e.status
             raise
@@ -287,13 +291,12 @@ class Gateway:
                 self.balancer.forget(conv, replica["id"])
                 log.warning("replica %s of %s failed after the request was sent: %s",
                             replica["id"], model, e)
-                raise GatewayError(502, f"replica {replica['id']} of {model} failed while "
-                                   f"answering: {e}; the request was not retried, so it may "
-                                   "have run once", "upstream_error", "replica_failed") from e
+                raise _replica_failed(replica["id"], model, e) from e
             except BaseException:
                 lease.release()
                 raise
             response.on_release = lease.release
+            response.source = replica["id"]
             return response
         raise GatewayError(503, f"no replica of {model} could take the request: "
                            f"{self.router.states(model)}{refused}; try again shortly",
@@ -346,6 +349,13 @@ def make_gateway_app(store: Store, *, tokens: list[str], upstream: Upstream,
                    max_body_bytes=max_body_bytes, keys_required=keys_required,
                    usage_flush_s=usage_flush_s,
                    balancer=Balancer(routing, queue_size=queue_size, queue_wait_s=queue_wait_s))
+
+
+def _replica_failed(replica_id: str, model: str, why: object) -> GatewayError:
+    """A 502 for a request a replica took and then failed: never resent elsewhere."""
+    return GatewayError(502, f"replica {replica_id} of {model} failed while answering: "
+                        f"{why}; the request was not retried, so it may have run once",
+                        "upstream_error", "replica_failed")
 
 
 def _unauthorized(message: str) -> GatewayError:
