@@ -163,12 +163,12 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
 
 
 @contextmanager
-def running(app: Any, drain_s: float = 5.0, certfile: str = "",
-            keyfile: str = "") -> Iterator[tuple[Http1Server, threading.Thread, int]]:
+def running(app: Any, drain_s: float = 5.0, certfile: str = "", keyfile: str = "",
+            fast: Any = None) -> Iterator[tuple[Http1Server, threading.Thread, int]]:
     """app under an Http1Server in a thread: the server (to stop it), its thread and port."""
     port = free_port()
     server = Http1Server(app, f"127.0.0.1:{port}", drain_s=drain_s, certfile=certfile,
-                         keyfile=keyfile)
+                         keyfile=keyfile, fast=fast)
     thread = run_in_thread(server)
     try:
         yield server, thread, port
@@ -706,3 +706,101 @@ def test_an_app_that_says_connection_close_has_it_closed_after_the_answer() -> N
     assert bye.body == b"bye"
     assert bye.raw.lower().count(b"\r\nconnection:") == 1
     assert bye.headers["connection"] == "close"
+
+
+# --- the fast handler (fast=): what the gateway's fast path is offered ---
+
+
+def echo_body_app(scope: dict[str, Any], receive: Any, send: Any) -> Any:
+    """The app: answers "app: BODY"."""
+    async def run() -> None:
+        if scope["type"] == "http":
+            got, _ = await read_body(receive)
+            await answer(send, b"app: " + got)
+
+    return run()
+
+
+class Upper:
+    """A fast handler that takes POSTs to /fast and answers, from a later callback, with
+    the body upper-cased; what it saw is kept."""
+
+    def __init__(self, then: str = "answer") -> None:
+        self.then = then
+        self.bodies: list[bytes] = []
+
+    def __call__(self, cycle: Any) -> bool:
+        if cycle.scope["path"] != "/fast":
+            return False
+        body = cycle.body_bytes()
+        self.bodies.append(body)
+        loop = asyncio.get_running_loop()
+        if self.then == "raise":
+            raise RuntimeError("a fast handler that fails")
+        if self.then == "fall back":
+            loop.call_later(0.05, cycle.fall_back)
+        else:
+            loop.call_later(0.05, cycle.answer, 200, [(b"content-type", b"text/plain")],
+                            body.upper())
+        return True
+
+
+def post(path: str, body: bytes, *extra: str) -> bytes:
+    return get(path, f"Content-Length: {len(body)}", *extra, method="POST") + body
+
+
+def test_a_fast_handler_is_offered_the_whole_body_and_answers_in_order() -> None:
+    """A body that comes in two pieces is offered once, whole; pipelined requests are
+    answered in turn, the handler's and the app's (it declined /other) alike."""
+    fast = Upper()
+    with running(echo_body_app, fast=fast) as (_, _, port), Client(port) as client:
+        whole_request = post("/fast", b"hello there")
+        client.send(whole_request[:-5])
+        time.sleep(0.1)
+        client.send(whole_request[-5:])
+        first = client.answer()
+        client.send(post("/fast", b"one") + post("/other", b"two") + post("/fast", b"three"))
+        rest = [client.answer() for _ in range(3)]
+    assert first.body == b"HELLO THERE" and first.headers["content-length"] == "11"
+    assert [a.body for a in rest] == [b"ONE", b"app: two", b"THREE"]
+    assert fast.bodies == [b"hello there", b"one", b"three"]
+
+
+def test_a_request_the_fast_handler_lets_go_of_is_answered_by_the_app_with_its_body(
+        ) -> None:
+    fast = Upper(then="fall back")
+    with running(echo_body_app, fast=fast) as (_, _, port), Client(port) as client:
+        client.send(post("/fast", b"kept"))
+        got = client.answer()
+        client.send(post("/fast", b"again"))
+        again = client.answer()
+    assert (got.body, again.body) == (b"app: kept", b"app: again")
+
+
+def test_a_fast_handler_that_raises_leaves_the_request_to_the_app(caplog) -> None:
+    """Raised from the parser's callback, it would have read as a malformed request (400)."""
+    with running(echo_body_app, fast=Upper(then="raise")) as (_, _, port), \
+            Client(port) as client:
+        client.send(post("/fast", b"x"))
+        got = client.answer()
+    assert (got.status, got.body) == (200, b"app: x")
+    assert "the fast handler failed on POST /fast" in caplog.text
+
+
+def test_a_body_over_the_read_ahead_and_an_expect_request_are_the_apps() -> None:
+    """A large body goes to the app as it comes (held for the handler, its read-ahead
+    would stall); a request that waits for 100 Continue is never offered."""
+    fast = Upper()
+    body = b"b" * (2 * BODY_READ_AHEAD_BYTES)
+    with running(echo_body_app, fast=fast) as (_, _, port), Client(port) as client:
+        client.send(post("/fast", body))
+        large = client.answer()
+        client.send(get("/fast", "Expect: 100-continue", "Content-Length: 2", method="POST"))
+        interim = client.answer()
+        client.send(b"hi")
+        expecting = client.answer()
+        client.send(post("/fast", b"control"))
+        control = client.answer()
+    assert large.body == b"app: " + body
+    assert interim.status == 100 and expecting.body == b"app: hi"
+    assert control.body == b"CONTROL" and fast.bodies == [b"control"]

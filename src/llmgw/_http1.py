@@ -97,11 +97,6 @@ class _Cycle:
 
     # --- what a fast handler (Http1Server's fast=) uses ---
 
-    @property
-    def lost(self) -> bool:
-        """The client went away: what is written now is dropped."""
-        return self.conn.lost
-
     def body_bytes(self) -> bytes:
         """The whole body (the fast handler is called once it is in); it stays there for
         the app's receive() should the request fall back to it."""
