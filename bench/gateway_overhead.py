@@ -207,7 +207,7 @@ def measured(load, side: Side, body: str, width: int, seconds: float,  # type: i
 
 def serve_gateway(work: Path, port: int, fast: bool) -> None:
     """The real gateway app over the bench's store, served as `llmgw gateway` serves it
-    (without its fast path when not fast)."""
+    (every request on the coroutine path when not fast)."""
     from prometheus_client import CollectorRegistry
 
     from llmgw._http1 import Http1Server
@@ -218,7 +218,16 @@ def serve_gateway(work: Path, port: int, fast: bool) -> None:
     Http1Server(app, f"127.0.0.1:{port}", fast=FastPath(app) if fast else None).run()
 
 
-def start_own(work: Path, width: int, engine_args: list[str], fast: bool = True
+def start_gateway(work: Path, fast: bool = True) -> tuple[subprocess.Popen[bytes], Side]:
+    """A gateway process over the bench's store (start_own's), with its fast path or not."""
+    port = free_port()
+    gateway = subprocess.Popen([sys.executable, __file__, "--serve-gateway", str(work),
+                                str(port), "fast" if fast else "coroutine"])
+    wait_ok(f"http://127.0.0.1:{port}/healthz")
+    return gateway, Side(f"http://127.0.0.1:{port}/v1/chat/completions", "", gateway.pid)
+
+
+def start_own(work: Path, width: int, engine_args: list[str]
               ) -> tuple[list[subprocess.Popen[bytes]], Side, Side, str]:
     """A llama-server on the tiny GGUF and a gateway in front of it, both started here.
 
@@ -228,7 +237,7 @@ def start_own(work: Path, width: int, engine_args: list[str], fast: bool = True
     connections waited unserved (and the gateway's /slots poll timed out)."""
     gguf = work / "tiny.gguf"
     write_tiny_gguf(gguf)
-    key, engine_port, gw_port = secrets.token_urlsafe(16), free_port(), free_port()
+    key, engine_port = secrets.token_urlsafe(16), free_port()
     engine = subprocess.Popen(
         [engine_binary(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(engine_port),
          "--api-key", key, "--metrics", "--ctx-size", "2048", "--parallel", str(width),
@@ -241,14 +250,11 @@ def start_own(work: Path, width: int, engine_args: list[str], fast: bool = True
                        "state": "ready", "endpoint": f"http://127.0.0.1:{engine_port}",
                        "api_key": key})
     store.close()
-    gateway = subprocess.Popen([sys.executable, __file__, "--serve-gateway", str(work),
-                                str(gw_port), "fast" if fast else "general"])
     wait_ok(f"http://127.0.0.1:{engine_port}/health")
-    wait_ok(f"http://127.0.0.1:{gw_port}/healthz")
+    gateway, via = start_gateway(work)
     return ([gateway, engine],
             Side(f"http://127.0.0.1:{engine_port}/v1/chat/completions", key, engine.pid),
-            Side(f"http://127.0.0.1:{gw_port}/v1/chat/completions", "", gateway.pid),
-            request_body("tiny"))
+            via, request_body("tiny"))
 
 
 NGINX_CONF = """\
@@ -366,9 +372,9 @@ def main() -> None:
                         help="more flags for the bench's llama-server, as one string: "
                              "'--threads 1' leaves the gateway and the load generator a core "
                              "of 2; '--poll 0' stops its threads spinning while they wait")
-    parser.add_argument("--general-path", action="store_true",
-                        help="serve the bench's gateway without its fast path (every request "
-                             "on the coroutine path), to compare the two")
+    parser.add_argument("--both-paths", action="store_true",
+                        help="a fourth side: a second gateway without its fast path (every "
+                             "request on the coroutine path), to compare the two")
     parser.add_argument("--no-nginx", action="store_true",
                         help="leave out the third side, nginx in front of the engine")
     parser.add_argument("--host", action="store_true",
@@ -388,8 +394,7 @@ def main() -> None:
     if args.host:
         direct, via, body = on_host(Layout.for_mode(args.mode, args.state_dir), args.model)
     else:
-        procs, direct, via, body = start_own(work, max(WIDTHS), shlex.split(args.engine_args),
-                                             fast=not args.general_path)
+        procs, direct, via, body = start_own(work, max(WIDTHS), shlex.split(args.engine_args))
         if args.gateway_nice:
             os.setpriority(os.PRIO_PROCESS, via.pid, args.gateway_nice)
     sides = [("direct", direct), ("gateway", via)]
@@ -397,9 +402,12 @@ def main() -> None:
         nginx, proxy = start_nginx(work, direct)
         procs.append(nginx)
         sides.append(("nginx", proxy))
+    if args.both_paths and not args.host:
+        coroutine, plain = start_gateway(work, fast=False)
+        procs.append(coroutine)
+        sides.append(("coroutine", plain))
     results: dict[tuple[str, int], list[Run]] = {}
-    pids = {"engine": direct.pid, "gateway": via.pid,
-            **({"nginx": sides[2][1].pid} if len(sides) > 2 else {})}
+    pids = {"engine": direct.pid, **{name: side.pid for name, side in sides[1:]}}
     try:
         for _, side in sides:
             load(side, body, 4, 1.0)  # warm each
@@ -460,6 +468,12 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
         print(f"goals against nginx (>=1.0x at 16, >=0.95x at 1): "
               f"{'met' if n16 >= 1.0 and n1 >= 0.95 else 'NOT met'}")
         last += f"; gateway/nginx: throughput {n16:.2f}× at 16, {n1:.2f}× at 1"
+    if ("coroutine", 1) in results:
+        print(f"gateway/coroutine (the same gateway without its fast path): throughput "
+              f"{ratio(16, 'coroutine'):.2f}× at 16, {ratio(1, 'coroutine'):.2f}× at 1; own "
+              f"CPU ms per request {cpu('gateway', 16, 'gateway'):.2f} vs "
+              f"{cpu('coroutine', 16, 'coroutine'):.2f} at 16, "
+              f"{cpu('gateway', 1, 'gateway'):.2f} vs {cpu('coroutine', 1, 'coroutine'):.2f} at 1")
     print(last)
 
 

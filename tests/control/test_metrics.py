@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from llmgw.control.dataplane import metrics_app
@@ -72,3 +73,38 @@ def test_the_scrape_appends_the_gateway_process_metrics_and_says_when_it_is_down
     assert "llmgw_gateway_requests_total" not in text
     assert "llmgw_gateway_metrics_up 0" in text
     assert 'llmgw_nodes{state="ready"} 0.0' in text
+
+
+def test_the_gateways_plain_counts_expose_as_prometheus_client_metrics_would() -> None:
+    """The gateway counts in plain ints and makes samples at scrape time: the histogram's
+    buckets (le as prometheus_client writes them), counts and tokens are what its Counter
+    and Histogram gave for the same requests."""
+    from prometheus_client import Counter, Histogram
+
+    from llmgw.control.metrics import DURATION_BUCKETS
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    metrics = GatewayMetrics(ours)
+    duration = Histogram("llmgw_gateway_request_duration_seconds", "d", ["model"],
+                         registry=theirs, buckets=DURATION_BUCKETS)
+    requests = Counter("llmgw_gateway_requests", "r", ["model", "status", "key"],
+                       registry=theirs)
+    for seconds, status in ((0.003, 200), (0.03, 200), (0.7, 502), (400.0, 200)):
+        metrics.observe("m", status, time.perf_counter() - seconds, (1, 2), "k")
+        duration.labels("m").observe(seconds)
+        requests.labels("m", str(status), "k").inc()
+    metrics.in_flight = 1
+
+    def samples(registry: CollectorRegistry, prefix: str) -> dict[tuple[str, str], float]:
+        return {(s.name, str(sorted(s.labels.items()))): s.value
+                for family in registry.collect() for s in family.samples
+                if s.name.startswith(prefix) and not s.name.endswith("_created")}
+
+    for prefix in ("llmgw_gateway_request_duration_seconds_bucket",
+                   "llmgw_gateway_request_duration_seconds_count", "llmgw_gateway_requests_total"):
+        assert samples(ours, prefix) == samples(theirs, prefix), prefix
+    assert ours.get_sample_value("llmgw_gateway_request_duration_seconds_sum", {"model": "m"}) \
+        == pytest.approx(400.733, abs=0.01)
+    assert ours.get_sample_value("llmgw_gateway_tokens_total",
+                                 {"model": "m", "kind": "completion", "key": "k"}) == 8
+    assert ours.get_sample_value("llmgw_gateway_requests_in_flight") == 1

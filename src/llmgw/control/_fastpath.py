@@ -91,7 +91,7 @@ class FastPath:
             return False
         self.taken += 1
         if gw.metrics:
-            gw.metrics.in_flight.inc()
+            gw.metrics.in_flight += 1
         return True
 
 
@@ -122,11 +122,11 @@ class _Forward:
                     "server_error", "gateway_error").body())
         if status == 0:  # handed back to the coroutine path
             if gw.metrics:
-                gw.metrics.in_flight.dec()
+                gw.metrics.in_flight -= 1
             return
         gw._count(self.caller, status, usage)
         if gw.metrics:
-            gw.metrics.in_flight.dec()
+            gw.metrics.in_flight -= 1
             gw.metrics.observe(self.name, status, self.started, usage, self.caller.name)
 
     def _relay(self, gw: Gateway, conn: _Conn) -> tuple[int, tuple[int, int] | None]:

@@ -219,7 +219,7 @@ class Gateway:
         """Counted under the catalog name, or model="" when the request named none."""
         started, name, status, usage, caller = time.perf_counter(), "", 500, None, NOBODY
         if self.metrics:
-            self.metrics.in_flight.inc()
+            self.metrics.in_flight += 1
         try:
             caller = self._authorize(scope)
             raw = await self._body(scope, receive)
@@ -249,7 +249,7 @@ class Gateway:
         finally:
             self._count(caller, status, usage)
             if self.metrics:
-                self.metrics.in_flight.dec()
+                self.metrics.in_flight -= 1
                 self.metrics.observe(name, status, started, usage, caller.name)
 
     def _count(self, caller: Caller, status: int, usage: tuple[int, int] | None) -> None:
