@@ -804,3 +804,18 @@ def test_a_body_over_the_read_ahead_and_an_expect_request_are_the_apps() -> None
     assert large.body == b"app: " + body
     assert interim.status == 100 and expecting.body == b"app: hi"
     assert control.body == b"CONTROL" and fast.bodies == [b"control"]
+
+
+def test_a_keep_alive_connection_is_closed_once_idle_that_long_and_not_while_in_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One timer a connection, moved on as requests come: a client that sends a request
+    every 0.6 of the idle bound keeps its connection; once it stops, it is closed."""
+    import llmgw._http1 as http1
+
+    monkeypatch.setattr(http1, "KEEP_ALIVE_S", 0.5)
+    with running(echo_path_app()) as (_, _, port), Client(port) as client:
+        for i in range(4):
+            client.send(get(f"/{i}"))
+            assert client.answer().body == f"/{i}".encode()
+            time.sleep(0.3)
+        assert client.closed(within=2.0), "an idle connection stayed open"

@@ -235,6 +235,7 @@ class _Connection(asyncio.Protocol):
         self.parsing: _Cycle | None = None    # the request whose body is being read
         self.queued: deque[_Cycle] = deque()  # pipelined requests behind the current one
         self._idle: asyncio.TimerHandle | None = None
+        self._idle_deadline = 0.0
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._head_bytes = 0
@@ -253,7 +254,7 @@ class _Connection(asyncio.Protocol):
         if self.server.draining:
             self.shutdown()
         else:
-            self._idle = self.loop.call_later(KEEP_ALIVE_S, self._close_if_idle)
+            self._arm_idle(KEEP_ALIVE_S)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -302,9 +303,6 @@ class _Connection(asyncio.Protocol):
         self._url, self._headers, self._head_bytes = b"", [], 0
         self._in_head = True
         self._expect_continue = False
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -434,10 +432,18 @@ class _Connection(asyncio.Protocol):
                 self._start(cycle)
             return
         self.resume_reading()
+        self._arm_idle(IDLE_DRAIN_S if self.draining else KEEP_ALIVE_S)
+
+    def _arm_idle(self, delay_s: float) -> None:
+        """The connection is closed delay_s from now if it is idle then. One timer, moved
+        on when it fires, not made and cancelled for every request."""
+        deadline = self.loop.time() + delay_s
+        self._idle_deadline = deadline
         if self._idle is not None:
+            if self._idle.when() <= deadline:
+                return  # it fires first, and waits on from there
             self._idle.cancel()
-        self._idle = self.loop.call_later(IDLE_DRAIN_S if self.draining else KEEP_ALIVE_S,
-                                          self._close_if_idle)
+        self._idle = self.loop.call_at(deadline, self._close_if_idle)
 
     def shutdown(self) -> None:
         """The server drains: an answer not begun says Connection: close; an idle
@@ -448,19 +454,20 @@ class _Connection(asyncio.Protocol):
             if cycle is not None and (cycle.status or not cycle.started):
                 cycle.keep_alive = False
         if self.current is None:
-            if self._idle is not None:
-                self._idle.cancel()
-            self._idle = self.loop.call_later(IDLE_DRAIN_S, self._close_if_idle)
+            self._arm_idle(IDLE_DRAIN_S)
 
     def _close_if_idle(self) -> None:
         """Close when no request is under way or coming in (a head part-way in is one:
         in a drain it is answered, with Connection: close; the drain bound ends a client
-        that never finishes it)."""
+        that never finishes it). A request under way is not idle: its answer arms the
+        timer again."""
         self._idle = None
-        if self.current is None and self.parsing is None and not self._in_head:
+        if self.loop.time() < self._idle_deadline:
+            self._idle = self.loop.call_at(self._idle_deadline, self._close_if_idle)
+        elif self.current is None and self.parsing is None and not self._in_head:
             self.close()
         elif self.current is None and self._in_head and self.draining:
-            self._idle = self.loop.call_later(IDLE_DRAIN_S, self._close_if_idle)
+            self._arm_idle(IDLE_DRAIN_S)
 
     def _refuse(self, status: int, why: str) -> None:
         self.write(_plain(status, why))

@@ -126,6 +126,9 @@ class _Conn(asyncio.Protocol):
                 and now - self.idle_since < IDLE_EXPIRY_S)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if not self._closed:
             self._closed = True
             if self.transport is not None:
@@ -200,14 +203,15 @@ class _Conn(asyncio.Protocol):
 
     def _done(self) -> None:
         done, self.on_done = self.on_done, None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         done(self)  # type: ignore[misc]
 
     def _expire(self, timeout_s: float) -> None:
         """send_now's read timeout: timeout_s without a byte from the replica, as post()
-        and iter_raw() wait (one timer a request, moved on only when it fires)."""
+        and iter_raw() wait. One timer a connection, moved on when it fires, not made
+        and cancelled for every request; with no request out it just ends."""
+        if self.on_done is None:
+            self._timer = None
+            return
         idle_s = time.monotonic() - self.read_at
         if idle_s < timeout_s:
             self._timer = asyncio.get_running_loop().call_later(
@@ -389,7 +393,8 @@ class Upstream:
         conn.on_done = done
         read_s = self.timeouts.read_s
         conn.read_at = now
-        conn._timer = asyncio.get_running_loop().call_later(read_s, conn._expire, read_s)
+        if conn._timer is None:
+            conn._timer = asyncio.get_running_loop().call_later(read_s, conn._expire, read_s)
         conn.transport.write(head + b"%d\r\n\r\n" % len(body) + body)  # type: ignore[union-attr]
         return conn
 
