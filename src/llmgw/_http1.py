@@ -10,6 +10,8 @@ answer whose body comes in one message leaves in one write with its head, a stre
 as HTTP chunks. Keep-alive, pipelining (one request at a time, in order), Expect:
 100-continue, HEAD, a client that leaves (http.disconnect), write backpressure and a
 drain that loses no request on the wire are kept. HTTP/1.1 only: no upgrades, no HTTP/2.
+A fast handler (fast=, the gateway's fast path) may take a request whose body is in and
+answer it from callbacks, with no task: Cycle.answer writes it whole.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def _plain(status: int, text: str) -> bytes:
             + body)
 
 
-class _Cycle:
+class Cycle:
     """One request and its answer: what the app's receive() and send() act on."""
 
     def __init__(self, conn: _Connection, scope: Scope, keep_alive: bool,
@@ -231,9 +233,9 @@ class _Connection(asyncio.Protocol):
         self.paused_writing = False
         self._drained: asyncio.Future[None] | None = None
         self._reading_paused = False
-        self.current: _Cycle | None = None    # the answer under way
-        self.parsing: _Cycle | None = None    # the request whose body is being read
-        self.queued: deque[_Cycle] = deque()  # pipelined requests behind the current one
+        self.current: Cycle | None = None    # the answer under way
+        self.parsing: Cycle | None = None    # the request whose body is being read
+        self.queued: deque[Cycle] = deque()  # pipelined requests behind the current one
         self._idle: asyncio.TimerHandle | None = None
         self._idle_deadline = 0.0
         self._url = b""
@@ -336,7 +338,7 @@ class _Connection(asyncio.Protocol):
             "query_string": query, "headers": self._headers,
             "server": self.sockname, "client": self.client, "state": {},
         }
-        cycle = _Cycle(self, scope, self.parser.should_keep_alive() and not self.draining,
+        cycle = Cycle(self, scope, self.parser.should_keep_alive() and not self.draining,
                        self._expect_continue)
         self.parsing = cycle
         if self.current is not None:
@@ -371,7 +373,7 @@ class _Connection(asyncio.Protocol):
 
     # --- answers ---
 
-    def _begin(self, cycle: _Cycle) -> None:
+    def _begin(self, cycle: Cycle) -> None:
         """A request whose body is all in: the fast handler's, or else the app's."""
         cycle.deferred = False
         self.current = cycle
@@ -385,7 +387,7 @@ class _Connection(asyncio.Protocol):
         if not taken:
             self._start(cycle)
 
-    def _start(self, cycle: _Cycle) -> None:
+    def _start(self, cycle: Cycle) -> None:
         """The app answers the request, in a task of its own."""
         cycle.deferred = False
         self.current = cycle
@@ -393,7 +395,7 @@ class _Connection(asyncio.Protocol):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, cycle: _Cycle) -> None:
+    async def _run(self, cycle: Cycle) -> None:
         try:
             await self.server.app(cycle.scope, cycle.receive, cycle.send)
         except BaseException as e:
@@ -413,7 +415,7 @@ class _Connection(asyncio.Protocol):
                 self.write(_plain(500, "Internal Server Error"))
             self.close()
 
-    def answered(self, cycle: _Cycle) -> None:
+    def answered(self, cycle: Cycle) -> None:
         """The answer is written: on to the next request, or close."""
         if self.current is not cycle:
             return
@@ -519,7 +521,7 @@ class Http1Server:
 
     def __init__(self, app: Any, listen: str = "", *, drain_s: float = 30.0,
                  certfile: str = "", keyfile: str = "",
-                 fast: Callable[[_Cycle], bool] | None = None) -> None:
+                 fast: Callable[[Cycle], bool] | None = None) -> None:
         self.app = app
         self.fast = fast
         self.listen = listen

@@ -57,11 +57,11 @@ class _Replica:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.idle: list[_Conn] = []
+        self.idle: list[ReplicaConnection] = []
         self.open = 0
-        self.waiters: deque[asyncio.Future[_Conn | None]] = deque()
+        self.waiters: deque[asyncio.Future[ReplicaConnection | None]] = deque()
 
-    def hand_over(self, conn: _Conn | None) -> bool:
+    def hand_over(self, conn: ReplicaConnection | None) -> bool:
         """Give a connection (or, for None, its place) to the first waiter, if any."""
         while self.waiters:
             waiter = self.waiters.popleft()
@@ -81,11 +81,12 @@ class _Replica:
 READ_AHEAD_BYTES = 1 << 20
 
 
-class _Conn(asyncio.Protocol):
+class ReplicaConnection(asyncio.Protocol):
     """One connection to a replica, read by the event loop's callbacks: httptools parses
     each answer as it arrives (de-chunked), and the request waiting on it is woken only
     when there is something to take. No stream reader, no task, no timer per read: those
-    were most of what relaying an answer cost (profiled against a scripted replica)."""
+    were most of what relaying an answer cost (profiled against a scripted replica). Upstream
+    .send_now uses it from callbacks alone: on_done is called when the answer is whole."""
 
     def __init__(self, replica: _Replica) -> None:
         self.replica = replica
@@ -95,7 +96,7 @@ class _Conn(asyncio.Protocol):
         self._closed = False
         self.lost = False
         # Sent by Upstream.send_now: called once the answer is in whole, or failed.
-        self.on_done: Callable[[_Conn], None] | None = None
+        self.on_done: Callable[[ReplicaConnection], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.read_at = 0.0
         self._begin()
@@ -268,7 +269,7 @@ class Response:
 
     status: int
     headers: dict[bytes, bytes]
-    _conn: _Conn
+    _conn: ReplicaConnection
     _pool: Upstream
     _read_s: float
     _done: bool = field(default=False)
@@ -369,7 +370,7 @@ class Upstream:
         return Response(conn.status, conn.headers, conn, self, self.timeouts.read_s)
 
     def send_now(self, endpoint: str, path: str, body: bytes, api_key: str,
-                 done: Callable[[_Conn], None]) -> _Conn | None:
+                 done: Callable[[ReplicaConnection], None]) -> ReplicaConnection | None:
         """Write one POST on an idle pooled connection to the replica, at once, and call
         done(conn) from the event loop when the whole answer is in (conn.status,
         conn.headers, conn.take()) or it failed (conn.failed); then give it to finish().
@@ -399,14 +400,14 @@ class Upstream:
         return conn
 
     @staticmethod
-    def stale(conn: _Conn) -> bool:
+    def stale(conn: ReplicaConnection) -> bool:
         """A request sent by send_now on a connection the replica had closed: nothing of an
         answer came, so it never reached a live engine and may be sent again (as post()
         does on a new connection)."""
         return not conn.got_bytes and isinstance(
             conn.failed, (ConnectionError, asyncio.IncompleteReadError))
 
-    def failure(self, conn: _Conn, endpoint: str) -> str:
+    def failure(self, conn: ReplicaConnection, endpoint: str) -> str:
         """What went wrong with a request send_now sent, worded as post() and iter_raw()
         word it."""
         error, read_s = conn.failed, self.timeouts.read_s
@@ -421,7 +422,7 @@ class Upstream:
                     "server.yaml)")
         return f"the replica broke off its answer: {error!r}"
 
-    def finish(self, conn: _Conn) -> None:
+    def finish(self, conn: ReplicaConnection) -> None:
         """After send_now's done: the connection back to the pool, or closed."""
         keep = conn.complete and conn.headers.get(b"connection", b"").lower() != b"close"
         self._give_back(conn, keep)
@@ -462,7 +463,7 @@ class Upstream:
         raise e
 
     async def _checkout(self, key: tuple[str, int], pooled: bool = True
-                        ) -> tuple[_Conn, bool]:
+                        ) -> tuple[ReplicaConnection, bool]:
         """A pooled connection (and True), else a new one (and False); at the replica's
         limit, the first connection given back or the place of one that closed."""
         replica = self._replicas.get(key)
@@ -486,8 +487,10 @@ class Upstream:
             replica.closed()
             raise
 
-    async def _wait_turn(self, key: tuple[str, int], replica: _Replica) -> _Conn | None:
-        waiter: asyncio.Future[_Conn | None] = asyncio.get_running_loop().create_future()
+    async def _wait_turn(self, key: tuple[str, int], replica: _Replica
+                         ) -> ReplicaConnection | None:
+        waiter: asyncio.Future[ReplicaConnection | None] = \
+            asyncio.get_running_loop().create_future()
         replica.waiters.append(waiter)
         try:
             async with asyncio.timeout(self.timeouts.read_s):
@@ -510,16 +513,17 @@ class Upstream:
             if waiter in replica.waiters:
                 replica.waiters.remove(waiter)
 
-    async def _connect(self, key: tuple[str, int], replica: _Replica) -> _Conn:
+    async def _connect(self, key: tuple[str, int], replica: _Replica) -> ReplicaConnection:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(replica), *key), self.timeouts.connect_s)
+                loop.create_connection(lambda: ReplicaConnection(replica), *key),
+                self.timeouts.connect_s)
         except (OSError, TimeoutError) as e:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {e!r}") from e
         return conn
 
-    def _give_back(self, conn: _Conn, keep: bool) -> None:
+    def _give_back(self, conn: ReplicaConnection, keep: bool) -> None:
         if not keep:
             conn.close()
             return

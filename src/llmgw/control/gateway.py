@@ -41,7 +41,7 @@ FORWARDED = {"/v1/chat/completions": "chat", "/v1/completions": "chat",
              "/v1/embeddings": "embedding"}
 KNOWN_GET = ("/healthz", "/v1/models")
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-_JSON = [(b"content-type", b"application/json")]
+JSON_HEADERS = [(b"content-type", b"application/json")]
 # Usage per key reaches the store in batches, never per request: the store may be another
 # process's too, and busy.
 USAGE_FLUSH_S = 2.0
@@ -124,7 +124,7 @@ class Gateway:
         try:
             await self._dispatch(scope, receive, send)
         except GatewayError as e:
-            await respond(send, e.status, e.body(), [*_JSON, *e.headers])
+            await respond(send, e.status, e.body(), [*JSON_HEADERS, *e.headers])
 
     async def _flush_every(self) -> None:
         while True:
@@ -156,16 +156,16 @@ class Gateway:
             if method not in ("GET", "HEAD"):
                 raise _not_allowed(method, path, "GET")
             if path == "/healthz":
-                await respond(send, 200, b'{"status":"ok"}', _JSON)
+                await respond(send, 200, b'{"status":"ok"}', JSON_HEADERS)
                 return
-            caller = self._authorize(scope)
-            await respond(send, 200, json.dumps(self._models(path, caller)).encode(), _JSON)
+            caller = self.authorize(scope)
+            await respond(send, 200, json.dumps(self._models(path, caller)).encode(), JSON_HEADERS)
             return
         raise GatewayError(404, f"{method} {path} is not a route of this gateway; it serves "
                            "/v1/models, /v1/chat/completions, /v1/completions and "
                            "/v1/embeddings", "invalid_request_error", "unknown_url")
 
-    def _authorize(self, scope: Scope) -> Caller:
+    def authorize(self, scope: Scope) -> Caller:
         """Who sent the request, or a 401. The scheme is matched without regard to case;
         a gateway key by its sha256, then compared in constant time; a server.yaml token
         byte for byte, in constant time."""
@@ -221,7 +221,7 @@ class Gateway:
         if self.metrics:
             self.metrics.in_flight += 1
         try:
-            caller = self._authorize(scope)
+            caller = self.authorize(scope)
             raw = await self._body(scope, receive)
             requested, stream = _parse(raw)
             model = self.router.resolve(requested)
@@ -242,17 +242,17 @@ class Gateway:
                     usage = await relay_whole(response, send, member)
                 except UpstreamError as e:
                     status = 502
-                    raise _replica_failed(response.source, name, e) from e
+                    raise replica_failed(response.source, name, e) from e
         except GatewayError as e:
             status = e.status
             raise
         finally:
-            self._count(caller, status, usage)
+            self.count_usage(caller, status, usage)
             if self.metrics:
                 self.metrics.in_flight -= 1
                 self.metrics.observe(name, status, started, usage, caller.name)
 
-    def _count(self, caller: Caller, status: int, usage: tuple[int, int] | None) -> None:
+    def count_usage(self, caller: Caller, status: int, usage: tuple[int, int] | None) -> None:
         """A key's usage: its request (a 429 is none) and tokens, and its token window."""
         if not caller.id or status == 429:
             return
@@ -291,7 +291,7 @@ class Gateway:
                 self.balancer.forget(conv, replica["id"])
                 log.warning("replica %s of %s failed after the request was sent: %s",
                             replica["id"], model, e)
-                raise _replica_failed(replica["id"], model, e) from e
+                raise replica_failed(replica["id"], model, e) from e
             except BaseException:
                 lease.release()
                 raise
@@ -351,7 +351,7 @@ def make_gateway_app(store: Store, *, tokens: list[str], upstream: Upstream,
                    balancer=Balancer(routing, queue_size=queue_size, queue_wait_s=queue_wait_s))
 
 
-def _replica_failed(replica_id: str, model: str, why: object) -> GatewayError:
+def replica_failed(replica_id: str, model: str, why: object) -> GatewayError:
     """A 502 for a request a replica took and then failed: never resent elsewhere."""
     return GatewayError(502, f"replica {replica_id} of {model} failed while answering: "
                         f"{why}; the request was not retried, so it may have run once",
