@@ -3,6 +3,7 @@
 Run on demand, not in the suite:
 
     python bench/gateway_overhead.py [--seconds 3] [--pairs 15]      # its own engine and gateway
+    python bench/gateway_overhead.py --both-paths                    # and one without the fast path
     python bench/gateway_overhead.py --host [--state-dir DIR]        # a provisioned host's
 
 By default it serves the tests' tiny GGUF with the real llama-server (a few ms per 8-token
