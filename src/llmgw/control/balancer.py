@@ -212,13 +212,13 @@ class Balancer:
     def _try(self, model: str, replicas: list[ReplicaRecord],
              conv: Conversation | None) -> Lease | None:
         turn = self._turn
-        self._turn += 1
         if self.routing == "round-robin":
             replica: ReplicaRecord | None = replicas[turn % len(replicas)]
         else:
             replica = choose(replicas, self.loads, self._home(conv), turn)
         if replica is None:
-            return None
+            return None  # no turn taken: the next try, or a freed slot's, gets this one
+        self._turn += 1
         load = self.loads.get(replica["id"])
         if load is None:
             load = self.loads[replica["id"]] = Load()
