@@ -30,7 +30,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from llmgw._asgi import Message, Scope
+from llmgw._asgi import Lifespan, Message, Scope
 from llmgw._serving import close_transport, run_service
 from llmgw.config import parse_listen
 
@@ -560,7 +560,7 @@ class Http1Server:
         self._exiting = asyncio.Event()
         if self._should_exit:
             self._exiting.set()
-        lifespan = _Lifespan(self.app)
+        lifespan = Lifespan(self.app)
         await lifespan.startup()
         servers = []
         try:
@@ -594,36 +594,3 @@ class Http1Server:
             for conn in list(self.connections):
                 conn.abort()
             await asyncio.sleep(0)
-
-
-class _Lifespan:
-    """The app's lifespan protocol: startup before serving, shutdown after the drain. An
-    app that does not speak it (it raises on the lifespan scope) is served without."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.messages: asyncio.Queue[Message] = asyncio.Queue()
-        self.said: asyncio.Queue[Message] = asyncio.Queue()
-        self.task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        try:
-            await self.app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
-                           self.messages.get, self.said.put)
-        except Exception:
-            log.debug("the app has no lifespan", exc_info=True)
-        await self.said.put({"type": "lifespan.gone"})
-
-    async def startup(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self._run())
-        await self.messages.put({"type": "lifespan.startup"})
-        said = await self.said.get()
-        if said["type"] == "lifespan.startup.failed":
-            raise RuntimeError(f"the app failed to start: {said.get('message', '')}")
-
-    async def shutdown(self) -> None:
-        if self.task is None or self.task.done():
-            return
-        await self.messages.put({"type": "lifespan.shutdown"})
-        await self.said.get()
-        await self.task

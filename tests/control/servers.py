@@ -150,6 +150,27 @@ def scripted_upstream(answer: Callable[[str, bytes], tuple[int, str, list[bytes]
         server.server_close()
 
 
+@contextmanager
+def raw_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
+    """A loopback listener whose each connection goes to handle, in a thread of its own,
+    for the length of the block; its http:// endpoint."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
 def refused_endpoint() -> str:
     """A loopback endpoint nothing listens on: connecting to it is refused."""
     return f"http://127.0.0.1:{free_port()}"

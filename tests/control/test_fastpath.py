@@ -23,7 +23,7 @@ from llmgw.control.gateway import Gateway, make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
 from llmgw.netaddr import free_port
-from tests.control.servers import run_in_thread, scripted_upstream, serve_gateway
+from tests.control.servers import raw_server, run_in_thread, scripted_upstream, serve_gateway
 from tests.control.test_gateway import CHAT, EMBED, MODEL, json_answer, ready
 
 # One step of a scripted answer: wait this long, then send these bytes (HANG_UP: close).
@@ -44,7 +44,6 @@ def raw_replica(script: Callable[[int, bytes], list[Step] | None]
     without a byte, a step of HANG_UP after what came before. GET /slots is answered 404
     (slots unknown)."""
     seen: list[bytes] = []
-    listener = socket.create_server(("127.0.0.1", 0))
 
     def read_request(f) -> tuple[bytes, bytes] | None:  # type: ignore[no-untyped-def]
         line = f.readline()
@@ -73,19 +72,8 @@ def raw_replica(script: Callable[[int, bytes], list[Step] | None]
                         return
                     conn.sendall(data)
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=connection, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
-    finally:
-        listener.close()
+    with raw_server(connection) as endpoint:
+        yield endpoint, seen
 
 
 @pytest.fixture

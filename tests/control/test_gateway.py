@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +18,12 @@ from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.gateway import Router, make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
-from tests.control.servers import refused_endpoint, scripted_upstream, serve_gateway
+from tests.control.servers import (
+    raw_server,
+    refused_endpoint,
+    scripted_upstream,
+    serve_gateway,
+)
 
 pytestmark = pytest.mark.usefixtures("gateway_path")
 
@@ -302,30 +308,18 @@ def closes_after_each_answer() -> Iterator[tuple[str, list[bytes]]]:
     """A replica that answers the first request of each connection with keep-alive headers
     and hangs up on the next one without a byte of an answer, as a connection the engine
     dropped while it sat in the gateway's pool looks from the gateway."""
-    import socket
-    import threading
-
     seen: list[bytes] = []
-    listener = socket.create_server(("127.0.0.1", 0))
     body = json_answer()
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with conn:
-                seen.append(conn.recv(65536))
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-                conn.recv(65536)  # the next request on this connection: hung up on, unread
+    def answer_once(conn: socket.socket) -> None:
+        with conn:
+            seen.append(conn.recv(65536))
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            conn.recv(65536)  # the next request on this connection: hung up on, unread
 
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
-    finally:
-        listener.close()
+    with raw_server(answer_once) as endpoint:
+        yield endpoint, seen
 
 
 def test_a_pooled_connection_the_replica_closed_is_sent_once_on_a_new_one(store) -> None:

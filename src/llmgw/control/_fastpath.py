@@ -22,6 +22,7 @@ import time
 
 from llmgw._http1 import Cycle
 from llmgw.control import _wire
+from llmgw.control._relay import kept, whole_answer
 from llmgw.control._upstream import ReplicaConnection
 from llmgw.control.balancer import Lease, conversation
 from llmgw.control.gateway import (
@@ -31,12 +32,10 @@ from llmgw.control.gateway import (
     Gateway,
     GatewayError,
     replica_failed,
+    serves,
 )
 
 log = logging.getLogger("llmgw.gateway")
-
-_KEPT = (b"content-type", b"cache-control")
-
 
 class FastPath:
     """Http1Server's fast handler for one Gateway (see the module's docstring)."""
@@ -72,7 +71,7 @@ class FastPath:
             return False
         model = gw.router.resolve(requested)
         if model is None or not caller.may_use(model, gw.router.names()) or \
-                (model.get("routing_profile", "chat") == "embedding") != (kind == "embedding"):
+                not serves(model, kind):
             return False
         name = model["name"]
         replicas = gw.router.ready(name)
@@ -147,11 +146,7 @@ class _Forward:
             return 502, None
         status, headers, data = conn.status, conn.headers, conn.take()
         upstream.finish(conn)
-        usage = None
-        if status == 200:
-            if b"json" in headers.get(b"content-type", b""):
-                data = _wire.rename_model(data, _wire.model_value(self.requested))
-            usage = _wire.usage(data)
-        self.cycle.answer(status, [(k, v) for k, v in headers.items() if k in _KEPT], data)
+        data, usage = whole_answer(status, headers, data, _wire.model_value(self.requested))
+        self.cycle.answer(status, kept(headers), data)
         return status, usage
 

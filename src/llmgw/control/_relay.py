@@ -13,17 +13,26 @@ from llmgw.control._upstream import Response, UpstreamError
 log = logging.getLogger("llmgw.gateway")
 
 
-def kept(response: Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in response.headers.items()
-            if k in (b"content-type", b"cache-control")]
+def kept(headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    """The replica's headers the client gets."""
+    return [(k, v) for k, v in headers.items() if k in (b"content-type", b"cache-control")]
+
+
+def whole_answer(status: int, headers: dict[bytes, bytes], data: bytes, member: bytes
+                 ) -> tuple[bytes, tuple[int, int] | None]:
+    """A whole answer as the client gets it (a JSON 200's model renamed) and its usage."""
+    if status != 200:
+        return data, None
+    if b"json" in headers.get(b"content-type", b""):
+        data = _wire.rename_model(data, member)
+    return data, _wire.usage(data)
 
 
 async def relay_whole(response: Response, send: Send, member: bytes) -> tuple[int, int] | None:
-    data = await response.read()
-    if response.status == 200 and b"json" in response.headers.get(b"content-type", b""):
-        data = _wire.rename_model(data, member)
-    await respond(send, response.status, data, kept(response))
-    return _wire.usage(data) if response.status == 200 else None
+    data, usage = whole_answer(response.status, response.headers, await response.read(),
+                               member)
+    await respond(send, response.status, data, kept(response.headers))
+    return usage
 
 
 async def relay_events(response: Response, send: Send, member: bytes,
@@ -33,7 +42,7 @@ async def relay_events(response: Response, send: Send, member: bytes,
     up on the replica."""
     try:
         await send({"type": "http.response.start", "status": response.status,
-                    "headers": kept(response)})
+                    "headers": kept(response.headers)})
     except BaseException:
         response.abort()  # its connection, and its replica's lease, are not kept
         raise

@@ -70,6 +70,15 @@ class _Replica:
                 return True
         return False
 
+    def pop_idle(self, now: float) -> ReplicaConnection | None:
+        """The most recently pooled connection still usable; the stale ones are closed."""
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.usable(now):
+                return conn
+            conn.close()
+        return None
+
     def closed(self) -> None:
         """A connection closed: its place goes to a waiter, or is free."""
         if not self.hand_over(None):
@@ -348,10 +357,7 @@ class Upstream:
     async def post(self, endpoint: str, path: str, body: bytes, api_key: str,
                    content_type: bytes = b"application/json") -> Response:
         """Send one POST to a replica and read its status and headers."""
-        target = self._targets.get((endpoint, path, api_key, content_type))
-        if target is None:
-            target = self._target(endpoint, path, api_key, content_type)
-        key, head = target
+        key, head = self._target(endpoint, path, api_key, content_type)
         head += b"%d\r\n\r\n" % len(body)
         conn, reused = await self._checkout(key)
         try:
@@ -375,20 +381,11 @@ class Upstream:
         done(conn) from the event loop when the whole answer is in (conn.status,
         conn.headers, conn.take()) or it failed (conn.failed); then give it to finish().
         None, with nothing sent, when no pooled connection is at hand."""
-        target = self._targets.get((endpoint, path, api_key, b"application/json"))
-        if target is None:
-            target = self._target(endpoint, path, api_key, b"application/json")
-        key, head = target
+        key, head = self._target(endpoint, path, api_key, b"application/json")
         replica = self._replicas.get(key)
-        if replica is None or not replica.idle:
-            return None
         now = time.monotonic()
-        while replica.idle:
-            conn = replica.idle.pop()
-            if conn.usable(now):
-                break
-            conn.close()
-        else:
+        conn = replica.pop_idle(now) if replica is not None else None
+        if conn is None:
             return None
         conn._begin()
         conn.on_done = done
@@ -430,6 +427,9 @@ class Upstream:
     def _target(self, endpoint: str, path: str, api_key: str, content_type: bytes
                 ) -> tuple[tuple[str, int], bytes]:
         """Where a request goes and its head up to the body's length, made once."""
+        made = self._targets.get((endpoint, path, api_key, content_type))
+        if made is not None:
+            return made
         url = urlsplit(endpoint)
         key = (url.hostname or "127.0.0.1", url.port or 80)
         head = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + url.netloc.encode()
@@ -469,12 +469,9 @@ class Upstream:
         replica = self._replicas.get(key)
         if replica is None:
             replica = self._replicas[key] = _Replica(self.max_connections)
-        now = time.monotonic()
-        while pooled and replica.idle:
-            conn = replica.idle.pop()
-            if conn.usable(now):
-                return conn, True
-            conn.close()
+        conn = replica.pop_idle(time.monotonic()) if pooled else None
+        if conn is not None:
+            return conn, True
         if replica.open < replica.limit:
             replica.open += 1
         else:

@@ -404,13 +404,18 @@ def _parse(raw: bytes) -> tuple[str, bool]:
     return model, bool(body.get("stream"))
 
 
+def serves(model: ModelSpec, kind: str) -> bool:
+    """Whether the model serves requests of this kind (chat or embedding)."""
+    return (model.get("routing_profile", "chat") == "embedding") == (kind == "embedding")
+
+
 def _check_kind(model: ModelSpec, kind: str, path: str) -> None:
     profile = model.get("routing_profile", "chat")
-    if (profile == "embedding") != (kind == "embedding"):
-        serves = "/v1/embeddings" if profile == "embedding" else \
+    if not serves(model, kind):
+        routes = "/v1/embeddings" if profile == "embedding" else \
             "/v1/chat/completions and /v1/completions"
         raise GatewayError(400, f"{model['name']} is an {profile} model (routing_profile "
-                           f"{profile!r}); it serves {serves}, not {path}",
+                           f"{profile!r}); it serves {routes}, not {path}",
                            "invalid_request_error", "wrong_model_kind", "model")
 
 
