@@ -3,6 +3,7 @@ restart and the grace after it, and beats again before the grace runs out."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -58,13 +59,21 @@ def test_a_restart_longer_than_the_node_timeout_leaves_the_node_ready(
         _wait_ready(cp, agent)
         cp.stop()
         time.sleep(DOWN_S)
-        cp.start()
-        restarted = time.time()
-        first = _node(cp)
+        # The agent is held still across the start, so that the first reads below come
+        # before its first beat: its retries are drawn, and one can land while the admin
+        # API is still coming up.
+        assert agent.proc is not None
+        agent.proc.send_signal(signal.SIGSTOP)
+        try:
+            cp.start()
+            restarted = time.time()
+            first = _node(cp)
+            gauges = [_not_ready_gauge(cp)]
+        finally:
+            agent.proc.send_signal(signal.SIGCONT)
         # The precondition: by its last beat alone, the node would be not_ready now.
         assert restarted - first["last_seen"] > NODE_TIMEOUT_S, first
         seen = [first["state"]]
-        gauges = [_not_ready_gauge(cp)]
         while (node := _node(cp))["last_seen"] < restarted:
             assert time.time() - restarted < NODE_TIMEOUT_S, (
                 f"n1 did not beat again within the grace ({NODE_TIMEOUT_S:g} s) after the "
