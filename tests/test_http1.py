@@ -1,6 +1,6 @@
 """Http1Server, the gateway's listener, against raw sockets on loopback: keep-alive,
 pipelining, streams, bodies, Expect: 100-continue, HEAD, refusals, a client that leaves,
-an app that fails, the drain and the lifespan."""
+an app that fails, the drain, the lifespan, and the fast handler (`fast=`)."""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ from llmgw.control.gateway import (
 
 log = logging.getLogger("llmgw.gateway")
 
+
 class FastPath:
     """Http1Server's fast handler for one Gateway (see the module's docstring)."""
 
