@@ -82,12 +82,12 @@ def test_programs_inherit_a_raised_open_file_limit(supervisor: Supervisor) -> No
 def test_an_environment_file_reads_back_what_was_written(tmp_path) -> None:
     """The mirror's --env-file reader is the inverse of the writer, quotes and backslashes
     included; no file reads as nothing; a line that is not KEY=VALUE is refused."""
-    from llmgw.services import ServiceError, read_environment_file, write_environment_file
+    from llmgw.services import ServiceError, read_environment_file, render_environment_file
 
     path = tmp_path / "mirror.env"
     assert read_environment_file(path) == {}
     env = {"HF_TOKEN": 'a"b\\c d', "HF_ENDPOINT": "https://hub.example"}
-    write_environment_file(path, env)
+    path.write_text(render_environment_file(env))
     assert read_environment_file(path) == env
     path.write_text("not a line\n")
     with pytest.raises(ServiceError, match="line 1 is not KEY=VALUE"):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 from urllib.parse import quote, unquote, urlsplit
+from urllib.request import proxy_bypass_environment
 
 import httpx
 
@@ -29,7 +30,9 @@ def hub_endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or HUB_DEFAULT).rstrip("/")
 
 
-HUB_ENV = ("HF_ENDPOINT", "HF_TOKEN")
+# What the mirror's downloads read from their environment: the hub's address and token (as
+# the hub's own client reads them) and the proxy httpx follows on the way there.
+HUB_ENV = ("HF_ENDPOINT", "HF_TOKEN", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")
 
 
 def hub_token() -> str:
@@ -37,10 +40,28 @@ def hub_token() -> str:
     return os.environ.get("HF_TOKEN", "").strip()
 
 
-def hub_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Those of HF_ENDPOINT and HF_TOKEN that are set: what the mirror service needs."""
-    environ = dict(os.environ) if environ is None else environ
+def hub_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Those of HUB_ENV that are set and not empty: what the mirror service needs."""
+    environ = os.environ if environ is None else environ
     return {k: environ[k] for k in HUB_ENV if environ.get(k)}
+
+
+def hub_variables_given(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Those of HUB_ENV that are set at all, empty ones included: a variable set and empty
+    (`HF_TOKEN=`) says to take it away, one not set says nothing."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in HUB_ENV if k in environ}
+
+
+def proxy_for(url: str, environ: Mapping[str, str]) -> str:
+    """The proxy URL httpx would take to url with environ's HTTPS_PROXY, HTTP_PROXY and
+    NO_PROXY ('' for none): the mirror's way to the hub."""
+    parts = urlsplit(url)
+    proxy = environ.get(f"{parts.scheme.upper()}_PROXY", "")
+    if not proxy or proxy_bypass_environment(parts.hostname or "",
+                                             {"no": environ.get("NO_PROXY", "")}):
+        return ""
+    return proxy
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from llmgw._files import atomic_write
 from llmgw.errors import Error
 from llmgw.layout import Layout
 
@@ -20,9 +19,7 @@ __all__ = [
     "ServiceSpec",
     "llmgw_command",
     "manager_for",
-    "environment_file_drift",
     "read_environment_file",
-    "write_environment_file",
 ]
 
 
@@ -156,24 +153,6 @@ def _unquoted(value: str) -> str:
     for c in chars:
         out.append(next(chars, "") if c == "\\" else c)
     return "".join(out)
-
-
-def environment_file_drift(path: Path, env: dict[str, str]) -> str:
-    """Why path does not hold env, root-only (0600); '' when it does (read only)."""
-    found = drift(path, render_environment_file(env))
-    if found:
-        return found
-    mode = path.stat().st_mode & 0o777
-    return f"{path} has mode {mode:o}, not 600" if mode != 0o600 else ""
-
-
-def write_environment_file(path: Path, env: dict[str, str]) -> bool:
-    """Write env as a root-only (0600) systemd EnvironmentFile when it differs; whether it
-    did."""
-    if not environment_file_drift(path, env):
-        return False
-    atomic_write(path, render_environment_file(env), mode=0o600)
-    return True
 
 
 def manager_for(layout: Layout) -> ServiceManager:
