@@ -89,3 +89,37 @@ def test_a_spec_without_socket_lines_gets_no_socket_unit(tmp_path) -> None:
     Systemd(unit_dir=tmp_path).write_unit(SPEC)
     assert not (tmp_path / "llmgw-test.socket").exists()
     assert "Requires=" not in render_unit(SPEC)
+
+
+def _systemctl_says(tmp_path, monkeypatch, **states: str) -> None:  # type: ignore[no-untyped-def]
+    """A stand-in systemctl on PATH (the program, not the logic under test) whose
+    is-enabled prints each unit's state from states and exits 0 only for `enabled`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    cases = "".join(f'  {unit}) echo {state}; [ {state} = enabled ]; exit $? ;;\n'
+                    for unit, state in states.items())
+    script = bin_dir / "systemctl"
+    script.write_text(f'#!/bin/sh\n[ "$1" = is-enabled ] || exit 3\ncase "$2" in\n{cases}'
+                      '  *) echo not-found; exit 4 ;;\nesac\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_a_disabled_unit_is_named(tmp_path, monkeypatch) -> None:
+    _systemctl_says(tmp_path, monkeypatch, **{"llmgw-test": "disabled"})
+    assert Systemd(tmp_path).not_enabled(SPEC) == "llmgw-test is disabled under systemd"
+
+
+def test_an_enabled_unit_is_not_named(tmp_path, monkeypatch) -> None:
+    _systemctl_says(tmp_path, monkeypatch, **{"llmgw-test": "enabled"})
+    assert Systemd(tmp_path).not_enabled(SPEC) == ""
+
+
+def test_a_socket_units_own_state_counts_too(tmp_path, monkeypatch) -> None:
+    """The gateway's socket holds its connections across restarts: a disabled socket leaves
+    the port unbound after a reboot even with the service enabled."""
+    spec = ServiceSpec(name="llmgw-test", description="t", command=["true"],
+                       socket=["ListenStream=127.0.0.1:1"])
+    _systemctl_says(tmp_path, monkeypatch,
+                    **{"llmgw-test": "enabled", "llmgw-test.socket": "disabled"})
+    assert Systemd(tmp_path).not_enabled(spec) == "llmgw-test.socket is disabled under systemd"

@@ -228,6 +228,21 @@ def test_checks_name_a_stopped_mirror(host: SystemdContainer) -> None:
     assert "llmgw-mirror" in proc.stdout and "inactive" in proc.stdout, proc.stdout[-6000:]
 
 
+def test_a_disabled_unit_fails_the_checks_and_provision_enables_it(
+        host: SystemdContainer) -> None:
+    """A unit disabled while it runs stays down after a reboot: it used to be `kept`. The
+    Go original runs `enable --now` every time; provision does when the probe finds it."""
+    host.run("systemctl", "disable", "llmgw-mirror")
+    proc = checks(host)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "llmgw-mirror is disabled under systemd" in proc.stdout, proc.stdout[-6000:]
+    again, steps = up(host, "/root/up-enable.json")
+    assert again.returncode == 0, again.stdout[-6000:]
+    assert host.run("systemctl", "is-enabled", "llmgw-mirror").stdout.strip() == "enabled"
+    done = [s for s in steps if s["status"] == "done"]
+    assert [s["promise"] for s in done] == ["mirror/service"], done
+
+
 def test_the_gateway_runs_as_llmgw_hardened_on_a_socket_systemd_holds(
         host: SystemdContainer) -> None:
     props = host.show("llmgw-gateway", "User", "NoNewPrivileges", "ProtectSystem",

@@ -74,6 +74,10 @@ class ServiceManager(Protocol):
 
     def is_running(self, name: str) -> bool: ...
 
+    def not_enabled(self, spec: ServiceSpec) -> str:
+        """Why the service would not come back by itself after a reboot; '' when it
+        would."""
+
     def restart(self, name: str) -> None:
         """Stop the service if it runs, then start it."""
 

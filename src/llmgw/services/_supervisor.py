@@ -192,6 +192,9 @@ class Supervisor:
         info = self._info(name)
         return info is not None and info["statename"] == "RUNNING"
 
+    def not_enabled(self, spec: ServiceSpec) -> str:
+        return ""  # every program starts with supervisord (autostart); nothing to enable
+
     def restart(self, name: str) -> None:
         rpc = self._rpc()
         try:

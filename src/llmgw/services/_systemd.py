@@ -131,6 +131,15 @@ class Systemd:
         proc = subprocess.run(["systemctl", "is-active", "--quiet", name])
         return proc.returncode == 0
 
+    def not_enabled(self, spec: ServiceSpec) -> str:
+        units = [f"{spec.name}.socket"] if spec.socket else []
+        for unit in [*units, spec.name]:
+            proc = subprocess.run(["systemctl", "is-enabled", unit], capture_output=True,
+                                  text=True)
+            if proc.returncode != 0:
+                return f"{unit} is {proc.stdout.strip() or 'not enabled'} under systemd"
+        return ""
+
     def describe(self, name: str) -> str:
         proc = subprocess.run(["systemctl", "is-active", name], capture_output=True, text=True)
         return f"{name} is {proc.stdout.strip() or 'unknown'} under systemd"
