@@ -21,6 +21,7 @@ import pytest
 
 from llmgw import pki
 from llmgw._http1 import BODY_READ_AHEAD_BYTES, IDLE_DRAIN_S, MAX_HEAD_BYTES, Http1Server
+from llmgw._http1_limits import Limits
 from llmgw.netaddr import free_port
 from tests.control.servers import events_released_by, run_in_thread, serve_gateway
 
@@ -164,11 +165,12 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
 
 @contextmanager
 def running(app: Any, drain_s: float = 5.0, certfile: str = "", keyfile: str = "",
-            fast: Any = None) -> Iterator[tuple[Http1Server, threading.Thread, int]]:
+            fast: Any = None, limits: Limits | None = None
+            ) -> Iterator[tuple[Http1Server, threading.Thread, int]]:
     """app under an Http1Server in a thread: the server (to stop it), its thread and port."""
     port = free_port()
     server = Http1Server(app, f"127.0.0.1:{port}", drain_s=drain_s, certfile=certfile,
-                         keyfile=keyfile, fast=fast)
+                         keyfile=keyfile, fast=fast, limits=limits or Limits())
     thread = run_in_thread(server)
     try:
         yield server, thread, port
@@ -807,13 +809,11 @@ def test_a_body_over_the_read_ahead_and_an_expect_request_are_the_apps() -> None
 
 
 def test_a_keep_alive_connection_is_closed_once_idle_that_long_and_not_while_in_use(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        ) -> None:
     """One timer a connection, moved on as requests come: a client that sends a request
     every 0.6 of the idle bound keeps its connection; once it stops, it is closed."""
-    import llmgw._http1 as http1
-
-    monkeypatch.setattr(http1, "KEEP_ALIVE_S", 0.5)
-    with running(echo_path_app()) as (_, _, port), Client(port) as client:
+    with running(echo_path_app(), limits=Limits(keep_alive_s=0.5)) as (_, _, port), \
+            Client(port) as client:
         for i in range(4):
             client.send(get(f"/{i}"))
             assert client.answer().body == f"/{i}".encode()
