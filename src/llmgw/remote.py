@@ -44,10 +44,6 @@ def parse_hosts(option: str) -> list[str]:
     return list(dict.fromkeys(h.strip() for h in option.split(",") if h.strip()))
 
 
-def host_name(spec: str) -> str:
-    return testinfra.get_host(spec).backend.get_hostname()
-
-
 def check_host(spec: str, *, command: tuple[str, ...] = CHECK_COMMAND,
                **backend: Any) -> list[PromiseRecord]:
     """Run the host's own checks there; a host that cannot be reached or answers no JSON

@@ -20,7 +20,6 @@ from llmgw.agent._build import BuildError
 ENGINE = prebuilt_server.DIST
 VERSION = prebuilt_server.VERSION
 INSTALL_TIMEOUT_S = 900
-CHOICES = ("off", "auto", ENGINE)
 
 
 def home(cache_dir: Path) -> Path:

@@ -15,8 +15,8 @@ from llmgw.layout import Layout
 
 T = TypeVar("T")
 
-# Exit codes: 1 the control plane refused the request, 3 it cannot be reached or found.
-EXIT_REFUSED = 1
+# Exit codes: 1 the control plane refused the request (an Error), 3 it cannot be reached or
+# found.
 EXIT_UNREACHABLE = 3
 
 

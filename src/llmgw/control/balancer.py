@@ -32,7 +32,6 @@ from llmgw.contract.records import ReplicaRecord
 from llmgw.errors import Error
 
 Routing = Literal["balanced", "round-robin"]
-ROUTINGS: tuple[str, ...] = ("balanced", "round-robin")
 
 BUSIER_BY_ABS = 2
 BUSIER_BY_REL = 1.5
