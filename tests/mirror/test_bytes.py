@@ -1,18 +1,26 @@
-"""The bytes server: ranges, headers, and no way out of the models dir."""
+"""The bytes server: ranges, headers, no way out of the models dir, and hostile clients."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import re
 import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
 from llmgw.mirror import PRESENT
+from llmgw.mirror._bytes import BytesServer
+from llmgw.mirror._downloads import Manager
+from llmgw.waiting import Probe, wait_until
 from tests.hosts import free_port
 from tests.mirror.conftest import MirrorProcess
 
@@ -163,3 +171,167 @@ def test_keep_alive_serves_several_requests_on_one_connection(served):
         for start in (0, 1000, 2000):
             got = client.get(url, headers={"Range": f"bytes={start}-{start + 9}"})
             assert got.content == data[start:start + 10]
+
+
+# --- hostile clients ---
+
+def exchange(port: int, data: bytes, within_s: float = 5.0) -> bytes:
+    """Send data as-is; everything the server sent until it closed (or within_s passed)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=within_s) as s:
+        s.sendall(data)
+        answer = b""
+        try:
+            while chunk := s.recv(65536):
+                answer += chunk
+        except (TimeoutError, ConnectionError):
+            pass
+    return answer
+
+
+def statuses(answer: bytes) -> list[int]:
+    """The status of each answer in a run of them (file bytes between are skipped)."""
+    return [int(m[1]) for m in re.finditer(rb"HTTP/1\.1 (\d{3}) ", answer)]
+
+
+def test_two_content_lengths_are_400_and_the_request_hidden_behind_is_not_answered(served):
+    """Content-Length N then 0: 400 and close; the GET hidden in the N bytes is never
+    answered as a request of its own."""
+    mirror, _, _ = served
+    hidden = b"GET /m/v1/src.bin HTTP/1.1\r\nHost: x\r\nRange: bytes=0-9\r\n\r\n"
+    answer = exchange(mirror.bytes_port, (
+        f"GET /m/v1/src.bin HTTP/1.1\r\nHost: x\r\nContent-Length: {len(hidden)}\r\n"
+        "Content-Length: 0\r\n\r\n").encode() + hidden)
+    assert statuses(answer) == [400], answer[:300]
+
+
+def test_negative_control_the_same_pipelined_pair_without_the_second_length(served):
+    """The two requests sent plainly, one after the other: both answered (200, then 206)."""
+    mirror, _, _ = served
+    answer = exchange(mirror.bytes_port,
+                      b"GET /m/v1/src.bin HTTP/1.1\r\nHost: x\r\n\r\n"
+                      b"GET /m/v1/src.bin HTTP/1.1\r\nHost: x\r\nRange: bytes=0-9\r\n"
+                      b"Connection: close\r\n\r\n")
+    assert statuses(answer) == [200, 206], answer[:300]
+
+
+@pytest.mark.parametrize("spec", [f"bytes={'9' * 5000}-", f"bytes=0-{'9' * 5000}",
+                                  f"bytes=-{'9' * 5000}"])
+def test_a_range_with_thousands_of_digits_is_refused_without_a_traceback(served, spec):
+    """Numbers past int()'s digit limit: 416 (or 400), and the mirror logs no traceback."""
+    mirror, _, _ = served
+    answer = exchange(mirror.bytes_port, (f"GET /m/v1/src.bin HTTP/1.1\r\nHost: x\r\n"
+                                          f"Range: {spec}\r\nConnection: close\r\n\r\n").encode())
+    assert statuses(answer) in ([416], [400]), answer[:300]
+    assert "Traceback" not in mirror.log(), mirror.log()[-3000:]
+
+
+BIG = 32 * 1024 * 1024
+MARGIN_S = 4.0  # past a deadline, on a shared machine
+
+
+@pytest.fixture(scope="module")
+def big_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Module: a models dir holding big/v1/big.bin (32 MiB, present and checked), and the
+    folder its source came from (an import dir)."""
+    base = tmp_path_factory.mktemp("big")
+    src = base / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(1 << 20) * (BIG >> 20))
+    manager = Manager(base / "models", "http://127.0.0.1", import_dirs=(src,))
+    manager.start()
+    try:
+        manager.fetch(f"file://{src / 'big.bin'}", "big", "v1", None)
+        wait_until("big/v1 to be present", lambda: Probe(
+            (view := manager.view("big", "v1")) is not None
+            and view["status"]["state"] == PRESENT, repr(manager.view("big", "v1"))),
+            timeout_s=60, interval_s=0.05)
+    finally:
+        manager.stop()
+    return base / "models", src
+
+
+def _limits(**deadlines: float) -> dict:
+    """The keyword arguments that set these deadlines on BytesServer. Today's server has
+    none to set: its tests show what it does without."""
+    return {}
+
+
+@contextmanager
+def bytes_server(models: Path, src: Path, **deadlines: float) -> Iterator[tuple[object, int]]:
+    """The mirror's bytes server over models, in this process on a loop of its own, with
+    these deadlines, for the length of the block; it and its port."""
+    manager = Manager(models, "http://127.0.0.1", import_dirs=(src,))
+    manager.start()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = BytesServer(manager, "", **_limits(**deadlines))
+    port = free_port()
+    try:
+        asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", port), loop).result(10)
+        yield server, port
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        manager.stop()
+
+
+def held(server: object) -> int:
+    """Connections the bytes server holds open now."""
+    return len(server._writers)  # type: ignore[attr-defined]
+
+
+def stop_reading(port: int, gets: int) -> socket.socket:
+    """A client with a 4 KiB receive buffer that sends gets pipelined GETs of the big
+    file, then reads nothing."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET /big/v1/big.bin HTTP/1.1\r\nHost: x\r\n\r\n" * gets)
+    return sock
+
+
+def read_all(sock: socket.socket, cap: int) -> tuple[int, bool]:
+    """Read until the server closes or cap bytes came: how many, and whether it closed."""
+    sock.settimeout(MARGIN_S)
+    got = 0
+    try:
+        while got < cap:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                return got, True
+            got += len(chunk)
+    except ConnectionError:
+        return got, True
+    except TimeoutError:
+        pass
+    return got, False
+
+
+def test_a_client_that_stops_reading_is_let_go_by_the_write_deadline(big_models):
+    """36 pipelined GETs of a 32 MiB file into a 4 KiB receive buffer, then no reads: the
+    connection is closed by the write deadline (within its margin) and the server holds
+    nothing for it; what reaches the client after is what the kernel had queued, far less
+    than one file."""
+    with bytes_server(*big_models, write_s=1.0) as (server, port):
+        sock = stop_reading(port, 36)
+        try:
+            time.sleep(1.0 + MARGIN_S)
+            assert held(server) == 0, "the bytes server still holds the stalled client"
+            got, closed = read_all(sock, 2 * BIG)
+        finally:
+            sock.close()
+    assert closed and got < BIG, f"{got} bytes came, {'then EOF' if closed else 'and more'}"
+
+
+def test_negative_control_a_raised_write_deadline_still_holds_the_stalled_client(big_models):
+    """The same stalled client with the deadline raised: held when the test looks."""
+    with bytes_server(*big_models, write_s=60.0) as (server, port):
+        sock = stop_reading(port, 36)
+        try:
+            time.sleep(1.0 + MARGIN_S)
+            assert held(server) == 1
+        finally:
+            sock.close()
