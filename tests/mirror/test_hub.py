@@ -95,3 +95,21 @@ def test_the_mirror_service_gets_only_the_hub_variables() -> None:
     env = {"HF_TOKEN": "t", "HF_ENDPOINT": "https://hub.example", "HOME": "/root", "HF_X": "1"}
     assert hub_environment(env) == {"HF_TOKEN": "t", "HF_ENDPOINT": "https://hub.example"}
     assert hub_environment({"HF_TOKEN": ""}) == {}
+
+
+@pytest.mark.parametrize("url, no_proxy, proxied", [
+    ("https://huggingface.co", "", True),
+    ("https://huggingface.co", "huggingface.co", False),
+    ("https://cdn.huggingface.co", ".huggingface.co", False),
+    ("https://xhuggingface.co", "huggingface.co", True),
+    ("https://127.0.0.1:9", "localhost, 127.0.0.1:9", False),
+    ("https://[::1]:9", "::1", False),
+    ("https://hub.example", "*", False),
+    ("http://hub.example", "", False),  # HTTP_PROXY is not set: only HTTPS_PROXY is
+])
+def test_the_mirrors_proxy_is_the_one_httpx_would_take(url: str, no_proxy: str,
+                                                       proxied: bool) -> None:
+    from llmgw.mirror._sources import proxy_for
+
+    env = {"HTTPS_PROXY": "http://proxy.example:3128", "NO_PROXY": no_proxy}
+    assert proxy_for(url, env) == ("http://proxy.example:3128" if proxied else "")

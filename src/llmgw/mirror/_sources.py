@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 from urllib.parse import quote, unquote, urlsplit
-from urllib.request import proxy_bypass_environment
 
 import httpx
 
@@ -58,10 +57,20 @@ def proxy_for(url: str, environ: Mapping[str, str]) -> str:
     NO_PROXY ('' for none): the mirror's way to the hub."""
     parts = urlsplit(url)
     proxy = environ.get(f"{parts.scheme.upper()}_PROXY", "")
-    if not proxy or proxy_bypass_environment(parts.hostname or "",
-                                             {"no": environ.get("NO_PROXY", "")}):
+    if not proxy or _bypassed(parts.hostname or "", environ.get("NO_PROXY", "")):
         return ""
     return proxy
+
+
+def _bypassed(host: str, no_proxy: str) -> bool:
+    """NO_PROXY as curl and httpx read it: `*`, or names that match host or a domain it is
+    in (`example.com` and `.example.com` both take `hub.example.com`); ports ignored."""
+    for entry in (e.strip().lower() for e in no_proxy.split(",")):
+        name = entry.rsplit(":", 1)[0] if entry.count(":") == 1 else entry
+        name = name.strip("[]").lstrip(".")
+        if entry == "*" or (name and (host == name or host.endswith(f".{name}"))):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
