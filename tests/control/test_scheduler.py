@@ -10,7 +10,10 @@ PIN = {"llmgw.control-plane": "true"}
 
 
 def node(id: str, state: str = "ready", labels: dict | None = None, gpus: list | None = None,
-         memory_mb: int = 16_000, engines: tuple = ("llamacpp",)) -> dict[str, Any]:
+         memory_mb: int = 16_000, engines: tuple | None = None) -> dict[str, Any]:
+    """A node view; one with GPUs has its GPU engine ready unless engines says otherwise."""
+    if engines is None:
+        engines = ("llamacpp", "llamacpp-cuda") if gpus else ("llamacpp",)
     return {"id": id, "state": state, "labels": labels if labels is not None else dict(PIN),
             "gpus": gpus or [], "memory_mb": memory_mb, "engines": list(engines)}
 
@@ -25,11 +28,13 @@ def model(name: str = "m", min: int = 1, max: int = 1, gpu: str = "", selector=P
     return {"name": name, "scaling": {"min": min, "max": max}, "profiles": profiles}
 
 
-def replica(id: str, node: str, state: str = "ready", model: str = "m", profile: str = "cpu"):
-    return {"id": id, "model": model, "node": node, "profile": profile, "state": state}
+def replica(id: str, node: str, state: str = "ready", model: str = "m", profile: str = "cpu",
+            gpus: list[str] | None = None):
+    return {"id": id, "model": model, "node": node, "profile": profile, "state": state,
+            "gpus": gpus or []}
 
 
-H200 = [{"index": 0, "class": "h200", "memory_mb": 143_000}]
+H200 = [{"index": 0, "class": "h200", "memory_mb": 143_000, "uuid": "GPU-h200-0"}]
 
 
 def test_places_min_replicas_on_a_fitting_node() -> None:
@@ -57,7 +62,7 @@ def test_a_label_no_node_has_stays_pending_and_says_why() -> None:
 def test_a_waiting_replica_is_placed_once_a_node_fits() -> None:
     waiting = replica("w", "", state="pending")
     assert plan([model()], [node("a", state="provisioning")], [waiting]).waiting["w"]
-    assert plan([model()], [node("a")], [waiting]).place == {"w": ("a", "cpu")}
+    assert plan([model()], [node("a")], [waiting]).place == {"w": ("a", "cpu", [])}
 
 
 def test_not_ready_node_loses_its_replicas_to_another_that_fits() -> None:

@@ -176,7 +176,7 @@ def test_a_database_written_by_the_previous_release_loads(tmp_path: Path) -> Non
                                 "last_seen": 2, "serial": ""}
     assert store.replicas() == [{"id": "r1", "model": "m", "node": "n1", "profile": "cpu",
                                  "state": "ready", "err": "", "endpoint": "http://127.0.0.1:9",
-                                 "api_key": "k", "updated": 3}]
+                                 "api_key": "k", "gpus": [], "updated": 3}]
     store.close()
 
 

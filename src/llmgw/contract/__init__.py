@@ -7,7 +7,10 @@ the control plane but this package.
 
 from llmgw.contract.paths import AdminPaths, AgentPaths
 from llmgw.contract.states import (
+    CPU_ENGINE,
+    CUDA_ENGINE,
     ENGINE_GAVE_UP,
+    ENGINE_NOT_WANTED,
     LIVE_REPLICA_STATES,
     REPORTED_REPLICA_STATES,
     EngineState,
@@ -16,7 +19,10 @@ from llmgw.contract.states import (
 )
 
 __all__ = [
+    "CPU_ENGINE",
+    "CUDA_ENGINE",
     "ENGINE_GAVE_UP",
+    "ENGINE_NOT_WANTED",
     "LIVE_REPLICA_STATES",
     "REPORTED_REPLICA_STATES",
     "AdminPaths",

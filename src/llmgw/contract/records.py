@@ -97,6 +97,8 @@ class ReplicaRecord(TypedDict):
     err: NotRequired[str]
     endpoint: NotRequired[str]
     api_key: NotRequired[str]
+    # The NVML UUIDs (GPUs or MIG instances, in order) the scheduler gave a GPU profile.
+    gpus: NotRequired[list[str]]
     updated: NotRequired[float]
 
 
@@ -110,6 +112,7 @@ class ReplicaUpdate(TypedDict, total=False):
     err: str
     endpoint: str
     api_key: str
+    gpus: list[str]
 
 
 class PublicReplica(TypedDict):
@@ -123,6 +126,7 @@ class PublicReplica(TypedDict):
     err: str
     endpoint: str
     updated: float
+    gpus: NotRequired[list[str]]
 
 
 class ScalingSpec(TypedDict):
@@ -142,6 +146,20 @@ class ProfileSpec(TypedDict):
     args: list[str]
 
 
+class Geometry(TypedDict, total=False):
+    """What a model's KV cache takes, from its GGUF header (`<arch>.` keys): layers, the
+    context it was trained for, attention heads (and key/value heads), the embedding width,
+    and the key and value widths of a head where the file says them."""
+
+    block_count: int
+    context_length: int
+    head_count: int
+    head_count_kv: int
+    embedding_length: int
+    key_length: int
+    value_length: int
+
+
 class ModelSpec(TypedDict):
     """A catalog model as stored and as the admin API shows it (catalog.Model, dumped)."""
 
@@ -156,6 +174,10 @@ class ModelSpec(TypedDict):
     max_output: int
     scaling: ScalingSpec
     profiles: list[ProfileSpec]
+    # Read from the file's GGUF header when the model is added (0 and {} when it could not
+    # be read, and in models stored before): what the scheduler checks a GPU's memory by.
+    size_bytes: NotRequired[int]
+    geometry: NotRequired[Geometry]
 
 
 class ReplicaReport(TypedDict):
@@ -194,6 +216,8 @@ class Assignment(TypedDict):
     source: str
     sha256: str
     args: list[str]
+    # The GPUs to run on (NVML UUIDs, in order): empty or absent for a CPU profile.
+    gpus: NotRequired[list[str]]
 
 
 class HeartbeatAnswer(TypedDict):

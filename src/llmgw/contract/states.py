@@ -32,8 +32,13 @@ class NodeState(StrEnum):
 
 
 class EngineState(StrEnum):
-    """A node's engine as its agent provisions it (found, downloaded, built, checked)."""
+    """A node's engine as its agent provisions it (found, downloaded, built, checked).
 
+    The GPU engine (llamacpp-cuda) also has two states of its own: absent (this node has
+    no NVIDIA GPU) and switched_off (engine.cuda: off in agent.yaml)."""
+
+    ABSENT = "absent"
+    SWITCHED_OFF = "switched_off"
     PENDING = "pending"
     DOWNLOADING = "downloading"
     BUILDING = "building"
@@ -43,6 +48,11 @@ class EngineState(StrEnum):
     UNSUPPORTED = "unsupported"
 
 
+# The engines a node reports, each on its own: llama.cpp for the CPU, and llama.cpp built
+# with CUDA, which a node with NVIDIA GPUs makes in the background while the first serves.
+CPU_ENGINE = "llamacpp"
+CUDA_ENGINE = "llamacpp-cuda"
+
 # A replica the scheduler counts: placed or running somewhere, not yet stopped.
 LIVE_REPLICA_STATES = frozenset(ReplicaState) - {ReplicaState.STOPPED}
 # What an agent may report of its own replicas; pending and stopped are the scheduler's.
@@ -50,3 +60,5 @@ REPORTED_REPLICA_STATES = frozenset({ReplicaState.DOWNLOADING, ReplicaState.STAR
                                      ReplicaState.READY, ReplicaState.FAILED})
 # An engine its agent gave up on until the agent starts again: broken, or not to be had here.
 ENGINE_GAVE_UP = frozenset({EngineState.FAILED, EngineState.UNSUPPORTED})
+# An engine that will not be made here, by design: nothing to wait for or warn about.
+ENGINE_NOT_WANTED = frozenset({EngineState.ABSENT, EngineState.SWITCHED_OFF})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,14 +26,16 @@ from llmgw.contract.records import (
 )
 from llmgw.control import keys
 from llmgw.control.agent_api import token_hash as join_token_hash
-from llmgw.control.catalog import Model
+from llmgw.control.catalog import Model, read_file_facts
 from llmgw.control.drift import DriftBoard, add_drift_routes
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 
+log = logging.getLogger("llmgw.admin_api")
+
 _PUBLIC_REPLICA_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint",
-                          "updated")
+                          "updated", "gpus")
 
 
 def public_replica(replica: Mapping[str, Any]) -> PublicReplica:
@@ -186,6 +189,12 @@ def make_admin_app(
                 f"DELETE /api/v1/models/{model.name} first to replace it",
             )
         spec: ModelSpec = model.model_dump()  # type: ignore[assignment]
+        if not spec["size_bytes"]:
+            spec["size_bytes"], geometry, why = read_file_facts(spec["source"])
+            spec["geometry"] = {**spec["geometry"], **geometry}
+            if why:
+                log.warning("model %s: %s; the scheduler places it without checking that "
+                            "it fits a GPU's memory", model.name, why)
         if not store.add_model(spec):
             raise HTTPException(409, f"{model.name} is already in the catalog")
         return spec

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmgw.contract.records import Geometry as GeometrySpec
 from llmgw.engine_args import check_engine_args
+from llmgw.ggufmeta import ChunkReader, GGUFError, read_geometry
+
+log = logging.getLogger("llmgw.catalog")
 
 ENGINES = ("llamacpp",)
 # No file://: the agent runs as root and would read any file the catalog named.
 SOURCE_SCHEMES = ("hf:", "https://", "http://")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+# The header's geometry keys come before the tokenizer's; a header past this is not read.
+HEADER_LIMIT = 64 << 20
+HEADER_TIMEOUT_S = 10.0
 
 
 class _Strict(BaseModel):
@@ -54,6 +63,19 @@ class Profile(_Strict):
         return v
 
 
+class Geometry(_Strict):
+    """A model's KV-cache shape from its GGUF header (contract.records.Geometry); 0 where
+    the file does not say."""
+
+    block_count: int = Field(0, ge=0)
+    context_length: int = Field(0, ge=0)
+    head_count: int = Field(0, ge=0)
+    head_count_kv: int = Field(0, ge=0)
+    embedding_length: int = Field(0, ge=0)
+    key_length: int = Field(0, ge=0)
+    value_length: int = Field(0, ge=0)
+
+
 class Model(_Strict):
     """A catalog model (DESIGN.md, admin API)."""
 
@@ -67,6 +89,10 @@ class Model(_Strict):
     max_output: int = Field(1024, ge=1)
     scaling: Scaling = Field(default_factory=Scaling)
     profiles: list[Profile] = Field(min_length=1)
+    # The file's size and KV geometry: read from its GGUF header when it is added (the
+    # admin API fills them in), 0 where it could not be read.
+    size_bytes: int = Field(0, ge=0)
+    geometry: Geometry = Field(default_factory=Geometry)
 
     @field_validator("name")
     @classmethod
@@ -118,3 +144,33 @@ class Model(_Strict):
     def names(self) -> list[str]:
         """The name and every alias: what a client may ask for."""
         return [self.name, *self.aliases]
+
+
+def read_file_facts(source: str, *, timeout_s: float = HEADER_TIMEOUT_S,
+                    transport: httpx.BaseTransport | None = None,
+                    ) -> tuple[int, GeometrySpec, str]:
+    """(size in bytes, KV geometry, '') of the GGUF file at an http(s) source, reading its
+    header only (a range request); (0, {}, why) when it cannot be read. hf: sources are
+    not fetched (the control plane may reach no hub): put the file in the mirror."""
+    if not source.startswith(("http://", "https://")):
+        return 0, {}, f"{source} is not an http(s) URL (the mirror's are)"
+    headers = {"Range": f"bytes=0-{HEADER_LIMIT - 1}"}
+    try:
+        with httpx.Client(timeout=timeout_s, transport=transport) as client, \
+                client.stream("GET", source, headers=headers) as r:
+            if r.status_code not in (200, 206):
+                return 0, {}, f"GET {source} answered {r.status_code}"
+            size = _total_size(r)
+            found = read_geometry(ChunkReader(r.iter_bytes(), source, HEADER_LIMIT), source)
+    except (httpx.HTTPError, GGUFError) as e:
+        return 0, {}, f"reading {source}'s GGUF header: {e}"
+    return size, found, ""
+
+
+def _total_size(r: httpx.Response) -> int:
+    """The whole file's size: after the '/' of Content-Range, else Content-Length."""
+    if r.status_code == 206:
+        total = r.headers.get("content-range", "").rpartition("/")[2]
+        return int(total) if total.isdigit() else 0
+    length = r.headers.get("content-length", "")
+    return int(length) if length.isdigit() else 0

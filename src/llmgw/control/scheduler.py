@@ -1,4 +1,6 @@
-"""Scheduling: keep each catalog model's `scaling.min` replicas on nodes that fit.
+"""Scheduling: keep each catalog model's `scaling.min` replicas on nodes that fit, on
+specific GPUs where a GPU profile fits, and move a replica onto a better profile (a node's
+GPU engine became ready) by starting the new one before stopping the old.
 
 `plan` is pure (catalog, nodes, replicas in; changes out) so it is tested without
 processes; `Scheduler` applies a plan to the store.
@@ -10,8 +12,15 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
-from llmgw.contract import LIVE_REPLICA_STATES, NodeState, ReplicaState
-from llmgw.contract.records import ModelSpec, NodeView, ProfileSpec, ReplicaRecord
+from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, LIVE_REPLICA_STATES, NodeState, ReplicaState
+from llmgw.contract.records import (
+    Geometry,
+    Gpu,
+    ModelSpec,
+    NodeView,
+    ProfileSpec,
+    ReplicaRecord,
+)
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 
@@ -19,6 +28,8 @@ log = logging.getLogger("llmgw.scheduler")
 
 # How long a stopped replica stays listed, so a person can still see why it stopped.
 KEEP_STOPPED_S = 3600.0
+MIB = 1 << 20
+GIB = 1 << 30
 
 
 @dataclass
@@ -27,43 +38,166 @@ class Plan:
 
     add: list[ReplicaRecord] = field(default_factory=list)
     stop: dict[str, str] = field(default_factory=dict)
-    place: dict[str, tuple[str, str]] = field(default_factory=dict)  # unplaced id → (node, profile)
+    # unplaced id → (node, profile, the GPUs it gets)
+    place: dict[str, tuple[str, str, list[str]]] = field(default_factory=dict)
     waiting: dict[str, str] = field(default_factory=dict)  # unplaced id → why
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a replica goes: node, profile and its GPUs (NVML UUIDs), or why it cannot."""
+
+    node: str = ""
+    profile: str = ""
+    gpus: list[str] = field(default_factory=list)
+    why: str = ""
 
 
 def _labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
+def needed_engine(profile: ProfileSpec) -> str:
+    """The engine a profile runs on: a GPU profile needs llama.cpp built with CUDA."""
+    if profile["gpu_class"] and profile["engine"] == CPU_ENGINE:
+        return CUDA_ENGINE
+    return profile["engine"]
+
+
+# --- what a model takes on a GPU ---
+
+# Bytes per KV-cache element by llama.cpp's cache type (-ctk / -ctv); a quantized block of
+# 32 values carries its scale(s) beside them.
+_CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
+                     "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
+_CTX_FLAGS = ("-c", "--ctx-size")
+
+
+def _arg(args: list[str], names: tuple[str, ...]) -> str:
+    """The value of the last of names in args ('' when absent)."""
+    found = ""
+    for i, word in enumerate(args[:-1]):
+        if word in names:
+            found = args[i + 1]
+    return found
+
+
+def context_tokens(model: ModelSpec, profile: ProfileSpec) -> int:
+    """The context a replica of profile holds: its -c, else what the file was trained for
+    (llama-server's default), else the catalog's context_length."""
+    given = _arg(profile.get("args") or [], _CTX_FLAGS)
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return (model.get("geometry") or {}).get("context_length") or model.get("context_length",
+                                                                             4096)
+
+
+def kv_cache_bytes(geometry: Geometry, n_ctx: int, args: list[str] | None = None) -> int:
+    """2 (K and V) x layers x tokens x KV heads x head width x bytes per element: what
+    llama.cpp allocates for the cache; 0 when the geometry is unknown."""
+    layers, heads = geometry.get("block_count", 0), geometry.get("head_count", 0)
+    if not (layers and heads):
+        return 0
+    kv_heads = geometry.get("head_count_kv") or heads
+    key = geometry.get("key_length") or geometry.get("embedding_length", 0) // heads
+    value = geometry.get("value_length") or key
+    k_bytes = _CACHE_TYPE_BYTES.get(_arg(args or [], ("-ctk", "--cache-type-k")), 2.0)
+    v_bytes = _CACHE_TYPE_BYTES.get(_arg(args or [], ("-ctv", "--cache-type-v")), 2.0)
+    return int(layers * n_ctx * kv_heads * (key * k_bytes + value * v_bytes))
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one replica of a model takes on its GPU: weights and KV cache (bytes)."""
+
+    weights: int
+    kv: int
+    tokens: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+    def known(self) -> bool:
+        return self.weights > 0
+
+
+def need(model: ModelSpec, profile: ProfileSpec) -> Need:
+    tokens = context_tokens(model, profile)
+    return Need(model.get("size_bytes", 0),
+                kv_cache_bytes(model.get("geometry") or {}, tokens, profile.get("args") or []),
+                tokens)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _free_bytes(gpu: Gpu) -> int:
+    """What NVML reported free on the card at the last heartbeat (its total from an agent
+    that does not report free memory)."""
+    free_mb = gpu.get("memory_free_mb")
+    return int((free_mb if free_mb is not None else gpu.get("memory_mb", 0)) * MIB)
+
+
+# --- where a profile can run ---
+
+
 @dataclass
 class _Used:
-    """What a node's live replicas take: GPUs by class, and memory (MB) of CPU profiles."""
+    """What a node's live replicas take: GPUs (by UUID, and by class for replicas placed
+    before GPUs were assigned by UUID), and memory (MB) of CPU profiles."""
 
-    gpus: dict[str, int] = field(default_factory=dict)
+    uuids: set[str] = field(default_factory=set)
+    by_class: dict[str, int] = field(default_factory=dict)
     memory_mb: float = 0.0
 
 
 def _why_not(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
-    """Why profile cannot run on node now, or '' when it can."""
+    """Why profile cannot run on node now for a reason other than its GPUs, or ''."""
     if node["state"] != NodeState.READY:
         return f"{node['id']} is {node['state']}"
-    if profile["engine"] not in node["engines"]:
-        return f"{node['id']} has no {profile['engine']} engine"
+    engine = needed_engine(profile)
+    if engine not in node["engines"]:
+        if engine == CUDA_ENGINE and node["gpus"]:
+            return f"{node['id']}'s GPU engine ({CUDA_ENGINE}) is not ready"
+        return f"{node['id']} has no {engine} engine"
     if not _labels_match(profile["node_selector"], node["labels"]):
         wanted = ", ".join(f"{k}={v}" for k, v in profile["node_selector"].items())
         return f"{node['id']} lacks the label {wanted}"
     need_mb = profile["min_memory_gb"] * 1024
-    if profile["gpu_class"]:
-        cards = [g for g in node["gpus"] if g.get("class") == profile["gpu_class"]]
-        free = cards[used.gpus.get(profile["gpu_class"], 0):]
-        if not free:
-            return f"{node['id']} has no free {profile['gpu_class']} GPU"
-        if free[0].get("memory_mb", 0) < need_mb:
-            return f"{node['id']}'s {profile['gpu_class']} has under {profile['min_memory_gb']} GB"
-        return ""
-    if node.get("memory_mb", 0) - used.memory_mb < need_mb:
+    if not profile["gpu_class"] and node.get("memory_mb", 0) - used.memory_mb < need_mb:
         return f"{node['id']} has under {profile['min_memory_gb']} GB of memory free"
     return ""
+
+
+def _free_cards(profile: ProfileSpec, node: NodeView, used: _Used) -> list[Gpu]:
+    """The node's cards of the profile's class that no live replica holds, in order."""
+    cards = [g for g in node["gpus"] if g.get("class") == profile["gpu_class"]
+             and g.get("uuid") not in used.uuids and not g.get("mig_enabled")]
+    return cards[used.by_class.get(profile["gpu_class"], 0):]
+
+
+def _gpus_for(model: ModelSpec, profile: ProfileSpec, node: NodeView,
+              used: _Used) -> tuple[list[str], str]:
+    """(the UUIDs of one free card the model fits on, '') or ([], why none)."""
+    cards = _free_cards(profile, node, used)
+    if not cards:
+        return [], f"{node['id']} has no free {profile['gpu_class']} GPU"
+    if any(g.get("memory_mb", 0) < profile["min_memory_gb"] * 1024 for g in cards):
+        cards = [g for g in cards if g.get("memory_mb", 0) >= profile["min_memory_gb"] * 1024]
+        if not cards:
+            return [], (f"{node['id']}'s {profile['gpu_class']} has under "
+                        f"{profile['min_memory_gb']} GB")
+    wanted = need(model, profile)
+    fits = [g for g in cards if not wanted.known() or _free_bytes(g) >= wanted.total]
+    if fits:
+        return [str(fits[0].get("uuid", ""))], ""
+    roomiest = max(cards, key=_free_bytes)
+    return [], (f"node {node['id']}'s GPU {roomiest.get('uuid', roomiest.get('index'))} has "
+                f"{_gib(_free_bytes(roomiest))} free; {model['name']} needs "
+                f"{_gib(wanted.total)}: {_gib(wanted.weights)} weights + {_gib(wanted.kv)} "
+                f"KV cache for {wanted.tokens} tokens")
 
 
 def _usage(node_id: str, replicas: list[ReplicaRecord], models: dict[str, ModelSpec]) -> _Used:
@@ -74,8 +208,10 @@ def _usage(node_id: str, replicas: list[ReplicaRecord], models: dict[str, ModelS
         profile = _profile(models.get(r["model"]), r["profile"])
         if profile is None:
             continue
-        if profile["gpu_class"]:
-            used.gpus[profile["gpu_class"]] = used.gpus.get(profile["gpu_class"], 0) + 1
+        if profile["gpu_class"] and r.get("gpus"):
+            used.uuids.update(r.get("gpus") or [])
+        elif profile["gpu_class"]:
+            used.by_class[profile["gpu_class"]] = used.by_class.get(profile["gpu_class"], 0) + 1
         else:
             used.memory_mb += profile["min_memory_gb"] * 1024
     return used
@@ -87,24 +223,81 @@ def _profile(model: ModelSpec | None, name: str) -> ProfileSpec | None:
     return next((p for p in model["profiles"] if p["name"] == name), None)
 
 
+def _priority(model: ModelSpec, replica: ReplicaRecord) -> int:
+    profile = _profile(model, replica["profile"])
+    return profile["priority"] if profile else -1
+
+
 def place(
     model: ModelSpec, nodes: list[NodeView], replicas: list[ReplicaRecord],
     models: dict[str, ModelSpec],
-) -> tuple[str, str, str]:
-    """(node, profile, '') for the best fit, or ('', '', why none fits)."""
+) -> Placement:
+    """The best fit (node, profile, GPUs), or a Placement saying why none fits."""
     hosting = {r["node"] for r in replicas
                if r["model"] == model["name"] and r["state"] in LIVE_REPLICA_STATES}
     reasons: list[str] = []
     for profile in sorted(model["profiles"], key=lambda p: -p["priority"]):
         # Spread: nodes without a replica of this model first.
         for node in sorted(nodes, key=lambda n: (n["id"] in hosting, n["id"])):
-            why = _why_not(profile, node, _usage(node["id"], replicas, models))
+            used = _usage(node["id"], replicas, models)
+            why = _why_not(profile, node, used)
+            gpus: list[str] = []
+            if not why and profile["gpu_class"]:
+                gpus, why = _gpus_for(model, profile, node, used)
             if not why:
-                return node["id"], profile["name"], ""
+                return Placement(node["id"], profile["name"], gpus)
             reasons.append(f"{profile['name']}: {why}")
     if not nodes:
-        return "", "", "no node has joined this control plane yet"
-    return "", "", "no ready node fits any profile (" + "; ".join(reasons) + ")"
+        return Placement(why="no node has joined this control plane yet")
+    return Placement(why="no ready node fits any profile (" + "; ".join(reasons) + ")")
+
+
+def _new_replica(model: ModelSpec, where: Placement) -> ReplicaRecord:
+    return {"id": "r-" + secrets.token_hex(4), "model": model["name"], "node": where.node,
+            "profile": where.profile, "state": ReplicaState.PENDING, "err": where.why,
+            "gpus": where.gpus}
+
+
+def _moving(model: ModelSpec, mine: list[ReplicaRecord]) -> bool:
+    """Whether a move is under way: a replica on a better profile than a ready one, not
+    ready itself yet (the one it replaces serves until it is)."""
+    ready = [_priority(model, r) for r in mine if r["state"] == ReplicaState.READY]
+    return bool(ready) and any(r["state"] != ReplicaState.READY
+                               and _priority(model, r) > min(ready) for r in mine)
+
+
+def _surplus(model: ModelSpec, mine: list[ReplicaRecord], result: Plan) -> list[ReplicaRecord]:
+    """Stop what is over scaling.max, worst first (lowest priority, then not ready); one
+    over is kept while a move is under way."""
+    limit = model["scaling"]["max"]
+    if len(mine) == limit + 1 and _moving(model, mine):
+        return mine
+    # Stable over the newest first: of equals, the last placed goes.
+    worst_first = sorted(reversed(mine), key=lambda r: (_priority(model, r),
+                                                        r["state"] == ReplicaState.READY))
+    best = worst_first[-1] if worst_first else None
+    for r in worst_first[: max(len(mine) - limit, 0)]:
+        moved = best is not None and _priority(model, best) > _priority(model, r)
+        result.stop[r["id"]] = (
+            f"moved to {best['profile']} on {best['node']} (replica {best['id']} is ready)"
+            if moved and best is not None
+            else f"{model['name']} has more than scaling.max replicas")
+    return [r for r in mine if r["id"] not in result.stop]
+
+
+def _move(model: ModelSpec, mine: list[ReplicaRecord], nodes: list[NodeView],
+          everyone: list[ReplicaRecord], models: dict[str, ModelSpec]) -> ReplicaRecord | None:
+    """A replica on a better profile than the worst of a model's ready replicas, when one
+    now fits (a node's GPU engine became ready): it starts beside the one it replaces."""
+    if not mine or len(mine) != model["scaling"]["max"] or any(
+            r["state"] != ReplicaState.READY or not r["node"] for r in mine):
+        return None
+    where = place(model, nodes, everyone, models)
+    worst = min(_priority(model, r) for r in mine)
+    profile = _profile(model, where.profile)
+    if not where.node or profile is None or profile["priority"] <= worst:
+        return None
+    return _new_replica(model, where)
 
 
 def plan(
@@ -124,26 +317,26 @@ def plan(
             result.stop[r["id"]] = f"node {r['node']} is {states.get(r['node'], 'gone')}"
     kept = [r for r in live if r["id"] not in result.stop]
     for model in models:
-        mine = [r for r in kept if r["model"] == model["name"]]
-        for r in mine[model["scaling"]["max"]:]:
-            result.stop[r["id"]] = f"{model['name']} has more than scaling.max replicas"
-        mine = mine[: model["scaling"]["max"]]
+        mine = _surplus(model, [r for r in kept if r["model"] == model["name"]], result)
         placed = [r for r in mine if r["node"]]
         unplaced = [r for r in mine if not r["node"]]
         missing = model["scaling"]["min"] - len(mine)
         unplaced += [{"id": "", "model": model["name"]} for _ in range(max(missing, 0))]
         taken = placed + result.add
+        others = [r for r in kept if r["id"] not in result.stop and r["model"] != model["name"]]
         for r in unplaced:
-            node, profile, why = place(model, nodes, kept + taken, by_name)
-            if r["id"] and node:
-                result.place[r["id"]] = (node, profile)
+            where = place(model, nodes, others + taken, by_name)
+            if r["id"] and where.node:
+                result.place[r["id"]] = (where.node, where.profile, where.gpus)
             elif r["id"]:
-                result.waiting[r["id"]] = why
+                result.waiting[r["id"]] = where.why
             else:
-                new = {"id": "r-" + secrets.token_hex(4), "model": model["name"],
-                       "node": node, "profile": profile, "state": ReplicaState.PENDING, "err": why}
+                new = _new_replica(model, where)
                 result.add.append(new)
                 taken.append(new)
+        moved = _move(model, mine, nodes, others + taken, by_name)
+        if moved is not None:
+            result.add.append(moved)
     return result
 
 
@@ -166,8 +359,8 @@ class Scheduler:
             log.info("replica %s of %s: %s", r["id"], r["model"],
                      f"on {r['node']} ({r['profile']})" if r["node"] else f"waiting: {r['err']}")
             self.store.put_replica(r)
-        for rid, (node, profile) in p.place.items():
-            self.store.update_replica(rid, node=node, profile=profile,
+        for rid, (node, profile, gpus) in p.place.items():
+            self.store.update_replica(rid, node=node, profile=profile, gpus=gpus,
                                       state=ReplicaState.PENDING, err="")
         for rid, why in p.waiting.items():
             self.store.update_replica(rid, err=why)

@@ -96,6 +96,10 @@ _NODE_COLUMNS = {
     "inv_version": "INTEGER NOT NULL DEFAULT 0",
 }
 _NODE_META = "id, first_seen, last_seen, serial, inv_version"
+_REPLICA_COLUMNS = {
+    # The GPUs the scheduler assigned (NVML UUIDs, a JSON list).
+    "gpus": "TEXT NOT NULL DEFAULT '[]'",
+}
 
 
 class Store:
@@ -145,15 +149,17 @@ class Store:
         return self._path
 
     def _migrate(self) -> None:
-        have = {r["name"] for r in self._db.execute("PRAGMA table_info(nodes)")}
-        for column, kind in _NODE_COLUMNS.items():
-            if column not in have:
-                try:
-                    self._db.execute(f"ALTER TABLE nodes ADD COLUMN {column} {kind}")
-                except sqlite3.OperationalError as e:
-                    # The gateway's process opens the same file: it may have added it first.
-                    if "duplicate column" not in str(e):
-                        raise
+        for table, columns in (("nodes", _NODE_COLUMNS), ("replicas", _REPLICA_COLUMNS)):
+            have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            for column, kind in columns.items():
+                if column not in have:
+                    try:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                    except sqlite3.OperationalError as e:
+                        # The gateway's process opens the same file: it may have added it
+                        # first.
+                        if "duplicate column" not in str(e):
+                            raise
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -229,7 +235,7 @@ class Store:
                     db.execute(f"UPDATE replicas SET {sets}, updated = ? WHERE id = ?",
                                (*fields.values(), self.clock(), row["id"]))
         return [
-            {**{k: r[k] for k in r.keys() if k != "spec"},
+            {**_replica_row(r, skip="spec"),
              "spec": json.loads(r["spec"]) if r["spec"] else None}
             for r in rows
         ]
@@ -363,8 +369,10 @@ class Store:
         """Insert or replace a replica; RecordError (nothing stored) for an unknown state,
         a wrong type or an unknown key."""
         replica = checked(REPLICA, replica, f"replica {replica.get('id', '(no id)')!r}")
-        fields = ("id", "model", "node", "profile", "state", "err", "endpoint", "api_key")
-        values = [replica.get(f, "") for f in fields]
+        fields = ("id", "model", "node", "profile", "state", "err", "endpoint", "api_key",
+                  "gpus")
+        values = [json.dumps(replica.get(f) or []) if f == "gpus" else replica.get(f, "")
+                  for f in fields]
         with self._tx() as db:
             db.execute(
                 f"INSERT OR REPLACE INTO replicas ({', '.join(fields)}, updated) "
@@ -378,18 +386,19 @@ class Store:
         query, args = "SELECT * FROM replicas", ()
         if model is not None:
             query, args = query + " WHERE model = ?", (model,)
-        return [checked(REPLICA, dict(r), f"stored replica {r['id']!r}")
+        return [checked(REPLICA, _replica_row(r), f"stored replica {r['id']!r}")
                 for r in self._read(query + " ORDER BY model, id", args)]
 
-    def update_replica(self, replica_id: str, **fields: str) -> None:
-        allowed = {"node", "profile", "state", "err", "endpoint", "api_key"}
+    def update_replica(self, replica_id: str, **fields: str | list[str]) -> None:
+        allowed = {"node", "profile", "state", "err", "endpoint", "api_key", "gpus"}
         if not fields or set(fields) - allowed:
             raise ValueError(f"replica fields to update must be among {sorted(allowed)}")
         checked(REPLICA_UPDATE, fields, f"update of replica {replica_id!r}")
         sets = ", ".join(f"{k} = ?" for k in fields)
+        values = [json.dumps(v) if k == "gpus" else v for k, v in fields.items()]
         with self._tx() as db:
             db.execute(f"UPDATE replicas SET {sets}, updated = ? WHERE id = ?",
-                       (*fields.values(), self.clock(), replica_id))
+                       (*values, self.clock(), replica_id))
 
     def prune_stopped(self, older_than_s: float) -> int:
         """Forget replicas stopped more than older_than_s ago; returns how many."""
@@ -463,3 +472,11 @@ def _inventory_out(node_id: str, text: str) -> Inventory:
     except (RecordError, ValueError) as e:
         log.warning("%s", e)
         return {"warnings": [f"{e}; the node's next heartbeat replaces it"]}
+
+
+def _replica_row(row: sqlite3.Row, skip: str = "") -> dict[str, Any]:
+    """A replicas row as a record: its gpus column is JSON text."""
+    record = {k: row[k] for k in row.keys() if k != skip}
+    if "gpus" in record:
+        record["gpus"] = json.loads(record["gpus"] or "[]")
+    return record

@@ -1,0 +1,181 @@
+"""Scheduling on GPUs: GPU profiles wait for the node's CUDA engine, each replica gets its
+own cards by NVML UUID after a memory-fit check, and a replica moves from CPU to GPU with
+the new one ready before the old one stops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from llmgw.control.scheduler import GIB, kv_cache_bytes, need, place, plan
+from tests.control.test_scheduler import PIN, model, node, replica
+
+H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "class": "h100-80gb",
+        "memory_mb": 81_559, "memory_free_mb": 80_000, "uuid": "GPU-aaaa"}
+# Qwen2.5-7B's shape: 28 layers, 28 heads, 4 KV heads, width 3584 (head 128).
+QWEN7 = {"block_count": 28, "context_length": 32768, "head_count": 28, "head_count_kv": 4,
+         "embedding_length": 3584}
+
+
+def gpu(uuid: str, free_mb: int = 80_000, **extra: Any) -> dict[str, Any]:
+    return {**H100, "uuid": uuid, "memory_free_mb": free_mb, **extra}
+
+
+def sized(m: dict[str, Any], size_gib: float, geometry: dict[str, int] | None = None,
+          ctx: int = 32768) -> dict[str, Any]:
+    """m with a file size and geometry (as read when it was added) and -c ctx everywhere."""
+    for p in m["profiles"]:
+        p["args"] = ["--ctx-size", str(ctx)]
+    return {**m, "size_bytes": int(size_gib * GIB), "geometry": geometry or dict(QWEN7),
+            "context_length": 4096}
+
+
+def test_a_gpu_profile_waits_for_the_cuda_engine_and_the_cpu_profile_serves_meanwhile() -> None:
+    gpu_node = node("a", gpus=[gpu("GPU-aaaa")], engines=("llamacpp",))
+    p = plan([model(gpu="h100-80gb")], [gpu_node], [])
+    assert [(r["profile"], r["gpus"]) for r in p.add] == [("cpu", [])]
+    only_gpu = model(gpu="h100-80gb")
+    only_gpu["profiles"] = only_gpu["profiles"][:1]
+    why = place(only_gpu, [gpu_node], [], {"m": only_gpu}).why
+    assert "a's GPU engine (llamacpp-cuda) is not ready" in why
+    # Negative control: with the engine ready, the GPU profile is placed.
+    ready = node("a", gpus=[gpu("GPU-aaaa")])
+    assert plan([model(gpu="h100-80gb")], [ready], []).add[0]["profile"] == "gpu-h100-80gb"
+
+
+def test_each_replica_gets_its_own_card_by_uuid() -> None:
+    cards = [gpu("GPU-aaaa"), gpu("GPU-bbbb")]
+    p = plan([model(min=2, max=2, gpu="h100-80gb")], [node("a", gpus=cards)], [])
+    assert [(r["profile"], r["gpus"]) for r in p.add] == [
+        ("gpu-h100-80gb", ["GPU-aaaa"]), ("gpu-h100-80gb", ["GPU-bbbb"])]
+
+
+def test_a_card_a_live_replica_holds_is_not_given_again() -> None:
+    cards = [gpu("GPU-aaaa"), gpu("GPU-bbbb")]
+    other = replica("x", "a", model="other", profile="gpu-h100-80gb", gpus=["GPU-aaaa"])
+    p = plan([model(gpu="h100-80gb"), model("other", gpu="h100-80gb")],
+             [node("a", gpus=cards)], [other])
+    assert [(r["model"], r["gpus"]) for r in p.add] == [("m", ["GPU-bbbb"])]
+    # Negative control: a stopped replica holds nothing.
+    other["state"] = "stopped"
+    p = plan([model(gpu="h100-80gb"), model("other", gpu="h100-80gb")],
+             [node("a", gpus=cards)], [other])
+    assert [(r["model"], r["gpus"]) for r in p.add] == [("m", ["GPU-aaaa"]),
+                                                        ("other", ["GPU-bbbb"])]
+
+
+def test_mig_instances_are_assigned_one_per_replica() -> None:
+    slices = [{"index": 0, "class": "a100-40gb", "memory_mb": 4864, "memory_free_mb": 4800,
+               "uuid": f"MIG-{i}", "name": "NVIDIA A100-SXM4-40GB MIG 1g.5gb"} for i in range(2)]
+    p = plan([model(min=2, max=2, gpu="a100-40gb")], [node("a", gpus=slices)], [])
+    assert [r["gpus"] for r in p.add] == [["MIG-0"], ["MIG-1"]]
+
+
+def test_kv_cache_is_two_by_layers_tokens_kv_heads_head_width_in_f16() -> None:
+    assert kv_cache_bytes(QWEN7, 32768) == 2 * 28 * 32768 * (4 * 128) * 2
+    # key_length / value_length, where the file says them, win over width / heads.
+    assert kv_cache_bytes({**QWEN7, "key_length": 256, "value_length": 256}, 1024) == \
+        2 * 28 * 1024 * (4 * 256) * 2
+    # A quantized cache takes what its type takes (q8_0: 34 bytes a 32-value block).
+    assert kv_cache_bytes(QWEN7, 32768, ["-ctk", "q8_0", "-ctv", "q8_0"]) == \
+        int(2 * 28 * 32768 * (4 * 128) * 34 / 32)
+    assert kv_cache_bytes({}, 32768) == 0
+
+
+def test_the_context_is_the_profiles_else_the_files() -> None:
+    m = sized(model(gpu="h100-80gb"), 4.0)
+    assert need(m, m["profiles"][0]).tokens == 32768
+    m["profiles"][0]["args"] = []
+    assert need(m, m["profiles"][0]).tokens == QWEN7["context_length"]
+
+
+def test_a_model_that_does_not_fit_the_free_memory_says_what_it_needs() -> None:
+    """qwen at 32768 tokens: 1.75 GiB of KV cache beside 4 GiB of weights."""
+    small = node("n1", gpus=[gpu("GPU-aaaa", free_mb=int(3.2 * 1024))])
+    m = sized(model("qwen", gpu="h100-80gb"), 4.0)
+    m["profiles"] = m["profiles"][:1]
+    why = place(m, [small], [], {"qwen": m}).why
+    assert ("node n1's GPU GPU-aaaa has 3.2 GiB free; qwen needs 5.8 GiB: 4.0 GiB weights + "
+            "1.8 GiB KV cache for 32768 tokens") in why
+    # Negative controls: a card with room takes it; so does a shorter context.
+    roomy = node("n1", gpus=[gpu("GPU-aaaa", free_mb=8 * 1024)])
+    assert place(m, [roomy], [], {"qwen": m}).gpus == ["GPU-aaaa"]
+    short = sized(model("qwen", gpu="h100-80gb"), 2.0, ctx=2048)
+    assert place(short, [small], [], {"qwen": short}).gpus == ["GPU-aaaa"]
+
+
+def test_the_roomiest_card_that_fits_is_not_needed_the_first_that_fits_is_taken() -> None:
+    cards = [gpu("GPU-full", free_mb=1024), gpu("GPU-room", free_mb=40_000)]
+    m = sized(model("qwen", gpu="h100-80gb"), 4.0)
+    p = plan([m], [node("a", gpus=cards)], [])
+    assert p.add[0]["gpus"] == ["GPU-room"]
+
+
+def test_a_model_of_unknown_size_is_placed_by_min_memory_only() -> None:
+    m = model(gpu="h100-80gb")  # added before sizes were read: no size_bytes
+    p = plan([m], [node("a", gpus=[gpu("GPU-aaaa", free_mb=1)])], [])
+    assert p.add[0]["gpus"] == ["GPU-aaaa"]
+
+
+# --- the move from CPU to GPU ---
+
+
+def _gpu_node(engines: tuple[str, ...] = ("llamacpp", "llamacpp-cuda")) -> dict[str, Any]:
+    return node("a", gpus=[gpu("GPU-aaaa")], engines=engines)
+
+
+def test_a_cpu_replica_gets_a_gpu_successor_once_the_cuda_engine_is_ready() -> None:
+    cpu = replica("old", "a", profile="cpu")
+    p = plan([model(gpu="h100-80gb")], [_gpu_node()], [cpu])
+    assert not p.stop, "the CPU replica serves until its successor is ready"
+    assert [(r["profile"], r["gpus"], r["node"]) for r in p.add] == [
+        ("gpu-h100-80gb", ["GPU-aaaa"], "a")]
+    # Negative control: no CUDA engine, no move.
+    assert not plan([model(gpu="h100-80gb")], [_gpu_node(("llamacpp",))], [cpu]).add
+
+
+def test_a_move_under_way_keeps_both_and_starts_no_third() -> None:
+    old = replica("old", "a", profile="cpu")
+    new = replica("new", "a", state="starting", profile="gpu-h100-80gb", gpus=["GPU-aaaa"])
+    p = plan([model(gpu="h100-80gb")], [_gpu_node()], [old, new])
+    assert not (p.add or p.stop), "scaling.max is exceeded by one while the move is under way"
+
+
+def test_the_old_replica_stops_once_its_successor_is_ready() -> None:
+    old = replica("old", "a", profile="cpu")
+    new = replica("new", "a", profile="gpu-h100-80gb", gpus=["GPU-aaaa"])
+    p = plan([model(gpu="h100-80gb")], [_gpu_node()], [old, new])
+    assert p.stop == {"old": "moved to gpu-h100-80gb on a (replica new is ready)"}
+    assert not p.add
+
+
+def test_a_replica_already_on_its_best_profile_does_not_move() -> None:
+    on_gpu = replica("r", "a", profile="gpu-h100-80gb", gpus=["GPU-aaaa"])
+    p = plan([model(gpu="h100-80gb")], [_gpu_node()], [on_gpu])
+    assert not (p.add or p.stop or p.place)
+
+
+def test_only_ready_models_move() -> None:
+    """A model still starting on CPU moves after it serves, not while it loads."""
+    starting = replica("old", "a", state="starting", profile="cpu")
+    assert not plan([model(gpu="h100-80gb")], [_gpu_node()], [starting]).add
+
+
+@pytest.mark.parametrize("gpus", [["GPU-aaaa"], []])
+def test_tick_stores_the_assigned_gpus(tmp_path, gpus: list[str]) -> None:
+    """The UUIDs reach the replica row (what the agent API hands the agent); a CPU
+    profile's row has none."""
+    from llmgw.control.scheduler import Scheduler
+    from llmgw.control.store import Store
+
+    store = Store(tmp_path / "db")
+    engines = ["llamacpp", "llamacpp-cuda"] if gpus else ["llamacpp"]
+    store.record_heartbeat("a", {"engines": engines, "labels": PIN, "memory_mb": 16_000,
+                                 "gpus": [gpu("GPU-aaaa")]})
+    store.add_model(model(gpu="h100-80gb"))
+    Scheduler(store, node_timeout_s=30).tick()
+    (r,) = store.replicas()
+    assert r["gpus"] == gpus
+    (row,) = store.heartbeat("a", {"engines": engines}, "", {})
+    assert row["gpus"] == gpus
