@@ -125,16 +125,18 @@ def test_a_plain_answer_is_taken_once_a_connection_is_pooled_and_matches_the_oth
     assert json.loads(fast[-1][2])["model"] == "tiny-chat"
 
 
-@pytest.mark.parametrize("request_, status", [
-    ({**CHAT, "stream": True}, 200),
-    ({**CHAT, "model": "nope"}, 404),
-    ({"messages": []}, 422),
-    ({**CHAT, "model": "tiny-embed"}, 400),
+@pytest.mark.parametrize("request_, status, taken_", [
+    ({**CHAT, "stream": True}, 200, 0),
+    ({**CHAT, "model": "nope"}, 404, 2),
+    ({"messages": []}, 422, 2),
+    ({**CHAT, "model": "tiny-embed"}, 400, 2),
 ])
-def test_what_the_fast_path_cannot_answer_at_once_goes_to_the_coroutine_path(
-        store, request_, status) -> None:
-    """A stream and every error are the coroutine path's: the fast path takes none, and
-    the answers are those of a gateway without it."""
+def test_a_stream_goes_to_the_coroutine_path_and_an_error_is_answered_at_once(
+        store, request_, status, taken_) -> None:
+    """A stream waits on its replica: the coroutine path relays it. An error is written at
+    once, from the fast path (the first request, which opens the replica's connection, is
+    the coroutine path's); either way the answers are a gateway's without the fast path,
+    byte for byte."""
     events = [b'data: {"model":"m","choices":[]}\n\n', b"data: [DONE]\n\n"]
     with scripted_upstream(lambda p, b: (200, "text/event-stream", events)
                            if json.loads(b).get("stream") else
@@ -144,26 +146,46 @@ def test_what_the_fast_path_cannot_answer_at_once_goes_to_the_coroutine_path(
         warm_then = [CHAT, request_, request_]
         fast, taken = answers(store, warm_then, with_fast=True)
         plain, _ = answers(store, warm_then, with_fast=False)
-    assert taken == 0
+    assert taken == taken_
     assert [s for s, _, _ in fast] == [200, status, status]
     assert fast == plain
 
 
-def test_bad_json_and_a_key_with_limits_are_left_to_the_coroutine_path(store) -> None:
-    made = create_key(store, KeyRequest(name="ci", rpm=100))["key"]
+def test_bad_json_is_answered_at_once_as_the_coroutine_path_answers_it(store) -> None:
+    asked = [CHAT, "{not json", "[1]"]
+    got = []
     with scripted_upstream(lambda p, b: (200, "application/json", [json_answer()])) as up:
         ready(store, "r1", up.endpoint)
-        with fast_gateway(store) as (gw, fast, _):
-            limited = [gw.post("/v1/chat/completions", json=CHAT,
-                               headers={"Authorization": f"Bearer {made}"}).status_code
-                       for _ in range(3)]
-            bad = gw.post("/v1/chat/completions", content=b"{not json")
-            taken_before_control = fast.taken
-            control = gw.post("/v1/chat/completions", json=CHAT).status_code
-    assert limited == [200] * 3 and bad.status_code == 400
-    assert bad.json()["error"]["code"] == "invalid_json"
-    assert taken_before_control == 0
-    assert control == 200 and fast.taken == 1  # negative control: a plain request is taken
+        for with_fast in (True, False):
+            with fast_gateway(store, with_fast=with_fast) as (gw, fast, _):
+                got.append(([(r.status_code, r.json()["error"]["code"] if r.is_error else "",
+                              r.content) for r in (
+                    gw.post("/v1/chat/completions", json=a) if isinstance(a, dict) else
+                    gw.post("/v1/chat/completions", content=a.encode()) for a in asked)],
+                            fast.taken))
+    (on_fast, taken), (plain, none_taken) = got
+    assert [(s, c) for s, c, _ in on_fast] == [(200, ""), (400, "invalid_json"),
+                                               (422, "invalid_body")]
+    assert on_fast == plain and (taken, none_taken) == (2, 0)
+
+
+def test_a_key_with_limits_spends_its_minute_once_whichever_path_ends_the_request(
+        store) -> None:
+    """rpm 2: the first request goes to the coroutine path part-way (no pooled connection
+    yet) with its minute already spent there; the second rides the fast path; the third
+    is the 429, written at once. Were a step run again on the way over, the second would
+    be refused. The coroutine path alone gives the same answers."""
+    made = create_key(store, KeyRequest(name="ci", rpm=2))["key"]
+    outcomes = []
+    with scripted_upstream(lambda p, b: (200, "application/json", [json_answer()])) as up:
+        ready(store, "r1", up.endpoint)
+        for with_fast in (True, False):
+            with fast_gateway(store, with_fast=with_fast) as (gw, fast, _):
+                codes = [gw.post("/v1/chat/completions", json=CHAT,
+                                 headers={"Authorization": f"Bearer {made}"}).status_code
+                         for _ in range(3)]
+            outcomes.append((codes, fast.taken))  # each gateway keeps its own minute
+    assert outcomes == [([200, 200, 429], 2), ([200, 200, 429], 0)]
 
 
 def test_a_pooled_connection_the_replica_closed_goes_back_and_is_sent_once_more(

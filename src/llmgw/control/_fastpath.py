@@ -1,39 +1,26 @@
-"""The gateway's fast path: a whole answer relayed from the event loop's callbacks.
+"""The gateway's fast path: its one request sequence (gateway.Exchange) run at once.
 
 Most requests are the plain case: a body already in, an answer in one piece (no stream),
-a key without rate limits, a replica with a free slot and an idle pooled connection to
-it. The Gateway's coroutine path costs such a request a task, the ASGI messages and a
-future per wait. In front of a scripted replica (issue 16, side by side) that path spent
-0.06-0.08 ms of CPU a request at 16 in flight, this one 0.045-0.058 (nginx 0.02); with
-the real engine the gateway served 1.02-1.13x the requests a second with it. So
-Http1Server offers each request here first (`fast=`). What this path takes, it answers as the
-coroutine path would, byte for byte but the Date header: the same checks, the same lease,
-usage, metrics and rename. What it cannot do at once, it leaves to the coroutine path
-before anything is sent: any error answer, a stream, a key with limits, a wait (a queue,
-a connection to open). A pooled connection the replica had closed (nothing of an answer
-came) goes back to the coroutine path too, which sends it once more, as it does itself.
+a replica with a free slot and an idle pooled connection to it. Awaited, such a request
+costs a task, the ASGI messages and a future per wait. In front of a scripted replica
+(issue 16, side by side) that path spent 0.06-0.08 ms of CPU a request at 16 in flight,
+this one 0.045-0.058 (nginx 0.02); with the real engine the gateway served 1.02-1.13x
+the requests a second with it. So Http1Server offers each request here first (`fast=`):
+the Exchange's steps run from the event loop's callbacks, and an error answer is written
+at once. Where a step would wait (a stream, a queue, a connection to open, or a pooled
+connection the replica had closed, which is sent once more), the exchange goes to the
+coroutine path as it stands, before anything is sent to the client, and that path goes
+on from that step: no step runs twice, and no step is written twice.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 
 from llmgw._http1 import Cycle
-from llmgw.control import _wire
-from llmgw.control._relay import kept, whole_answer
 from llmgw.control._upstream import ReplicaConnection
-from llmgw.control.balancer import Lease, conversation
-from llmgw.control.gateway import (
-    FORWARDED,
-    JSON_HEADERS,
-    Caller,
-    Gateway,
-    GatewayError,
-    replica_failed,
-    serves,
-)
+from llmgw.control.balancer import Lease
+from llmgw.control.gateway import FORWARDED, HANDED, JSON_HEADERS, Exchange, Gateway, GatewayError
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -43,111 +30,86 @@ class FastPath:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.taken = 0  # requests this path answered or handed back after sending
+        self.taken = 0  # requests this path answered (or sent, then handed over)
 
     def __call__(self, cycle: Cycle) -> bool:
         scope = cycle.scope
-        path = scope["path"]
-        kind = FORWARDED.get(path)
+        kind = FORWARDED.get(scope["path"])
         if kind is None or scope["method"] != "POST":
             return False
-        gw = self.gateway
+        ex = Exchange(self.gateway, scope, kind)
         try:
-            caller = gw.authorize(scope)
-        except GatewayError:
+            ex.authorize()
+            ex.check(cycle.body_bytes())
+        except GatewayError as e:
+            ex.status = e.status
+            cycle.answer(e.status, [*JSON_HEADERS, *e.headers], e.body())
+            ex.done()
+            self.taken += 1
+            return True
+        except Exception:
+            # The server logs it and gives the request to the app, which tries these
+            # steps again and counts the request once.
+            scope[HANDED] = ex
+            raise
+        if ex.stream or not self._send(cycle, ex):
+            scope[HANDED] = ex  # the coroutine path goes on from the lease
             return False
-        if caller.limits is not None:
-            return False
-        raw = cycle.body_bytes()
-        if len(raw) > gw.max_body_bytes:
-            return False
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return False
-        if not isinstance(body, dict) or body.get("stream"):
-            return False
-        requested = body.get("model")
-        if not isinstance(requested, str) or not requested:
-            return False
-        model = gw.router.resolve(requested)
-        if model is None or not caller.may_use(model, gw.router.names()) or \
-                not serves(model, kind):
-            return False
-        name = model["name"]
-        replicas = gw.router.ready(name)
-        conv = None
-        if gw.balancer.routing == "balanced":
-            gw.slots.ensure_running()
-            if len(replicas) > 1:
-                conv = conversation(scope["headers"], raw, body)
-        lease = gw.balancer.try_now(name, replicas, conv)
+        self.taken += 1
+        return True
+
+    def _send(self, cycle: Cycle, ex: Exchange) -> bool:
+        """Leased and sent at once, or nothing done (the lease's turn given back)."""
+        lease = ex.lease_now()
         if lease is None:
             return False
         replica = lease.replica
-        forward = _Forward(self, cycle, caller, lease, conv, name, requested)
-        if gw.upstream.send_now(replica["endpoint"], path, raw, replica["api_key"],
-                                forward.done) is None:
+        if self.gateway.upstream.send_now(replica["endpoint"], ex.scope["path"], ex.raw,
+                                          replica["api_key"],
+                                          _Relay(self.gateway, cycle, ex, lease).done) is None:
             lease.unused()
             return False
-        self.taken += 1
-        if gw.metrics:
-            gw.metrics.in_flight += 1
         return True
 
 
-class _Forward:
-    """One request on the fast path, sent: what its answer needs once it is in."""
+class _Relay:
+    """A request the fast path sent: its answer, once the replica's is in."""
 
-    __slots__ = ("fast", "cycle", "caller", "lease", "conv", "name", "requested", "started")
+    __slots__ = ("gateway", "cycle", "ex", "lease")
 
-    def __init__(self, fast: FastPath, cycle: Cycle, caller: Caller, lease: Lease,
-                 conv: object, name: str, requested: str) -> None:
-        self.fast, self.cycle, self.caller, self.lease = fast, cycle, caller, lease
-        self.conv, self.name, self.requested = conv, name, requested
-        self.started = time.perf_counter()
+    def __init__(self, gateway: Gateway, cycle: Cycle, ex: Exchange, lease: Lease) -> None:
+        self.gateway, self.cycle, self.ex, self.lease = gateway, cycle, ex, lease
 
     def done(self, conn: ReplicaConnection) -> None:
         """The replica's whole answer, or its failure: relayed, counted, the lease ended.
         Called from the replica connection's callbacks: nothing here may raise into them."""
-        gw = self.fast.gateway
         self.lease.release()
         try:
-            status, usage = self._relay(gw, conn)
+            if self._relay(conn):
+                return  # handed over
         except Exception:
-            log.exception("the fast path failed relaying an answer of %s", self.name)
-            status, usage = 500, None
+            log.exception("the fast path failed relaying an answer of %s", self.ex.name)
+            self.ex.status = 500
             if not self.cycle.started:
                 self.cycle.answer(500, list(JSON_HEADERS), GatewayError(
                     500, "the gateway failed relaying the replica's answer; see its log",
                     "server_error", "gateway_error").body())
-        if status == 0:  # handed back to the coroutine path
-            if gw.metrics:
-                gw.metrics.in_flight -= 1
-            return
-        gw.count_usage(self.caller, status, usage)
-        if gw.metrics:
-            gw.metrics.in_flight -= 1
-            gw.metrics.observe(self.name, status, self.started, usage, self.caller.name)
+        self.ex.done()
 
-    def _relay(self, gw: Gateway, conn: ReplicaConnection) -> tuple[int, tuple[int, int] | None]:
-        upstream, replica = gw.upstream, self.lease.replica
-        if conn.failed is not None:
-            stale = upstream.stale(conn)
+    def _relay(self, conn: ReplicaConnection) -> bool:
+        """Answer the client; True when the request went to the coroutine path instead."""
+        upstream, ex, replica = self.gateway.upstream, self.ex, self.lease.replica
+        if conn.failed is None:
+            data, headers = ex.relayed(conn.status, conn.headers, conn.take())
             upstream.finish(conn)
-            if stale:
-                self.cycle.fall_back()
-                return 0, None
-            gw.balancer.forget(self.conv, replica["id"])  # type: ignore[arg-type]
-            why = upstream.failure(conn, replica["endpoint"])
-            log.warning("replica %s of %s failed after the request was sent: %s",
-                        replica["id"], self.name, why)
-            self.cycle.answer(502, list(JSON_HEADERS), replica_failed(replica["id"], self.name,
-                                                                why).body())
-            return 502, None
-        status, headers, data = conn.status, conn.headers, conn.take()
+            self.cycle.answer(ex.status, headers, data)
+            return False
+        stale = upstream.stale(conn)
+        why = upstream.failure(conn, replica["endpoint"])
         upstream.finish(conn)
-        data, usage = whole_answer(status, headers, data, _wire.model_value(self.requested))
-        self.cycle.answer(status, kept(headers), data)
-        return status, usage
-
+        if stale:  # nothing reached a live engine: sent once more, as post() does
+            self.cycle.scope[HANDED] = ex
+            self.cycle.fall_back()
+            return True
+        self.cycle.answer(502, list(JSON_HEADERS), ex.broke(replica["id"], why).body())
+        return False

@@ -28,13 +28,6 @@ def whole_answer(status: int, headers: dict[bytes, bytes], data: bytes, member: 
     return data, _wire.usage(data)
 
 
-async def relay_whole(response: Response, send: Send, member: bytes) -> tuple[int, int] | None:
-    data, usage = whole_answer(response.status, response.headers, await response.read(),
-                               member)
-    await respond(send, response.status, data, kept(response.headers))
-    return usage
-
-
 async def relay_events(response: Response, send: Send, member: bytes,
                         receive: Receive) -> tuple[int, int] | None:
     """Relay an event stream event by event, each with the model renamed, bytes otherwise

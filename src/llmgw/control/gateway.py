@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from llmgw._asgi import Receive, Scope, Send
 from llmgw.contract.records import ModelSpec
 from llmgw.control import _wire, keys
-from llmgw.control._relay import relay_events, relay_whole, respond
+from llmgw.control._relay import kept, relay_events, respond, whole_answer
 from llmgw.control._router import Router
 from llmgw.control._slots import SlotPoller
 from llmgw.control._upstream import ConnectFailed, Response, Upstream, UpstreamError
@@ -216,41 +216,31 @@ class Gateway:
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send,
                        kind: str) -> None:
-        """Counted under the catalog name, or model="" when the request named none."""
-        started, name, status, usage, caller = time.perf_counter(), "", 500, None, NOBODY
-        if self.metrics:
-            self.metrics.in_flight += 1
+        """The sequence (Exchange) with its waits: from the start, or from where the fast
+        path handed it over."""
+        ex: Exchange | None = scope.pop(HANDED, None)
+        if ex is None:
+            ex = Exchange(self, scope, kind)
         try:
-            caller = self.authorize(scope)
-            raw = await self._body(scope, receive)
-            requested, stream = _parse(raw)
-            model = self.router.resolve(requested)
-            if model is None or not caller.may_use(model, self.router.names()):
-                raise GatewayError(404, f"The model '{requested}' does not exist; GET "
-                                   "/v1/models lists what this gateway serves",
-                                   "invalid_request_error", "model_not_found", "model")
-            name = model["name"]
-            _check_kind(model, kind, scope["path"])
-            _admit(caller)
-            response = await self._send_to_replica(name, scope["path"], raw, scope["headers"])
-            status = response.status
-            member = _wire.model_value(requested)
-            if stream and status == 200:
-                usage = await relay_events(response, send, member, receive)
+            if ex.raw is None:
+                ex.authorize()
+                ex.check(await self._body(scope, receive))
+            response = await self._send_to_replica(ex)
+            ex.status = response.status
+            if ex.stream and response.status == 200:
+                ex.usage = await relay_events(response, send, ex.member, receive)
             else:
                 try:
-                    usage = await relay_whole(response, send, member)
+                    data = await response.read()
                 except UpstreamError as e:
-                    status = 502
-                    raise replica_failed(response.source, name, e) from e
+                    raise ex.broke(response.source, e) from e
+                data, headers = ex.relayed(response.status, response.headers, data)
+                await respond(send, response.status, data, headers)
         except GatewayError as e:
-            status = e.status
+            ex.status = e.status
             raise
         finally:
-            self.count_usage(caller, status, usage)
-            if self.metrics:
-                self.metrics.in_flight -= 1
-                self.metrics.observe(name, status, started, usage, caller.name)
+            ex.done()
 
     def count_usage(self, caller: Caller, status: int, usage: tuple[int, int] | None) -> None:
         """A key's usage: its request (a 429 is none) and tokens, and its token window."""
@@ -261,45 +251,35 @@ class Gateway:
         if caller.limits:
             caller.limits.spend(time.monotonic(), prompt + completion)
 
-    async def _send_to_replica(self, model: str, path: str, raw: bytes,
-                               headers: list[tuple[bytes, bytes]]) -> Response:
+    async def _send_to_replica(self, ex: Exchange) -> Response:
         """The replica the balancer leases that takes the connection, the next one if it
         is refused; a request that reached one is never sent to another (no generation
         runs twice). The lease ends when the answer is relayed."""
-        balanced = self.balancer.routing == "balanced"
-        if balanced:
-            self.slots.ensure_running()
-        # With one replica there is no choice to make: its conversations need no keys.
-        many = len(self.router.ready(model)) > 1
-        conv = conversation(headers, raw) if balanced and many else None
         tried: set[str] = set()
         refused = ""
-        while lease := await self._lease(model, conv, tried):
+        while lease := await self._lease(ex.name, ex.conv, tried):
             replica = lease.replica
             try:
-                response = await self.upstream.post(replica["endpoint"], path, raw,
-                                                    replica["api_key"])
+                response = await self.upstream.post(replica["endpoint"], ex.scope["path"],
+                                                    ex.raw, replica["api_key"])
             except ConnectFailed as e:
                 lease.release()
                 log.warning("replica %s of %s could not take the request, trying the next: "
-                            "%s", replica["id"], model, e)
+                            "%s", replica["id"], ex.name, e)
                 tried.add(replica["id"])
                 refused = f"; the last one tried: {e}"
                 continue
             except UpstreamError as e:
                 lease.release()
-                self.balancer.forget(conv, replica["id"])
-                log.warning("replica %s of %s failed after the request was sent: %s",
-                            replica["id"], model, e)
-                raise replica_failed(replica["id"], model, e) from e
+                raise ex.broke(replica["id"], e) from e
             except BaseException:
                 lease.release()
                 raise
             response.on_release = lease.release
             response.source = replica["id"]
             return response
-        raise GatewayError(503, f"no replica of {model} could take the request: "
-                           f"{self.router.states(model)}{refused}; try again shortly",
+        raise GatewayError(503, f"no replica of {ex.name} could take the request: "
+                           f"{self.router.states(ex.name)}{refused}; try again shortly",
                            "service_unavailable", "no_ready_replica")
 
     async def _lease(self, model: str, conv: Conversation | None,
@@ -336,6 +316,97 @@ class Gateway:
         return GatewayError(413, f"the request body is over {self.max_body_bytes} bytes, the "
                             "gateway's limit (gateway_max_body_bytes in server.yaml)",
                             "invalid_request_error", "request_too_large")
+
+
+# The scope key under which the fast path hands a request it began to the coroutine path.
+HANDED = "llmgw.exchange"
+
+
+class Exchange:
+    """One forwarded request and the gateway's sequence for it, written once: authorise,
+    check the body (its model, the model's kind, the key's minute), lease a replica,
+    forward, relay the answer (the model renamed, its usage read), count (the key's usage,
+    the metrics). Gateway._forward awaits the steps that may wait; the fast path
+    (`_fastpath`) runs them at once, from the event loop's callbacks, and where one would
+    wait (a stream, a queue, a connection to open) hands the exchange to the coroutine
+    path (`scope[HANDED]`), which goes on from that step: none runs twice, so a key's
+    minute is spent once and the request is counted once."""
+
+    __slots__ = ("gw", "scope", "kind", "started", "caller", "raw", "requested", "stream",
+                 "name", "conv", "status", "usage")
+
+    def __init__(self, gw: Gateway, scope: Scope, kind: str) -> None:
+        self.gw, self.scope, self.kind = gw, scope, kind
+        self.started = time.perf_counter()
+        self.caller = NOBODY
+        self.raw: bytes | None = None  # set once checked
+        self.requested = self.name = ""  # counted under the catalog name, "" if none
+        self.stream = False
+        self.conv: Conversation | None = None
+        self.status = 500
+        self.usage: tuple[int, int] | None = None
+        if gw.metrics:
+            gw.metrics.in_flight += 1
+
+    def authorize(self) -> None:
+        self.caller = self.gw.authorize(self.scope)
+
+    def check(self, raw: bytes) -> None:
+        """The body: under the limit, JSON naming a model this caller may use, of the
+        route's kind; then the key's minute is spent (a 429 when it is over)."""
+        gw = self.gw
+        if len(raw) > gw.max_body_bytes:
+            raise gw._too_large()
+        body, self.requested, self.stream = _parse(raw)
+        model = gw.router.resolve(self.requested)
+        if model is None or not self.caller.may_use(model, gw.router.names()):
+            raise GatewayError(404, f"The model '{self.requested}' does not exist; GET "
+                               "/v1/models lists what this gateway serves",
+                               "invalid_request_error", "model_not_found", "model")
+        self.name = model["name"]
+        _check_kind(model, self.kind, self.scope["path"])
+        _admit(self.caller)
+        self.raw = raw
+        if gw.balancer.routing == "balanced":
+            gw.slots.ensure_running()
+            # With one replica there is no choice to make: its conversations need no keys.
+            if len(gw.router.ready(self.name)) > 1:
+                self.conv = conversation(self.scope["headers"], raw, body)
+
+    def lease_now(self) -> Lease | None:
+        """A replica leased at once, or None (none free, or requests already queue)."""
+        gw = self.gw
+        return gw.balancer.try_now(self.name, gw.router.ready(self.name), self.conv)
+
+    @property
+    def member(self) -> bytes:
+        """The model as the client named it, as the answer's JSON member carries it."""
+        return _wire.model_value(self.requested)
+
+    def relayed(self, status: int, headers: dict[bytes, bytes], data: bytes
+                ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        """A replica's whole answer as the client gets it (body, headers); usage noted."""
+        self.status = status
+        data, self.usage = whole_answer(status, headers, data, self.member)
+        return data, kept(headers)
+
+    def broke(self, replica_id: str, why: object) -> GatewayError:
+        """The 502 for a replica that failed once the request was sent; its conversation
+        is no longer sent there."""
+        self.gw.balancer.forget(self.conv, replica_id)
+        log.warning("replica %s of %s failed after the request was sent: %s",
+                    replica_id, self.name, why)
+        self.status = 502
+        return replica_failed(replica_id, self.name, why)
+
+    def done(self) -> None:
+        """Counted, once, however the request ended: the key's usage and the metrics."""
+        gw = self.gw
+        gw.count_usage(self.caller, self.status, self.usage)
+        if gw.metrics:
+            gw.metrics.in_flight -= 1
+            gw.metrics.observe(self.name, self.status, self.started, self.usage,
+                               self.caller.name)
 
 
 def make_gateway_app(store: Store, *, tokens: list[str], upstream: Upstream,
@@ -387,8 +458,8 @@ def _admit(caller: Caller) -> None:
                                 (f"x-ratelimit-reset-{what}".encode(), f"{after}s".encode())])
 
 
-def _parse(raw: bytes) -> tuple[str, bool]:
-    """The requested model and whether to stream; the body itself is forwarded as sent."""
+def _parse(raw: bytes) -> tuple[dict[str, object], str, bool]:
+    """The body parsed, its model and whether to stream; the body is forwarded as sent."""
     try:
         body = json.loads(raw or b"{}")
     except ValueError as e:
@@ -401,7 +472,7 @@ def _parse(raw: bytes) -> tuple[str, bool]:
     if not isinstance(model, str) or not model:
         raise GatewayError(422, "the request names no model: set \"model\" to a name from "
                            "GET /v1/models", "invalid_request_error", "missing_model", "model")
-    return model, bool(body.get("stream"))
+    return body, model, bool(body.get("stream"))
 
 
 def serves(model: ModelSpec, kind: str) -> bool:
