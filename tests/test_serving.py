@@ -1,122 +1,33 @@
-"""The services' uvicorn listeners: what is written in one turn of the event loop leaves in
-one send(), nothing written is held past that turn, and an idle HTTPS client does not hold
-a draining server open."""
+"""The services' uvicorn listeners, on uvicorn's public API: each event of a stream leaves
+while the app still waits, an idle HTTPS client holds a draining server no longer than its
+drain bound, and SIGTERM stops a process that serves one, through the process's own
+handler, with exit status 0."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import signal
 import socket
 import ssl
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from llmgw import pki
-from llmgw._serving import _WritesGathered, quiet_server
+from llmgw._serving import quiet_server
 from llmgw.netaddr import free_port
 from tests.control.servers import events_released_by, run_in_thread, serve_asgi
 
 
-class Recorded:
-    """A transport that records what reaches it (pure logic: the class under test only
-    decides when to write, never how)."""
-
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.calls: list[str] = []
-        self.closing = False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.calls.append("close")
-        self.closing = True
-
-    def abort(self) -> None:
-        self.calls.append("abort")
-        self.closing = True
-
-    def get_write_buffer_size(self) -> int:
-        return 7
-
-    def get_extra_info(self, name: str) -> Any:
-        return f"extra {name}"
-
-
-def gathered() -> tuple[_WritesGathered, Recorded]:
-    inner = Recorded()
-    return _WritesGathered(inner, asyncio.get_running_loop()), inner  # type: ignore[arg-type]
-
-
-def test_an_answers_head_and_body_written_back_to_back_leave_in_one_write() -> None:
-    async def scenario() -> list[bytes]:
-        transport, inner = gathered()
-        transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
-        transport.write(b'{"ok":true}')
-        assert inner.writes == [], "nothing leaves before the turn ends"
-        await asyncio.sleep(0)
-        return inner.writes
-
-    assert asyncio.run(scenario()) == [b'HTTP/1.1 200 OK\r\n\r\n{"ok":true}']
-
-
-def test_a_write_after_a_wait_leaves_in_its_own_turn() -> None:
-    async def scenario() -> list[bytes]:
-        transport, inner = gathered()
-        transport.write(b"event 1")
-        await asyncio.sleep(0)
-        transport.write(b"event 2")
-        await asyncio.sleep(0)
-        return inner.writes
-
-    assert asyncio.run(scenario()) == [b"event 1", b"event 2"]
-
-
-def test_close_sends_what_is_pending_first_and_abort_drops_it() -> None:
-    async def scenario() -> tuple[Recorded, Recorded]:
-        closed, inner_closed = gathered()
-        closed.write(b"last bytes")
-        closed.close()
-        aborted, inner_aborted = gathered()
-        aborted.write(b"never sent")
-        aborted.abort()
-        await asyncio.sleep(0)
-        return inner_closed, inner_aborted
-
-    closed, aborted = asyncio.run(scenario())
-    assert (closed.writes, closed.calls) == ([b"last bytes"], ["close"])
-    assert (aborted.writes, aborted.calls) == ([], ["abort"])
-
-
-def test_pending_bytes_count_toward_the_write_buffer_and_the_rest_is_the_transports() -> None:
-    async def scenario() -> tuple[int, Any]:
-        transport, _ = gathered()
-        transport.write(b"12345")
-        return transport.get_write_buffer_size(), transport.get_extra_info("peername")
-
-    assert asyncio.run(scenario()) == (7 + 5, "extra peername")
-
-
-def test_nothing_is_written_to_a_transport_that_closed_meanwhile() -> None:
-    async def scenario() -> list[bytes]:
-        transport, inner = gathered()
-        transport.write(b"too late")
-        inner.closing = True  # the peer hung up before the turn ended
-        await asyncio.sleep(0)
-        return inner.writes
-
-    assert asyncio.run(scenario()) == []
-
-
 def test_a_real_listener_streams_each_event_while_the_app_still_waits() -> None:
-    """Negative control for holding writes: were they held until the answer ends, the
-    client would never see the first event while the app waits for it to be read."""
+    """Were writes held until the answer ends, the client would never see the first event
+    while the app waits for it to be read."""
     first_read = threading.Event()
     app = events_released_by(first_read, 10)
 
@@ -137,10 +48,12 @@ def test_a_real_listener_streams_each_event_while_the_app_still_waits() -> None:
     assert b"data: 2\n\n" in seen
 
 
-def test_an_idle_https_keep_alive_client_does_not_hold_a_draining_server(tmp_path: Path) -> None:
+def test_an_idle_https_keep_alive_client_holds_a_draining_server_no_longer_than_its_bound(
+        tmp_path: Path) -> None:
     """A TLS close waits for the peer's close_notify, which an idle keep-alive client never
-    sends: without the abort after TLS_CLOSE_GRACE_S the stop waited uvloop's whole bound
-    for it (30 s measured). The client stays open throughout, as a pooled one does."""
+    sends (uvloop waits 30 s for it). The drain bound (drain_s, uvicorn's
+    timeout_graceful_shutdown) ends the stop at 1 s; the margin to 10 s is the machine's.
+    The client stays open throughout, as a pooled one does."""
     ca = pki.create_ca()
     cert, key = pki.issue_server(ca, ["127.0.0.1"]).write(tmp_path, "server")
     bundle, _ = ca.write(tmp_path, "ca")
@@ -151,10 +64,63 @@ def test_an_idle_https_keep_alive_client_does_not_hold_a_draining_server(tmp_pat
             await send({"type": "http.response.body", "body": b"ok"})
 
     port = free_port()
-    server = quiet_server(app, f"127.0.0.1:{port}", certfile=str(cert), keyfile=str(key))
+    server = quiet_server(app, f"127.0.0.1:{port}", certfile=str(cert), keyfile=str(key),
+                          drain_s=1.0)
     thread = run_in_thread(server)
     with httpx.Client(verify=ssl.create_default_context(cafile=str(bundle))) as client:
         assert client.get(f"https://127.0.0.1:{port}/").text == "ok"
         server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "an idle HTTPS client held the server past 15 s"
+        thread.join(10)
+        assert not thread.is_alive(), "an idle HTTPS client held the server past 10 s"
+
+
+SERVES_UNTIL_SIGTERM = """
+import asyncio, logging, sys
+from llmgw._serving import on_stop_signals, quiet_server, run_service
+
+async def app(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+async def main():
+    server = quiet_server(app, sys.argv[1])
+    def stop():
+        print("stop", flush=True)
+        server.should_exit = True
+    if sys.argv[2] == "handled":
+        on_stop_signals(logging.getLogger("t"), stop)
+    await server.serve()
+    print("served out", flush=True)
+
+run_service(main())
+"""
+
+
+@pytest.mark.parametrize("handled", [True, False], ids=["own handler", "none"])
+def test_sigterm_stops_a_process_serving_uvicorn_through_its_own_handler(handled) -> None:
+    """uvicorn catches SIGTERM while it serves and raises it again once stopped: with the
+    process's handler (on_stop_signals) set, that handler stops it, it serves out and exits
+    0. The negative control, without one: uvicorn's stop, then the raised SIGTERM kills
+    it (-15), the status the process's handler is there to avoid."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SERVES_UNTIL_SIGTERM, f"127.0.0.1:{port}",
+                             "handled" if handled else "bare"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "it did not serve"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/", timeout=1).text == "ok":
+                    break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    if handled:
+        # stop, served out; then stop once more, for the SIGTERM uvicorn raised again
+        assert (proc.returncode, out.splitlines()[:2]) == (0, ["stop", "served out"])
+    else:
+        assert (proc.returncode, out) == (-signal.SIGTERM, "")
