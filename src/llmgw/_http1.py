@@ -570,6 +570,8 @@ class _Connection(asyncio.Protocol):
         """A request whose body is all in: the fast handler's, or else the app's."""
         cycle.deferred = False
         self.current = cycle
+        if self.lost or self.closing or self.transport.is_closing():  # type: ignore[union-attr]
+            return
         try:
             taken = self.server.fast(cycle)  # type: ignore[misc]
         except Exception:
@@ -585,7 +587,7 @@ class _Connection(asyncio.Protocol):
         can no longer carry its answer."""
         cycle.deferred = False
         self.current = cycle
-        if self.lost or self.closing:
+        if self.lost or self.closing or self.transport.is_closing():  # type: ignore[union-attr]
             return
         task = self.loop.create_task(self._run(cycle))
         self._tasks.add(task)
@@ -616,7 +618,8 @@ class _Connection(asyncio.Protocol):
         if self.current is not cycle:
             return
         self.current = None
-        if not cycle.keep_alive or self.lost:
+        # A write that found the client gone has closed the transport before it is lost.
+        if not cycle.keep_alive or self.lost or self.transport.is_closing():  # type: ignore[union-attr]
             self.close()
             return
         if self.queued:
