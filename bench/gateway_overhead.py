@@ -19,6 +19,17 @@ sets it; the bench writes its nginx.conf in a temporary folder and runs it as it
 one process (master_process off, as one gateway process), on loopback. --no-nginx leaves
 it out.
 
+A fourth side is LiteLLM's proxy (the Python gateway users pick instead), fronting the same
+engine: one worker, a master key, the engine as an `openai/...` model of its config's
+model_list, LITELLM_LOCAL_MODEL_COST_MAP=True (no price list fetched), its defaults
+otherwise. It is never installed into the project's venv: the bench uses
+$LLMGW_BENCH_LITELLM (a `litellm` executable) or ~/.cache/llmgw-bench/litellm-venv, and
+makes that venv (`pip install 'litellm[proxy]'`) the first time; the first lines say
+which. --no-litellm leaves it out.
+
+Each side's own CPU per request is its process's user + system time (/proc/PID/stat)
+over a round, divided by the requests answered in it.
+
 It loads the sides at 1 and at 16 requests in flight in --pairs short rounds (direct,
 gateway and nginx back to back, each first in turn) and reports the median of the rounds'
 ratios: on a shared, noisy machine the load drifts from second to second, and sides
@@ -26,8 +37,10 @@ measured back to back see nearly the same drift. The load comes from `hey` where
 installed (apt install hey), else from a Python generator in its own process; the first
 line printed says which. The last line is:
 
-    gateway/direct: throughput 0.NN× at 16, 0.NN× at 1; p50 +N.N ms at 1; gateway/nginx: \
-throughput 0.NN× at 16, 0.NN× at 1
+    gateway/nginx 0.NNx at 1, 0.NNx at 16; gateway/LiteLLM N.NNx at 1, N.NNx at 16; CPU \
+per request ms: gateway A, nginx B, LiteLLM C
+
+(throughput ratios, medians of the rounds; CPU: the side's own process at 16 in flight)
 """
 
 from __future__ import annotations
@@ -314,6 +327,75 @@ def start_nginx(work: Path, direct: Side) -> tuple[subprocess.Popen[bytes], Side
     return proc, Side(f"http://127.0.0.1:{port}/v1/{path}", "", proc.pid)
 
 
+LITELLM_VENV = Path.home() / ".cache" / "llmgw-bench" / "litellm-venv"
+LITELLM_KEY = "sk-llmgw-bench-master"
+LITELLM_CONF = """\
+# Written by bench/gateway_overhead.py: LiteLLM's proxy in front of the bench's engine.
+model_list:
+  - model_name: {model}
+    litellm_params:
+      model: openai/{model}
+      api_base: {base}/v1
+      api_key: {key}
+litellm_settings:
+  telemetry: false
+general_settings:
+  master_key: {master}
+"""
+
+
+def litellm_binary() -> str:
+    """$LLMGW_BENCH_LITELLM, else LITELLM_VENV's, made here the first time (never the
+    project's venv: LiteLLM is no dependency of llmgw)."""
+    given = os.environ.get("LLMGW_BENCH_LITELLM")
+    if given:
+        print(f"LiteLLM: {given} ($LLMGW_BENCH_LITELLM)")
+        return given
+    binary = LITELLM_VENV / "bin" / "litellm"
+    if not binary.exists():
+        print(f"LiteLLM: installing litellm[proxy] into {LITELLM_VENV} (once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(LITELLM_VENV)], check=True)
+        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"],
+                       check=True)
+    version = subprocess.run(
+        [str(LITELLM_VENV / "bin" / "python"), "-c",
+         "import importlib.metadata as m; print(m.version('litellm'))"],
+        capture_output=True, text=True).stdout.strip()
+    print(f"LiteLLM {version}: {binary}")
+    return str(binary)
+
+
+def start_litellm(work: Path, direct: Side, model: str) -> tuple[subprocess.Popen[bytes], Side]:
+    """LiteLLM's proxy in front of direct's engine: one worker, a master key."""
+    binary = litellm_binary()
+    base = direct.url.split("/v1/", 1)[0]
+    port, conf = free_port(), work / "litellm.yaml"
+    conf.write_text(LITELLM_CONF.format(model=model, base=base, key=direct.key,
+                                        master=LITELLM_KEY))
+    log = work / "litellm.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([binary, "--config", str(conf), "--host", "127.0.0.1",
+                                 "--port", str(port), "--num_workers", "1"], cwd=work,
+                                env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+                                stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/liveliness", timeout=2
+                         ).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            sys.exit(f"LiteLLM did not answer on 127.0.0.1:{port} within 120 s; its log, "
+                     f"{log}:\n{log.read_text()[-2000:]}")
+        time.sleep(0.5)
+    # The process that serves (the CLI may run uvicorn in a child).
+    pid = listener_pid(port) or proc.pid
+    return proc, Side(f"http://127.0.0.1:{port}/v1/chat/completions", LITELLM_KEY, pid)
+
+
 def on_host(layout: Layout, model: str) -> tuple[Side, Side, str]:
     """A provisioned host's gateway, and the engine of one of its ready replicas."""
     config = load_server(layout.server_yaml)
@@ -378,6 +460,8 @@ def main() -> None:
                              "request on the coroutine path), to compare the two")
     parser.add_argument("--no-nginx", action="store_true",
                         help="leave out the third side, nginx in front of the engine")
+    parser.add_argument("--no-litellm", action="store_true",
+                        help="leave out the fourth side, LiteLLM's proxy in front of the engine")
     parser.add_argument("--host", action="store_true",
                         help="measure this provisioned host's gateway and engine instead")
     parser.add_argument("--mode", default="auto", help="with --host: as pytest's --mode")
@@ -403,6 +487,10 @@ def main() -> None:
         nginx, proxy = start_nginx(work, direct)
         procs.append(nginx)
         sides.append(("nginx", proxy))
+    if not args.no_litellm:
+        litellm, proxied = start_litellm(work, direct, json.loads(body)["model"])
+        procs.append(litellm)
+        sides.append(("LiteLLM", proxied))
     if args.both_paths and not args.host:
         coroutine, plain = start_gateway(work, fast=False)
         procs.append(coroutine)
@@ -460,22 +548,35 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
     met = [t16 >= 0.9, t1 >= 0.8, added <= 1.0]
     print(f"goals (>=0.9x at 16, >=0.8x at 1, p50 +<=1 ms): "
           f"{'met' if all(met) else 'NOT met: ' + str(met)}")
-    last = f"gateway/direct: throughput {t16:.2f}× at 16, {t1:.2f}× at 1; p50 {added:+.1f} ms at 1"
-    if ("nginx", 1) in results:
-        n16, n1 = ratio(16, "nginx"), ratio(1, "nginx")
-        print(f"nginx/direct: throughput {ratio(16, 'direct', 'nginx'):.2f}× at 16, "
-              f"{ratio(1, 'direct', 'nginx'):.2f}× at 1; nginx's own CPU ms per request "
-              f"{cpu('nginx', 16, 'nginx'):.2f} at 16")
-        print(f"goals against nginx (>=1.0x at 16, >=0.95x at 1): "
-              f"{'met' if n16 >= 1.0 and n1 >= 0.95 else 'NOT met'}")
-        last += f"; gateway/nginx: throughput {n16:.2f}× at 16, {n1:.2f}× at 1"
+    print(f"gateway/direct: throughput {t16:.2f}× at 16, {t1:.2f}× at 1; p50 {added:+.1f} ms "
+          "at 1")
     if ("coroutine", 1) in results:
         print(f"gateway/coroutine (the same gateway without its fast path): throughput "
               f"{ratio(16, 'coroutine'):.2f}× at 16, {ratio(1, 'coroutine'):.2f}× at 1; own "
               f"CPU ms per request {cpu('gateway', 16, 'gateway'):.2f} vs "
               f"{cpu('coroutine', 16, 'coroutine'):.2f} at 16, "
               f"{cpu('gateway', 1, 'gateway'):.2f} vs {cpu('coroutine', 1, 'coroutine'):.2f} at 1")
-    print(last)
+    for side in ("nginx", "LiteLLM"):
+        if (side, 1) in results:
+            print(f"{side}/direct: throughput {ratio(16, 'direct', side):.2f}× at 16, "
+                  f"{ratio(1, 'direct', side):.2f}× at 1")
+    for side in ("gateway", "nginx", "LiteLLM"):
+        if (side, 1) in results:
+            print(f"{side}'s own CPU ms per request: {cpu(side, 1, side):.3f} at 1, "
+                  f"{cpu(side, 16, side):.3f} at 16")
+    parts = []
+    for side in ("nginx", "LiteLLM"):
+        if (side, 1) in results:
+            parts.append(f"gateway/{side} {ratio(1, side):.2f}x at 1, {ratio(16, side):.2f}x "
+                         "at 16")
+    if ("nginx", 1) in results and ("LiteLLM", 1) in results:
+        met = [ratio(1, "nginx") >= 0.9, ratio(16, "nginx") >= 0.9,
+               ratio(1, "LiteLLM") >= 5, ratio(16, "LiteLLM") >= 5]
+        print("goals (gateway/nginx >= 0.9x at 1 and 16; gateway/LiteLLM >= 5x at both): "
+              f"{'met' if all(met) else 'NOT met: ' + str(met)}")
+    own = [f"{side} {cpu(side, 16, side):.3f}" for side in ("gateway", "nginx", "LiteLLM")
+           if (side, 16) in results]
+    print("; ".join([*parts, "CPU per request ms: " + ", ".join(own)]))
 
 
 if __name__ == "__main__":
