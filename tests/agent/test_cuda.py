@@ -88,6 +88,8 @@ def system_root(tmp_path: Path, release: str = "13.0", cublas: bool = False,
     """A toolkit like this machine's /usr/local/cuda: CUDA 13 wheels' nvcc, runtime and
     CCCL, linked into one tree, and no cuBLAS."""
     root = tmp_path / f"cuda-{release}"
+    if root.exists():  # made before in this test
+        return root
     fake_nvcc(root / "bin" / "nvcc", release)
     major = release.split(".")[0]
     files = ["include/cccl/cub/cub.cuh"]
