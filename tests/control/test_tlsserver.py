@@ -49,6 +49,13 @@ class Cluster:
         return TLSFiles(ca=self.ca_file, cert=self.node[0], key=self.node[1])
 
 
+# Written before the port, failing on today's server; run=False: some wait out deadlines
+# the server does not have. strict: once they pass, this marker must go.
+pytestmark = pytest.mark.xfail(
+    run=False, strict=True,
+    reason="the agent API is not yet on the hardened HTTP core (issue 24, item 1): no "
+           "deadlines, handshake admission or strict framing hold these yet")
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Cluster:
     """Function: a CA, a server certificate for 127.0.0.1 and node-a's client certificate,

@@ -26,6 +26,11 @@ from tests.mirror.conftest import MirrorProcess
 
 SECRET = b"the bytes of a file outside the models dir " * 50
 
+# Written before the port, failing on today's server: strict, so the marker goes once they pass.
+NOT_ON_THE_CORE = pytest.mark.xfail(
+    run=False, strict=True,
+    reason="the mirror's bytes server is not yet on the hardened HTTP core (issue 24, item 1)")
+
 
 def _serve(tmp_path: Path) -> tuple[MirrorProcess, str, bytes]:
     (tmp_path / "secret.txt").write_bytes(SECRET)
@@ -193,6 +198,7 @@ def statuses(answer: bytes) -> list[int]:
     return [int(m[1]) for m in re.finditer(rb"HTTP/1\.1 (\d{3}) ", answer)]
 
 
+@NOT_ON_THE_CORE
 def test_two_content_lengths_are_400_and_the_request_hidden_behind_is_not_answered(served):
     """Content-Length N then 0: 400 and close; the GET hidden in the N bytes is never
     answered as a request of its own."""
@@ -214,6 +220,7 @@ def test_negative_control_the_same_pipelined_pair_without_the_second_length(serv
     assert statuses(answer) == [200, 206], answer[:300]
 
 
+@NOT_ON_THE_CORE
 @pytest.mark.parametrize("spec", [f"bytes={'9' * 5000}-", f"bytes=0-{'9' * 5000}",
                                   f"bytes=-{'9' * 5000}"])
 def test_a_range_with_thousands_of_digits_is_refused_without_a_traceback(served, spec):
@@ -310,6 +317,7 @@ def read_all(sock: socket.socket, cap: int) -> tuple[int, bool]:
     return got, False
 
 
+@NOT_ON_THE_CORE
 def test_a_client_that_stops_reading_is_let_go_by_the_write_deadline(big_models):
     """36 pipelined GETs of a 32 MiB file into a 4 KiB receive buffer, then no reads: the
     connection is closed by the write deadline (within its margin) and the server holds
@@ -326,6 +334,7 @@ def test_a_client_that_stops_reading_is_let_go_by_the_write_deadline(big_models)
     assert closed and got < BIG, f"{got} bytes came, {'then EOF' if closed else 'and more'}"
 
 
+@NOT_ON_THE_CORE
 def test_negative_control_a_raised_write_deadline_still_holds_the_stalled_client(big_models):
     """The same stalled client with the deadline raised: held when the test looks."""
     with bytes_server(*big_models, write_s=60.0) as (server, port):
