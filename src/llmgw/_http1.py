@@ -4,7 +4,7 @@ In front of a scripted replica (no engine time), the gateway under uvicorn spent
 of CPU a request at 16 in flight and 0.25 ms at 1; under this server 0.085 and 0.215,
 side by side (nginx: 0.022 and 0.06). uvicorn's share was its cycle objects, default
 headers, flow-control and event objects, and the writes it gathers only with help
-(`_serving._WritesGathered`). This server does what llmgw needs and no more, in one
+(which it gathers only through its private classes). This server does what llmgw needs and no more, in one
 asyncio protocol per connection: httptools parses the request, one task runs the app, an
 answer whose body comes in one message leaves in one write with its head, a streamed one
 as HTTP chunks, a file with sendfile (the ASGI zero-copy send extension). Keep-alive,
@@ -956,6 +956,10 @@ class Http1Server:
             self.loop = asyncio.get_running_loop()
         return lambda: _Connection(self)
 
+    def _handshake_timeout(self) -> float | None:
+        # asyncio refuses a handshake timeout without TLS.
+        return self.limits.handshake_timeout_s if self.ssl is not None else None
+
     def drop(self, predicate: Callable[[dict[str, Any] | None], bool]) -> int:
         """Cut every connection whose TLS extension (scope["extensions"]["tls"]; None on
         plain HTTP) predicate holds for, at once, its tasks cancelled (a revoked
@@ -977,11 +981,13 @@ class Http1Server:
             if sockets is not None:
                 for sock in sockets:
                     servers.append(await self.loop.create_server(
-                        lambda: _Connection(self), sock=sock, ssl=self.ssl, backlog=BACKLOG))
+                        lambda: _Connection(self), sock=sock, ssl=self.ssl, backlog=BACKLOG,
+                        ssl_handshake_timeout=self._handshake_timeout()))
             elif self.listen:
                 host, port = parse_listen(self.listen)
                 servers.append(await self.loop.create_server(
                     lambda: _Connection(self), host, port, ssl=self.ssl, backlog=BACKLOG,
+                    ssl_handshake_timeout=self._handshake_timeout(),
                     reuse_address=True))
             self.started = True
             await self._exiting.wait()

@@ -35,6 +35,10 @@ class Limits:
     write_min_rate: int = 1024
     # An idle keep-alive connection is closed after this long.
     keep_alive_s: float = 5.0
+    # TLS only: a new connection's first byte must come within first_byte_timeout_s, and
+    # its handshake end within handshake_timeout_s of its ClientHello, or it is closed.
+    first_byte_timeout_s: float = 5.0
+    handshake_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

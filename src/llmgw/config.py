@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from llmgw._http1_limits import Limits
 from llmgw.errors import Error
 
 M = TypeVar("M", bound=BaseModel)
@@ -73,6 +74,29 @@ class MirrorRef(_Section):
     url: StrictStr = ""
 
 
+_LIMITS = Limits()
+
+
+class HttpLimits(_Section):
+    """server.yaml's gateway_http and agent_http: what one client may send, and how slowly
+    (`llmgw._http1_limits.Limits`, where each default and its meaning are spelled once)."""
+
+    max_head_bytes: int = Field(default=_LIMITS.max_head_bytes, gt=0)
+    max_headers: int = Field(default=_LIMITS.max_headers, gt=0)
+    max_body_bytes: int = Field(default=_LIMITS.max_body_bytes, gt=0)
+    head_timeout_s: float = Field(default=_LIMITS.head_timeout_s, gt=0)
+    body_min_rate: int = Field(default=_LIMITS.body_min_rate, gt=0)
+    body_window_s: float = Field(default=_LIMITS.body_window_s, gt=0)
+    write_timeout_s: float = Field(default=_LIMITS.write_timeout_s, gt=0)
+    write_min_rate: int = Field(default=_LIMITS.write_min_rate, gt=0)
+    keep_alive_s: float = Field(default=_LIMITS.keep_alive_s, gt=0)
+    first_byte_timeout_s: float = Field(default=_LIMITS.first_byte_timeout_s, gt=0)
+    handshake_timeout_s: float = Field(default=_LIMITS.handshake_timeout_s, gt=0)
+
+    def limits(self) -> Limits:
+        return Limits(**self.model_dump())
+
+
 class ServerConfig(_Section):
     """server.yaml: the control plane's listen addresses, state and certificates."""
 
@@ -113,6 +137,11 @@ class ServerConfig(_Section):
     # the admin API's /metrics appends, and how long a stop lets requests under way finish.
     gateway_metrics_listen: StrictStr = "127.0.0.1:9091"
     gateway_drain_s: float = Field(default=30.0, gt=0, le=600)
+    # What one client may send the gateway and the agent API, and how slowly (HttpLimits).
+    # The gateway's body limit on the wire is gateway_max_body_bytes plus its framing
+    # unless gateway_http.max_body_bytes says otherwise.
+    gateway_http: HttpLimits = Field(default_factory=lambda: HttpLimits())
+    agent_http: HttpLimits = Field(default_factory=lambda: HttpLimits())
 
     @field_validator("admin_listen", "agent_listen", "gateway_listen", "gateway_metrics_listen")
     @classmethod

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 from llmgw import __version__
 from llmgw._asgi import Receive, Scope, Send
 from llmgw._http1 import Http1Server
+from llmgw._http1_limits import Limits
 from llmgw._serving import on_stop_signals
 from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.control._fastpath import FastPath
@@ -275,6 +276,21 @@ def _info(registry: CollectorRegistry, config: ServerConfig) -> None:
         __version__, settings_digest(config)).set(1)
 
 
+# A chunked body's framing (sizes, extensions, trailers) beyond the gateway's own body
+# limit: within it, a body too large is answered by the gateway (JSON, naming the setting).
+BODY_FRAMING_SLACK_BYTES = 1 << 20
+
+
+def gateway_limits(config: ServerConfig) -> Limits:
+    """The HTTP core's limits for the gateway: gateway_http, with the body limit on the
+    wire above gateway_max_body_bytes unless gateway_http.max_body_bytes is set."""
+    limits = config.gateway_http.limits()
+    if "max_body_bytes" not in config.gateway_http.model_fields_set:
+        limits = replace(limits, max_body_bytes=max(
+            limits.max_body_bytes, config.gateway_max_body_bytes + BODY_FRAMING_SLACK_BYTES))
+    return limits
+
+
 async def serve_worker(config_path: Path) -> None:
     """One worker: the gateway and its metrics on the inherited sockets, until SIGTERM."""
     config = load_server(config_path)
@@ -293,7 +309,7 @@ async def serve_worker(config_path: Path) -> None:
                            queue_wait_s=config.gateway_queue_wait_s)
     servers = [Http1Server(app, drain_s=config.gateway_drain_s,
                            certfile=config.gateway_tls.cert, keyfile=config.gateway_tls.key,
-                           fast=FastPath(app)),
+                           fast=FastPath(app), limits=gateway_limits(config)),
                Http1Server(metrics_app(registry), drain_s=1.0)]
 
     def stop() -> None:
