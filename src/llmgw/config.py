@@ -161,6 +161,12 @@ class EngineConfig(_Section):
     # wheel on a CPU node without a cached build (see llmgw.agent.engine). Provisioning
     # writes auto (--engine-prebuilt); the library's own default builds.
     prebuilt: Literal["off", "auto", "xllamacpp"] = "off"
+    # auto: on a node with NVIDIA GPUs, make llama.cpp with CUDA (llamacpp-cuda) in the
+    # background while the CPU engine serves; off: CPU only (tests and CI write off).
+    cuda: Literal["auto", "off"] = "auto"
+    # A llama-server built with CUDA to use as llamacpp-cuda instead of building one; it
+    # is checked like a built one (--list-devices names each GPU).
+    cuda_server: StrictStr = ""
 
 
 def _labels(value: Any) -> Any:

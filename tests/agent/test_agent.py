@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from llmgw import pki
-from llmgw.agent import _build
 from llmgw.agent import agent as agent_mod
 from llmgw.agent.agent import MAX_BACKOFF_S, Agent, backoff_s
 from llmgw.agent.client import AgentAPIError, AgentClient
-from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.engine import LlamaCpp, Status
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
+from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.engine_args import HTTP_THREADS
 from llmgw.control.nodes import node_view
@@ -151,16 +151,45 @@ def test_backoff_is_drawn_between_half_and_all_of_its_ceiling() -> None:
     assert len(drawn) > 10 and min(drawn) >= 5.0 and max(drawn) <= 10.0
 
 
-def test_no_cuda_toolkit_on_a_gpu_node_is_a_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_build, "find_nvcc", lambda search_path=None: None)
-    gpu = GPU(0, "NVIDIA L4", 23034, "GPU-x", "l4")
-    engine = LlamaCpp(EngineConfig(cache_dir=str(tmp_path)), gpu_expected=True)
-    assert engine.cuda_compiler is None
-    agent = Agent(AgentConfig(), client=_DownClient(),  # type: ignore[arg-type]
-                  engine=engine, discover=lambda: Discovery([gpu]))
-    assert any("no CUDA toolkit" in w for w in agent.warnings())
+def _gpu_agent(tmp_path: Path, cuda: str = "auto") -> Agent:
+    gpu = GPU(0, "NVIDIA L4", 23034, "GPU-x", "l4", compute_capability="8.9")
+    config = AgentConfig(engine=EngineConfig(cache_dir=str(tmp_path), cuda=cuda))
+    return Agent(config, client=_DownClient(),  # type: ignore[arg-type]
+                 engine=LlamaCpp(config.engine), discover=lambda: Discovery([gpu]))
+
+
+def test_a_gpu_node_reports_both_engines_and_serves_only_on_the_ready_ones(
+        tmp_path: Path) -> None:
+    """The heartbeat carries each engine's provision state; `engines` names only the
+    ready ones, so the scheduler places nothing on a GPU engine still being made."""
+    agent = _gpu_agent(tmp_path)
+    agent.engine._status = Status(CPU_ENGINE, "v", EngineState.READY, "")
+    beat = agent.inventory()
+    assert [p["engine"] for p in beat["provision"]] == [CPU_ENGINE, CUDA_ENGINE]
+    assert beat["engines"] == [CPU_ENGINE]
+    agent.cuda._status = Status(CUDA_ENGINE, "v", EngineState.READY, "")
+    assert agent.inventory()["engines"] == [CPU_ENGINE, CUDA_ENGINE]
+
+
+def test_the_gpu_engine_being_made_or_failed_is_a_warning_and_ready_is_none(
+        tmp_path: Path) -> None:
+    agent = _gpu_agent(tmp_path)
+    agent.cuda._status = Status(CUDA_ENGINE, "v", EngineState.BUILDING, "40%")
+    assert any("being made (building: 40%)" in w and "llmgw status" in w
+               for w in agent.warnings())
+    agent.cuda._status = Status(CUDA_ENGINE, "v", EngineState.FAILED, "no cmake")
+    assert any("failed: no cmake" in w for w in agent.warnings())
+    agent.cuda._status = Status(CUDA_ENGINE, "v", EngineState.READY, "")
+    assert agent.warnings() == []
+
+
+def test_negative_control_cuda_off_and_cpu_nodes_warn_of_no_gpu_engine(tmp_path: Path) -> None:
+    assert _gpu_agent(tmp_path, cuda="off").warnings() == []
+    cpu_node = Agent(AgentConfig(), client=_DownClient(),  # type: ignore[arg-type]
+                     engine=LlamaCpp(EngineConfig(cache_dir=str(tmp_path))),
+                     discover=lambda: Discovery())
+    assert cpu_node.warnings() == []
+    assert cpu_node.inventory()["provision"][1]["state"] == EngineState.ABSENT
 
 
 def test_default_workload_runs_nothing(tmp_path: Path) -> None:

@@ -77,34 +77,6 @@ def test_binary_that_does_not_answer_fails_the_check(
     assert recorded_engine(tmp_path / "state") is None
 
 
-def test_gpu_expected_but_not_listed_fails(tmp_path: Path, fake_llama_server: FakeBinary) -> None:
-    configured = fake_llama_server(tmp_path / "c", devices="")
-    e = LlamaCpp(EngineConfig(llama_server=str(configured), cache_dir=str(tmp_path)),
-                 gpu_expected=True, search_path=str(tmp_path / "empty"))
-    status = e.provision()
-    assert status.state == "failed" and "--list-devices shows no GPU" in status.detail
-
-
-def test_gpu_listed_passes(tmp_path: Path, fake_llama_server: FakeBinary) -> None:
-    listed = r"  CUDA0: NVIDIA H200 (143771 MiB, 143000 MiB free)\n"
-    configured = fake_llama_server(tmp_path / "c", devices=listed)
-    e = LlamaCpp(EngineConfig(llama_server=str(configured), cache_dir=str(tmp_path)),
-                 gpu_expected=True, search_path=str(tmp_path / "empty"))
-    assert e.provision().state == "ready"
-
-
-def test_cuda_build_has_its_own_cache_entry(tmp_path: Path) -> None:
-    nvcc = tmp_path / "cuda" / "nvcc"
-    nvcc.parent.mkdir()
-    nvcc.write_text("#!/bin/sh\n")
-    nvcc.chmod(0o755)
-    e = LlamaCpp(EngineConfig(cache_dir=str(tmp_path)), gpu_expected=True,
-                 search_path=str(nvcc.parent))
-    assert e.cached_binary.parent.name == f"{PINNED_VERSION}-cuda"
-    cpu = LlamaCpp(EngineConfig(cache_dir=str(tmp_path)), search_path=str(nvcc.parent))
-    assert cpu.cached_binary.parent.name == PINNED_VERSION
-
-
 def test_default_cache_is_outside_the_checkout(monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

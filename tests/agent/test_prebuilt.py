@@ -20,9 +20,9 @@ from llmgw.config import EngineConfig
 from tests.agent.conftest import FakeBinary
 
 
-def engine(tmp_path: Path, prebuilt: str, gpu: bool = False) -> LlamaCpp:
+def engine(tmp_path: Path, prebuilt: str) -> LlamaCpp:
     cfg = EngineConfig(cache_dir=str(tmp_path / "cache"), prebuilt=prebuilt)
-    return LlamaCpp(cfg, gpu_expected=gpu, state_dir=tmp_path / "state",
+    return LlamaCpp(cfg, state_dir=tmp_path / "state",
                     search_path=str(tmp_path / "empty"))
 
 
@@ -60,12 +60,6 @@ def test_auto_takes_an_installed_wheel_when_no_build_is_cached(tmp_path: Path) -
     assert os.access(found.path, os.X_OK)
 
 
-def test_auto_on_a_gpu_node_leaves_the_wheel_to_cpu_nodes(tmp_path: Path) -> None:
-    e = engine(tmp_path, "auto", gpu=True)
-    fake_install(e.cache_dir)
-    assert e.locate() is None
-
-
 def test_xllamacpp_goes_before_a_cached_build(tmp_path: Path,
                                               fake_llama_server: FakeBinary) -> None:
     e = engine(tmp_path, "xllamacpp")
@@ -99,12 +93,6 @@ def test_auto_builds_when_the_wheel_cannot_be_had(
     assert status.state == "unsupported" and "cmake" in status.detail, status
 
 
-def test_xllamacpp_on_a_gpu_node_fails_saying_it_is_cpu_only(tmp_path: Path) -> None:
-    status = engine(tmp_path, "xllamacpp", gpu=True).provision()
-    assert status.state == "failed"
-    assert "CPU-only wheel" in status.detail and "remove the key" in status.detail
-
-
 def test_a_launcher_from_another_llmgw_is_rewritten(tmp_path: Path) -> None:
     e = engine(tmp_path, "auto")
     fake_install(e.cache_dir)
@@ -132,7 +120,7 @@ def prebuilt_engine() -> str:
 @pytest.fixture
 def prebuilt_supervisor(tmp_path: Path, prebuilt_engine: str) -> Iterator[ReplicaSupervisor]:
     sup = ReplicaSupervisor(state_dir=tmp_path / "agent", weights_dir=tmp_path / "weights",
-                            engine=lambda: prebuilt_engine, bind_host="127.0.0.1")
+                            engine=lambda kind: prebuilt_engine, bind_host="127.0.0.1")
     yield sup
     stop_engines(tmp_path / "agent")
 
@@ -193,7 +181,7 @@ def test_prebuilt_engine_is_adopted_by_a_new_supervisor(
     """The agent finds its running engine again though it is `python .../llama-server`."""
     before = ready_replica(prebuilt_supervisor, *served_gguf, ["--ctx-size", "512"])
     again = ReplicaSupervisor(state_dir=tmp_path / "agent", weights_dir=tmp_path / "weights",
-                              engine=lambda: prebuilt_engine, bind_host="127.0.0.1")
+                              engine=lambda kind: prebuilt_engine, bind_host="127.0.0.1")
     after = again.report()[0]
     assert (after["state"], after["pid"]) == ("ready", before["pid"])
 

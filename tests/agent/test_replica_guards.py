@@ -35,7 +35,7 @@ def _failure(sup: ReplicaSupervisor, timeout_s: float = 10.0) -> str:
 
 def _supervisor(tmp_path: Path, engine: Path) -> ReplicaSupervisor:
     return ReplicaSupervisor(state_dir=tmp_path / "agent", weights_dir=tmp_path / "weights",
-                             engine=lambda: str(engine), bind_host="127.0.0.1")
+                             engine=lambda kind: str(engine), bind_host="127.0.0.1")
 
 
 def _assignment(source: str, args: list[str]) -> dict:

@@ -39,7 +39,7 @@ def supervisor(tmp_path, llama_server):
 
     def make() -> ReplicaSupervisor:
         sup = ReplicaSupervisor(state_dir=tmp_path / "agent", weights_dir=tmp_path / "weights",
-                                engine=lambda: llama_server, bind_host="127.0.0.1",
+                                engine=lambda kind: llama_server, bind_host="127.0.0.1",
                                 interface="lo")
         made.append(sup)
         return sup
@@ -70,6 +70,10 @@ def test_starts_serves_with_its_key_and_sets_nccl_interface(supervisor, served_g
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] > 0
     env = Path(f"/proc/{r['pid']}/environ").read_bytes().split(b"\0")
     assert b"NCCL_SOCKET_IFNAME=lo" in env and b"GLOO_SOCKET_IFNAME=lo" in env
+    # A CPU profile: no GPU visible to it and none asked for (llama.cpp offloads otherwise).
+    assert b"CUDA_VISIBLE_DEVICES=" in env
+    argv = Path(f"/proc/{r['pid']}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--device") + 1] == b"none"
 
 
 def test_a_new_supervisor_adopts_the_running_engine_ready_at_once(supervisor, served_gguf) -> None:

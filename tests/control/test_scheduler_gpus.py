@@ -66,8 +66,10 @@ def test_a_card_a_live_replica_holds_is_not_given_again() -> None:
 
 
 def test_mig_instances_are_assigned_one_per_replica() -> None:
+    # As discovery lists them: the instances, each with its own UUID, not the parent.
     slices = [{"index": 0, "class": "a100-40gb", "memory_mb": 4864, "memory_free_mb": 4800,
-               "uuid": f"MIG-{i}", "name": "NVIDIA A100-SXM4-40GB MIG 1g.5gb"} for i in range(2)]
+               "uuid": f"MIG-{i}", "mig_parent": "GPU-parent", "name": "NVIDIA A100-SXM4-40GB"}
+              for i in range(2)]
     p = plan([model(min=2, max=2, gpu="a100-40gb")], [node("a", gpus=slices)], [])
     assert [r["gpus"] for r in p.add] == [["MIG-0"], ["MIG-1"]]
 
@@ -105,11 +107,20 @@ def test_a_model_that_does_not_fit_the_free_memory_says_what_it_needs() -> None:
     assert place(short, [small], [], {"qwen": short}).gpus == ["GPU-aaaa"]
 
 
-def test_the_roomiest_card_that_fits_is_not_needed_the_first_that_fits_is_taken() -> None:
+def test_a_full_card_is_passed_over_for_one_that_fits() -> None:
     cards = [gpu("GPU-full", free_mb=1024), gpu("GPU-room", free_mb=40_000)]
     m = sized(model("qwen", gpu="h100-80gb"), 4.0)
     p = plan([m], [node("a", gpus=cards)], [])
     assert p.add[0]["gpus"] == ["GPU-room"]
+
+
+def test_free_memory_nvml_could_not_read_counts_as_the_cards_total() -> None:
+    m = sized(model("qwen", gpu="h100-80gb"), 4.0)
+    unread = gpu("GPU-aaaa", free_mb=0, unknown=["memory_free_mb"])
+    assert plan([m], [node("a", gpus=[unread])], []).add[0]["gpus"] == ["GPU-aaaa"]
+    # Negative control: a card NVML says is full is not taken.
+    full = gpu("GPU-aaaa", free_mb=0)
+    assert plan([m], [node("a", gpus=[full])], []).add[0]["profile"] == "cpu"
 
 
 def test_a_model_of_unknown_size_is_placed_by_min_memory_only() -> None:

@@ -57,14 +57,6 @@ def missing_tools(search_path: str | None = None) -> list[str]:
     return missing
 
 
-def find_nvcc(search_path: str | None = None) -> str | None:
-    found = shutil.which("nvcc", path=search_path)
-    if found:
-        return found
-    default = Path("/usr/local/cuda/bin/nvcc")
-    return str(default) if default.exists() else None
-
-
 def sdist_name(version: str) -> str:
     return f"llama_cpp_python-{version}.tar.gz"
 

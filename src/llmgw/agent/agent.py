@@ -1,4 +1,5 @@
-"""`llmgw agent`: heartbeats with the node's inventory, the engine provisioned beside them."""
+"""`llmgw agent`: heartbeats with the node's inventory, its engines provisioned beside them
+(the CPU engine first, then, on a node with NVIDIA GPUs, the GPU engine)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from pathlib import Path
 from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
 from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved
-from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.engine import CudaEngine, LlamaCpp
 from llmgw.agent.join import needs_renewal, renewal_request
 from llmgw.agent.replicas import ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
-from llmgw.contract import EngineState
+from llmgw.contract import CUDA_ENGINE, EngineState
 from llmgw.contract.records import Heartbeat
 
 log = logging.getLogger("llmgw.agent")
@@ -55,17 +56,15 @@ class Agent:
         *,
         client: AgentClient | None = None,
         engine: LlamaCpp | None = None,
+        cuda: CudaEngine | None = None,
         workload: Workload | None = None,
         discover: Callable[[], gpu_discovery.Discovery] = gpu_discovery.discover,
     ) -> None:
         self.config = config
         self.discovery = discover()
         self.client = client or AgentClient(config.server, config.tls)
-        self.engine = engine or LlamaCpp(
-            config.engine,
-            gpu_expected=bool(self.discovery.gpus),
-            state_dir=Path(config.state_dir),
-        )
+        self.engine = engine or LlamaCpp(config.engine, state_dir=Path(config.state_dir))
+        self.cuda = cuda or CudaEngine(config.engine, self.discovery, cpu=self.engine)
         self.workload: Workload = workload or NoReplicas()
         self.failures = 0
         self.registered = False
@@ -76,15 +75,15 @@ class Agent:
     def inventory(self) -> Heartbeat:
         """The heartbeat body (DESIGN.md); the control plane names the node by its cert."""
         interface, addr = host.management_interface(self.config.server)
-        status = self.engine.status
+        statuses = [self.engine.status, self.cuda.status]
         return {
             "node_id": self.config.node_id,
             "gpus": [g.as_dict() for g in self.discovery.gpus],
             "cpus": host.cpus(),
             "memory_mb": host.memory_mb(),
             "labels": dict(self.config.labels),
-            "engines": [status.engine] if status.state == EngineState.READY else [],
-            "provision": [status.as_dict()],
+            "engines": [s.engine for s in statuses if s.state == EngineState.READY],
+            "provision": [s.as_dict() for s in statuses],
             "interface": interface,
             "addr": addr,
             "warnings": self.warnings(),
@@ -93,13 +92,9 @@ class Agent:
         }
 
     def warnings(self) -> list[str]:
-        found = list(self.discovery.warnings)
-        if self.discovery.gpus and not self.engine.cuda_compiler:
-            found.append(
-                "this node has an NVIDIA GPU but no CUDA toolkit (nvcc), so a llama.cpp built "
-                "here runs on CPU; install the CUDA toolkit and restart the agent"
-            )
-        return found
+        """Discovery's warnings, and the GPU engine's while it is made or when it failed."""
+        return [*self.discovery.warnings, *cuda_warnings(self.cuda.status.state,
+                                                         self.cuda.status.detail)]
 
     def renew_if_due(self) -> bool:
         """Renew this node's certificate through the control plane when it expires within
@@ -147,30 +142,52 @@ class Agent:
         self.registered = True
         self.failures = 0
         self.workload.reconcile(list(answer.get("replicas") or []))
+        self.cuda.retry_if_cache_changed()
         return self.config.heartbeat_s
 
     def _pause(self, stop: threading.Event, delay_s: float) -> None:
         """Wait delay_s, or less when the engine changes state: a node that just became
         ready says so at once, not a heartbeat later."""
-        sent = self.engine.status.state
+        sent = self._states()
         deadline = time.monotonic() + delay_s
         while not stop.is_set():
             left = deadline - time.monotonic()
-            if left <= 0 or (self.failures == 0 and self.engine.status.state != sent):
+            if left <= 0 or (self.failures == 0 and self._states() != sent):
                 return
             stop.wait(min(left, 0.25))
 
+    def _states(self) -> tuple[str, str]:
+        return self.engine.status.state, self.cuda.status.state
+
     def run(self, stop: threading.Event) -> None:
-        """Heartbeat until stop is set; the engine is provisioned in the background."""
+        """Heartbeat until stop is set; the engines are provisioned in the background."""
         for warning in self.discovery.warnings:
             log.warning("%s", warning)
         self.engine.start()
+        self.cuda.start()
         try:
             while not stop.is_set() and not self.removed:
                 self._pause(stop, self.beat())
         finally:
+            self.cuda.stop()
             self.engine.stop()
             self.client.close()
+
+
+# Where a person watches the GPU engine being made (the same words in provision's output).
+WATCH_CUDA = "watch it with `llmgw status` or the agent's log"
+
+
+def cuda_warnings(state: str, detail: str) -> list[str]:
+    """What a person reads of the GPU engine: that it is being made (and where to watch),
+    or why it failed; nothing once ready, or where it is not wanted."""
+    if state == EngineState.FAILED:
+        return [f"the GPU engine ({CUDA_ENGINE}) failed: {detail}"]
+    if state in (EngineState.PENDING, EngineState.DOWNLOADING, EngineState.BUILDING,
+                 EngineState.CHECKING):
+        return [f"the GPU engine ({CUDA_ENGINE}) is being made ({state}: {detail}); the node "
+                f"serves on CPU until it is ready; {WATCH_CUDA}"]
+    return []
 
 
 def replica_supervisor(agent: Agent) -> ReplicaSupervisor:
@@ -178,14 +195,16 @@ def replica_supervisor(agent: Agent) -> ReplicaSupervisor:
     weights cached in the state dir, adopted again when this agent restarts."""
     interface, addr = host.management_interface(agent.config.server)
 
-    def engine_path() -> str | None:
-        found = agent.engine.found
-        return str(found.path) if agent.engine.ready() and found else None
+    def engine_path(kind: str) -> str | None:
+        engine = agent.cuda if kind == CUDA_ENGINE else agent.engine
+        found = engine.found
+        return str(found.path) if engine.ready() and found else None
 
     state_dir = Path(agent.config.state_dir)
     return ReplicaSupervisor(state_dir=state_dir, weights_dir=state_dir / "weights",
                              engine=engine_path, bind_host=addr or "127.0.0.1",
-                             interface=interface)
+                             interface=interface,
+                             gpus=[g.as_dict() for g in agent.discovery.gpus])
 
 
 def run_agent(config: AgentConfig) -> None:
@@ -199,8 +218,9 @@ def run_agent(config: AgentConfig) -> None:
     agent = Agent(config)
     agent.workload = replica_supervisor(agent)
     log.info(
-        "agent %s: control plane %s, %d GPU(s), engine cache %s",
+        "agent %s: control plane %s, %d GPU(s), engine cache %s, engine.cuda: %s",
         config.node_id, config.server, len(agent.discovery.gpus), agent.engine.cache_dir,
+        config.engine.cuda,
     )
     agent.run(stop)
     log.info("agent stopped")

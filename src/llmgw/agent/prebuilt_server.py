@@ -151,14 +151,12 @@ _SWITCHES: dict[tuple[str, ...], list[tuple[str, Any]]] = {
 }
 # Flags llama-server has that this engine cannot honour, and why.
 UNSUPPORTED = {
-    "-dev": "the prebuilt CPU engine has no device list; drop the flag or use the source build",
-    "--device": "the prebuilt CPU engine has no device list; drop the flag or use the "
-                "source build",
     "-ncmoe": "CPU expert placement is not offered by xllamacpp's parameters",
     "--n-cpu-moe": "CPU expert placement is not offered by xllamacpp's parameters",
     "-cmoe": "CPU expert placement is not offered by xllamacpp's parameters",
     "--cpu-moe": "CPU expert placement is not offered by xllamacpp's parameters",
 }
+DEVICE_FLAGS = ("-dev", "--device")
 TAKES_VALUE: dict[str, tuple[str, Convert]] = {
     name: target for names, target in _WITH_VALUE.items() for name in names
 }
@@ -176,6 +174,14 @@ def parse(argv: list[str]) -> list[tuple[str, Any]]:
     sets: list[tuple[str, Any]] = []
     words = iter(argv)
     for word in words:
+        if word in DEVICE_FLAGS:
+            # The agent holds every CPU replica to the CPU with `--device none`: that is
+            # what this engine does anyway; any other device it cannot honour.
+            device = next(words, None)
+            if device != "none":
+                raise UsageError(f"{word} {device!r}: the prebuilt CPU engine runs on the CPU "
+                                 "only (`--device none`); a GPU replica runs on llamacpp-cuda")
+            continue
         if word in UNSUPPORTED:
             raise UsageError(f"{word}: {UNSUPPORTED[word]}")
         if word in SWITCHES:

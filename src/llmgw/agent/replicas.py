@@ -17,7 +17,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,8 +27,8 @@ import httpx
 
 from llmgw._files import atomic_write, last_lines
 from llmgw.agent import engine_log
-from llmgw.contract import ReplicaState
-from llmgw.contract.records import Assignment, Inventory, ReplicaReport
+from llmgw.contract import CPU_ENGINE, ReplicaState
+from llmgw.contract.records import Assignment, Gpu, Inventory, ReplicaReport
 from llmgw.engine_args import check_engine_args
 from llmgw.netaddr import free_port
 
@@ -60,6 +60,10 @@ class Record:
     pid: int = 0
     port: int = 0
     api_key: str = ""
+    # The engine it runs on (llamacpp, llamacpp-cuda) and its GPUs (NVML UUIDs, in order;
+    # none for a CPU profile). Absent from a record written before GPUs were placed.
+    engine: str = CPU_ENGINE
+    gpus: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -74,6 +78,36 @@ class Replica:
     # state -> how many times the replica entered it: a flap cannot hide between two polls.
     changes: dict[str, int] = field(default_factory=dict)
     worker: threading.Thread | None = field(default=None, repr=False)
+
+
+_LAYERS_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
+# Every layer: llama.cpp caps it at the model's layer count.
+ALL_LAYERS = "999"
+
+
+def placement(gpus: list[str], known: list[Gpu],
+              args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment that hold an engine to its GPUs, or to the CPU alone.
+
+    With GPUs: CUDA_VISIBLE_DEVICES names them by UUID (so the engine sees those and no
+    other, numbered CUDA0.. in that order), --device names all it sees and every layer is
+    offloaded unless the profile's args say how many. Without: no GPU visible, --device
+    none and no layer offloaded, since llama.cpp otherwise offloads to any GPU it finds.
+    A UUID this node's NVML did not report is refused: the engine would start elsewhere."""
+    layers_given = any(a in _LAYERS_FLAGS for a in args)
+    if not gpus:
+        return (["--device", "none", *([] if layers_given else ["--n-gpu-layers", "0"])],
+                {"CUDA_VISIBLE_DEVICES": ""})
+    here = {str(g.get("uuid", "")) for g in known}
+    missing = [u for u in gpus if u not in here]
+    if missing:
+        raise ValueError(f"the control plane placed this replica on {', '.join(missing)}, "
+                         f"which this node does not have (its GPUs: "
+                         f"{', '.join(sorted(here)) or 'none'}); the next heartbeat corrects "
+                         "the placement")
+    devices = ",".join(f"CUDA{i}" for i in range(len(gpus)))
+    return (["--device", devices, *([] if layers_given else ["--n-gpu-layers", ALL_LAYERS])],
+            {"CUDA_VISIBLE_DEVICES": ",".join(gpus)})
 
 
 def pid_is_engine(pid: int, port: int) -> bool:
@@ -100,9 +134,10 @@ class ReplicaSupervisor:
         *,
         state_dir: Path,
         weights_dir: Path,
-        engine: Callable[[], str | None],
+        engine: Callable[[str], str | None],
         bind_host: str,
         interface: str = "",
+        gpus: list[Gpu] | None = None,
         clock: Callable[[], float] = time.monotonic,
         http: httpx.Client | None = None,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
@@ -110,7 +145,9 @@ class ReplicaSupervisor:
         self.dir = Path(state_dir) / "replicas"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.weights_dir = Path(weights_dir)
+        # engine(kind): the path of that engine's llama-server once it is ready, else None.
         self.engine = engine
+        self.gpus: list[Gpu] = list(gpus or [])
         self.bind_host = bind_host
         self.interface = interface
         self.clock = clock
@@ -167,7 +204,9 @@ class ReplicaSupervisor:
                 if rid not in self.replicas:
                     record = Record(id=rid, model=a["model"], profile=a["profile"],
                                     source=a["source"], sha256=a.get("sha256", ""),
-                                    args=list(a.get("args", [])))
+                                    args=list(a.get("args", [])),
+                                    engine=a.get("engine") or CPU_ENGINE,
+                                    gpus=list(a.get("gpus") or []))
                     self.replicas[rid] = Replica(record)
                     self._launch(self.replicas[rid])
 
@@ -248,19 +287,23 @@ class ReplicaSupervisor:
         return target
 
     def start_engine(self, replica: Replica) -> None:
-        engine = self.engine()
-        if not engine:
-            raise RuntimeError("llama.cpp is not ready on this node yet; see the node's "
-                               "provision state")
         record = replica.record
+        engine = self.engine(record.engine)
+        if not engine:
+            raise RuntimeError(f"the {record.engine} engine is not ready on this node yet; "
+                               "see the node's provision state (`llmgw status`)")
         # Checked again here: the catalog checks too, but the agent runs as root.
         check_engine_args(record.args)
+        flags, devices = placement(record.gpus, self.gpus, record.args)
         record.port = free_port(self.bind_host)
         record.api_key = secrets.token_urlsafe(24)
-        # --metrics: the control plane scrapes each ready replica's /metrics.
+        # --metrics: the control plane scrapes each ready replica's /metrics. The placement
+        # comes last: llama.cpp takes the last --device, and the catalog's may not override
+        # the GPUs the scheduler counted.
         argv = [engine, "-m", record.weights, "--host", self.bind_host, "--port",
-                str(record.port), "--api-key", record.api_key, "--metrics", *record.args]
-        env = dict(os.environ)
+                str(record.port), "--api-key", record.api_key, "--metrics", *record.args,
+                *flags]
+        env = {**os.environ, **devices}
         if self.interface:
             env["NCCL_SOCKET_IFNAME"] = self.interface
             env["GLOO_SOCKET_IFNAME"] = self.interface

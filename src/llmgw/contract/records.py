@@ -21,8 +21,12 @@ _CLOSED = ConfigDict(extra="forbid")
 
 
 # "class" is a Python keyword, so this record takes the functional form.
+# A MIG instance is an entry of its own: its uuid is "MIG-…", mig_parent its GPU's UUID
+# (a GPU in MIG mode is not listed itself); unknown names what NVML could not read.
 Gpu = with_config(_OPEN)(TypedDict("Gpu", {"index": int, "name": str, "memory_mb": int,
-                                           "uuid": str, "class": str}, total=False))
+                                           "uuid": str, "class": str, "memory_free_mb": int,
+                                           "compute_capability": str, "mig_parent": str,
+                                           "unknown": list[str]}, total=False))
 
 
 @with_config(_OPEN)

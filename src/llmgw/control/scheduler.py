@@ -134,10 +134,12 @@ def _gib(n: float) -> str:
 
 
 def _free_bytes(gpu: Gpu) -> int:
-    """What NVML reported free on the card at the last heartbeat (its total from an agent
-    that does not report free memory)."""
+    """What NVML reported free on the card (its total where NVML could not say, or from an
+    agent that does not report free memory)."""
     free_mb = gpu.get("memory_free_mb")
-    return int((free_mb if free_mb is not None else gpu.get("memory_mb", 0)) * MIB)
+    if free_mb is None or "memory_free_mb" in (gpu.get("unknown") or []):
+        free_mb = gpu.get("memory_mb", 0)
+    return int(free_mb * MIB)
 
 
 # --- where a profile can run ---
@@ -172,9 +174,10 @@ def _why_not(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
 
 
 def _free_cards(profile: ProfileSpec, node: NodeView, used: _Used) -> list[Gpu]:
-    """The node's cards of the profile's class that no live replica holds, in order."""
+    """The node's cards of the profile's class that no live replica holds, in order (a
+    MIG instance is a card of its own: one process each)."""
     cards = [g for g in node["gpus"] if g.get("class") == profile["gpu_class"]
-             and g.get("uuid") not in used.uuids and not g.get("mig_enabled")]
+             and g.get("uuid") not in used.uuids]
     return cards[used.by_class.get(profile["gpu_class"], 0):]
 
 
