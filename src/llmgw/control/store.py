@@ -229,20 +229,20 @@ class Store:
                 (node_id, ReplicaState.STOPPED),
             ).fetchall()
             for row in rows:
-                fields = reports.get(row["id"])
-                if fields and any(row[k] != v for k, v in fields.items()):
-                    sets = ", ".join(f"{k} = ?" for k in fields)
+                report = reports.get(row["id"])
+                if report and any(row[k] != v for k, v in report.items()):
+                    sets = ", ".join(f"{k} = ?" for k in report)
                     db.execute(f"UPDATE replicas SET {sets}, updated = ? WHERE id = ?",
-                               (*fields.values(), self.clock(), row["id"]))
+                               (*report.values(), self.clock(), row["id"]))
         return [
-            {**_replica_row(r, skip="spec"),
-             "spec": json.loads(r["spec"]) if r["spec"] else None}
+            {**_replica_row(r), "spec": json.loads(r["spec"]) if r["spec"] else None}
             for r in rows
         ]
 
     def nodes(self, limit: int | None = None, after: str = "") -> list[NodeRecord]:
         """Nodes by id: every one, or a page of at most limit with ids after `after`."""
-        query, args = f"SELECT {_NODE_META} FROM nodes WHERE id > ? ORDER BY id", (after,)
+        query = f"SELECT {_NODE_META} FROM nodes WHERE id > ? ORDER BY id"
+        args: tuple[str | int, ...] = (after,)
         if limit is not None:
             query, args = query + " LIMIT ?", (after, limit)
         return self._with_inventories(self._read(query, args))
@@ -383,7 +383,8 @@ class Store:
     def replicas(self, model: str | None = None) -> list[ReplicaRecord]:
         """Replicas (with their api_key: callers decide what leaves the process); a row
         that is not a valid record raises RecordError naming it."""
-        query, args = "SELECT * FROM replicas", ()
+        query = "SELECT * FROM replicas"
+        args: tuple[str, ...] = ()
         if model is not None:
             query, args = query + " WHERE model = ?", (model,)
         return [checked(REPLICA, _replica_row(r), f"stored replica {r['id']!r}")
@@ -406,10 +407,6 @@ class Store:
             cur = db.execute("DELETE FROM replicas WHERE state = ? AND updated < ?",
                              (ReplicaState.STOPPED, self.clock() - older_than_s))
         return cur.rowcount
-
-    def delete_replica(self, replica_id: str) -> None:
-        with self._tx() as db:
-            db.execute("DELETE FROM replicas WHERE id = ?", (replica_id,))
 
     # --- gateway keys ---
 
@@ -434,7 +431,7 @@ class Store:
         """Live gateway keys by creation (revoked ones too with revoked=True), with their
         hashes: callers decide what leaves the process."""
         where = "" if revoked else " WHERE revoked IS NULL"
-        return [{**dict(r), "models": json.loads(r["models"])}
+        return [_key_record(r)
                 for r in self._read(f"SELECT * FROM keys{where} ORDER BY created, name")]
 
     def revoke_key(self, name_or_prefix: str) -> KeyRecord | None:
@@ -446,7 +443,7 @@ class Store:
             if row is None:
                 return None
             db.execute("UPDATE keys SET revoked = ? WHERE id = ?", (self.clock(), row["id"]))
-        return {**dict(row), "models": json.loads(row["models"])}
+        return _key_record(row)
 
     def add_key_usage(self, usage: dict[str, tuple[int, int, int, float]]) -> None:
         """Add a batch of usage (key id -> requests, prompt and completion tokens, last
@@ -474,9 +471,20 @@ def _inventory_out(node_id: str, text: str) -> Inventory:
         return {"warnings": [f"{e}; the node's next heartbeat replaces it"]}
 
 
-def _replica_row(row: sqlite3.Row, skip: str = "") -> dict[str, Any]:
-    """A replicas row as a record: its gpus column is JSON text."""
-    record = {k: row[k] for k in row.keys() if k != skip}
-    if "gpus" in record:
-        record["gpus"] = json.loads(record["gpus"] or "[]")
-    return record
+def _replica_row(row: sqlite3.Row) -> ReplicaRecord:
+    """A replicas row (its columns as _SCHEMA and _REPLICA_COLUMNS make them) as a record,
+    not checked: its gpus column is JSON text."""
+    return {"id": row["id"], "model": row["model"], "node": row["node"],
+            "profile": row["profile"], "state": row["state"], "err": row["err"],
+            "endpoint": row["endpoint"], "api_key": row["api_key"],
+            "gpus": json.loads(row["gpus"] or "[]"), "updated": row["updated"]}
+
+
+def _key_record(row: sqlite3.Row) -> KeyRecord:
+    """A keys row (its columns as _SCHEMA makes them) as a record: models is JSON text."""
+    return {"id": row["id"], "name": row["name"], "prefix": row["prefix"], "hash": row["hash"],
+            "models": json.loads(row["models"]), "rpm": row["rpm"], "tpm": row["tpm"],
+            "expires": row["expires"], "created": row["created"], "revoked": row["revoked"],
+            "last_used": row["last_used"], "requests": row["requests"],
+            "prompt_tokens": row["prompt_tokens"],
+            "completion_tokens": row["completion_tokens"]}
