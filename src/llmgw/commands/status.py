@@ -41,8 +41,12 @@ def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
                   ago(now - n["last_seen"])] for n in nodes]
     replica_rows = [[r["id"], r["model"], r["node"] or "-", r["state"], _uptime(r, now),
                      r["err"][:60]] for r in replicas if r["state"] != ReplicaState.STOPPED]
+    # What a person must act on or wait for (a GPU engine being made or failed, a card
+    # without its driver), as the agent says it: under the table, one line each.
+    warnings = [f"!! {n['id']}: {w}" for n in nodes for w in n.get("warnings", [])]
     return "\n".join([
-        table(["NODE", "STATE", "ENGINES", "GPUS", "LAST SEEN"], node_rows, "no nodes"), "",
+        table(["NODE", "STATE", "ENGINES", "GPUS", "LAST SEEN"], node_rows, "no nodes"),
+        *warnings, "",
         table(["REPLICA", "MODEL", "NODE", "STATE", "UPTIME", "ERROR"], replica_rows,
               "no replicas"),
         *(["", render_drift(drift, now)] if drift is not None else []),

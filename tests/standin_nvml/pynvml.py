@@ -1,0 +1,78 @@
+"""A stand-in for nvidia-ml-py's `pynvml` on a machine without a GPU: the NVML calls
+llmgw.agent.gpus makes, answering for the cards LLMGW_STANDIN_GPUS names
+(`NAME:MEMORY_MB:CC;...`, default one H100 80GB HBM3). Put this folder first on
+PYTHONPATH of a process (and of the services it starts) to make it see those cards; the
+CUDA driver itself is not there, so a CUDA engine built or checked against it fails,
+as a test of that path wants. Only the driver's library is stood in for."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+_DEFAULT = "NVIDIA H100 80GB HBM3:81559:9.0"
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int = 999, text: str = "Unknown Error") -> None:
+        super().__init__(text)
+        self.value = value
+
+
+NVML_ERROR_NOT_SUPPORTED = 3
+
+
+def _cards() -> list[tuple[str, int, tuple[int, int]]]:
+    cards = []
+    for entry in (os.environ.get("LLMGW_STANDIN_GPUS") or _DEFAULT).split(";"):
+        name, memory, cc = entry.split(":")
+        major, minor = cc.split(".")
+        cards.append((name, int(memory), (int(major), int(minor))))
+    return cards
+
+
+def nvmlInit() -> None:
+    pass
+
+
+def nvmlShutdown() -> None:
+    pass
+
+
+def nvmlSystemGetCudaDriverVersion() -> int:
+    # A 550 driver's CUDA 12.4 by default: the most common GPU host, whose engine needs a
+    # CUDA 12 toolkit that cannot be assembled from wheels (so nothing is downloaded).
+    return int(os.environ.get("LLMGW_STANDIN_CUDA_DRIVER") or 12040)
+
+
+def nvmlSystemGetDriverVersion() -> str:
+    return "550.54.15 (stand-in)"
+
+
+def nvmlDeviceGetCount() -> int:
+    return len(_cards())
+
+
+def nvmlDeviceGetHandleByIndex(i: int) -> int:
+    return i
+
+
+def nvmlDeviceGetName(h: int) -> str:
+    return _cards()[h][0]
+
+
+def nvmlDeviceGetMemoryInfo(h: int) -> SimpleNamespace:
+    total = _cards()[h][1] * 2**20
+    return SimpleNamespace(total=total, free=total - 2**30, used=2**30)
+
+
+def nvmlDeviceGetUUID(h: int) -> str:
+    return f"GPU-5ea1d1e0-0000-4000-8000-{h:012d}"
+
+
+def nvmlDeviceGetCudaComputeCapability(h: int) -> tuple[int, int]:
+    return _cards()[h][2]
+
+
+def nvmlDeviceGetMigMode(h: int) -> list[int]:
+    raise NVMLError(NVML_ERROR_NOT_SUPPORTED, "Not Supported")
