@@ -6,7 +6,7 @@ import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from llmgw.contract.records import Geometry
 from llmgw.errors import Error
@@ -19,8 +19,10 @@ _STRING, _ARRAY = 8, 9
 _MAX_KEYS = 64
 # Integer value types and their struct codes: u8 i8 u16 i16 u32 i32 bool u64 i64.
 _INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 7: "<?", 10: "<Q", 11: "<q"}
-# `<arch>.` keys that make the geometry, and their names in it.
-_GEOMETRY_KEYS = {
+# `<arch>.` keys that make the geometry, and their names in it (Geometry's keys).
+_GeometryKey = Literal["block_count", "context_length", "embedding_length", "head_count",
+                       "head_count_kv", "key_length", "value_length"]
+_GEOMETRY_KEYS: dict[str, _GeometryKey] = {
     "block_count": "block_count",
     "context_length": "context_length",
     "embedding_length": "embedding_length",
@@ -32,7 +34,8 @@ _GEOMETRY_KEYS = {
 
 
 class _Source(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def read(self, n: int) -> bytes: ...
 
@@ -69,7 +72,7 @@ def read_geometry(f: _Source, where: str | Path) -> Geometry:
     Reading stops at the tokenizer's keys, which come after these in every writer's output
     and hold most of a header's bytes."""
     kv_count = _header(f, Path(where))
-    arch, found = "", {}
+    arch, found = "", Geometry()
     for _ in range(kv_count):
         key, kind = _string(f), _u32(f)
         if key == "general.architecture" and kind == _STRING:
@@ -85,7 +88,7 @@ def read_geometry(f: _Source, where: str | Path) -> Geometry:
         value = _largest_int(f, kind)
         if value is not None:
             found[name] = value
-    return found  # type: ignore[return-value]
+    return found
 
 
 def _largest_int(f: _Source, kind: int) -> int | None:

@@ -68,7 +68,7 @@ def check_host(spec: str, *, command: tuple[str, ...] = CHECK_COMMAND,
 
 def _records(stdout: str) -> list[Mapping[str, object]]:
     """The JSON objects of stdout, one a line; other lines (there should be none) are left."""
-    found = []
+    found: list[Mapping[str, object]] = []
     for line in stdout.splitlines():
         try:
             item = json.loads(line)
