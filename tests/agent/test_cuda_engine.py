@@ -107,7 +107,7 @@ def test_negative_control_a_cpu_build_lists_no_cuda_device_and_fails_in_one_line
     status = e.provision()
     assert status.state == EngineState.FAILED
     assert "names no CUDA device" in status.detail and "GPU-aaaa" in status.detail
-    assert "serves on CPU until this is fixed" in status.detail
+    assert "the node serves on CPU meanwhile" in status.detail
     assert "\n" not in status.detail
 
 

@@ -512,7 +512,7 @@ class CudaEngine:
                 log.exception("provisioning %s", CUDA_ENGINE)
             self._failed_at = self._cache_stamp()
             self._say(EngineState.FAILED, one_line(str(e))[:500]
-                      + "; the node serves on CPU until this is fixed (then restart the agent)")
+                      + "; the node serves on CPU meanwhile")
             return self.status
         self.found = found
         self._say(EngineState.READY, f"{found.path} ({found.origin}), "
