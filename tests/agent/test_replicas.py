@@ -5,21 +5,22 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from llmgw.agent.replicas import ReplicaSupervisor, pid_is_engine, stop_engines
+from llmgw.agent.replicas import ReplicaSupervisor, pid_is_engine, stop_engines, terminate
 
 pytestmark = pytest.mark.slow
 
 
-def assignment(url: str, sha256: str = "", rid: str = "r-1") -> dict:
+def assignment(url: str, sha256: str = "", rid: str = "r-1", ctx: int = 512) -> dict:
     return {"id": rid, "model": "tiny", "profile": "cpu", "engine": "llamacpp",
             "gpu_class": "", "source": url, "sha256": sha256,
-            "args": ["--ctx-size", "512", "--threads", "1"]}
+            "args": ["--ctx-size", str(ctx), "--threads", "1"]}
 
 
 def until(what: str, predicate, timeout_s: float = 60.0) -> None:
@@ -108,8 +109,58 @@ def test_a_removed_assignment_stops_its_engine(supervisor, served_gguf, tmp_path
     pid = state_of(sup)["pid"]
     sup.reconcile([])
     assert sup.report() == []
+    for retiring in list(sup.retiring.values()):
+        retiring.join(timeout=60)
     assert not Path(f"/proc/{pid}").exists() or not pid_is_engine(pid, 0)
     assert not list((tmp_path / "agent" / "replicas").glob("*.json"))
+
+
+def _long_answer(r: dict, out: list) -> None:
+    """A completion of a second or more on the tiny model (about 2,000 tokens), streamed;
+    out gets its outcome."""
+    body = {"messages": [{"role": "user", "content": "count"}], "max_tokens": 3000,
+            "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", f"{r['endpoint']}/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {r['api_key']}"},
+                          timeout=120) as response:
+            text = "".join(response.iter_text())
+        out.append((response.status_code, text.rstrip().endswith("data: [DONE]")))
+    except httpx.HTTPError as e:
+        out.append(("cut", repr(e)))
+
+
+def test_a_replica_taken_off_finishes_the_answer_under_way_then_stops(
+        supervisor, served_gguf) -> None:
+    """Moved elsewhere, a replica's engine stops once its slots are idle, not mid-answer."""
+    sup = supervisor()
+    sup.reconcile([assignment(*served_gguf, ctx=4096)])
+    until("ready", lambda: state_of(sup)["state"] == "ready")
+    r = state_of(sup)
+    out: list = []
+    streaming = threading.Thread(target=_long_answer, args=(r, out))
+    streaming.start()
+    time.sleep(0.3)
+    retiring = sup.stop("r-1")
+    assert retiring is not None
+    streaming.join(timeout=120)
+    retiring.join(timeout=60)
+    assert out == [(200, True)], out
+    assert not pid_is_engine(r["pid"], int(r["endpoint"].rsplit(":", 1)[1]))
+
+
+def test_negative_control_an_engine_stopped_at_once_cuts_the_answer(supervisor, served_gguf) -> None:
+    sup = supervisor()
+    sup.reconcile([assignment(*served_gguf, ctx=4096)])
+    until("ready", lambda: state_of(sup)["state"] == "ready")
+    r = state_of(sup)
+    out: list = []
+    streaming = threading.Thread(target=_long_answer, args=(r, out))
+    streaming.start()
+    time.sleep(0.3)
+    terminate(r["pid"], int(r["endpoint"].rsplit(":", 1)[1]))
+    streaming.join(timeout=120)
+    assert out and out[0] != (200, True), out
     kept = sup.facts()["replica_logs"]["r-1"]
     assert any("llama" in line.lower() for line in kept), "the stopped engine's log is gone"
 

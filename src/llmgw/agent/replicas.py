@@ -43,6 +43,11 @@ _LOG_TAIL = 8
 # and one slow answer said nothing about whether the engine serves (issue 11).
 PROBE_FAILURES_TO_LEAVE = 3
 PROBE_TIMEOUT_S = 5.0
+# A replica taken off this node: requests the gateway routed just before it left the table
+# get this long to arrive, then those under way at most RETIRE_DRAIN_S to finish (the
+# gateway's own drain bound), before its engine is stopped.
+RETIRE_GRACE_S = 1.0
+RETIRE_DRAIN_S = 30.0
 MAX_PROBES_AT_ONCE = 16
 
 
@@ -154,6 +159,8 @@ class ReplicaSupervisor:
         self.http = http or httpx.Client(timeout=httpx.Timeout(30.0, read=300.0))
         self.probe_timeout_s = probe_timeout_s
         self.replicas: dict[str, Replica] = {}
+        # Replicas stopping in the background (stop()), until their engine is gone.
+        self.retiring: dict[str, threading.Thread] = {}
         self._lock = threading.RLock()
         self.adopt()
 
@@ -399,16 +406,62 @@ class ReplicaSupervisor:
             return "loading", "llama-server is loading the model (503)"
         return "slow", f"{url} answered {response.status_code}"
 
-    def stop(self, rid: str) -> None:
+    def stop(self, rid: str, *, wait: bool = False) -> threading.Thread | None:
+        """Stop a replica no longer assigned here, in the background: once the gateway no
+        longer sends it requests (it left the table before this node was told), its engine
+        finishes those under way (idle, or RETIRE_DRAIN_S at most), then stops."""
         with self._lock:
             replica = self.replicas.pop(rid, None)
         if replica is None:
-            return
-        terminate(replica.record.pid, replica.record.port, replica.proc)
+            return None
+        retiring = threading.Thread(target=self._retire, args=(replica,),
+                                    name=f"retire-{rid}", daemon=True)
+        retiring.start()
+        self.retiring[rid] = retiring
+        if wait:
+            retiring.join()
+        return retiring
+
+    def _retire(self, replica: Replica) -> None:
+        record = replica.record
+        if replica.state == ReplicaState.READY:
+            why = self._wait_idle(record)
+            log.info("replica %s: %s; stopping its engine", record.id, why)
+        terminate(record.pid, record.port, replica.proc)
         # The log stays for `llmgw logs` until the replica is removed (engine_log.prune).
-        (self.dir / f"{rid}.json").unlink(missing_ok=True)
-        log.info("replica %s: %s -> stopped (no longer assigned to this node)", rid,
+        (self.dir / f"{record.id}.json").unlink(missing_ok=True)
+        self.retiring.pop(record.id, None)
+        log.info("replica %s: %s -> stopped (no longer assigned to this node)", record.id,
                  replica.state)
+
+    def _wait_idle(self, record: Record) -> str:
+        """Until the engine's slots are idle (llama-server's /metrics), after a grace in
+        which requests the gateway routed just before it dropped the replica arrive."""
+        time.sleep(RETIRE_GRACE_S)
+        deadline = time.monotonic() + RETIRE_DRAIN_S
+        while time.monotonic() < deadline:
+            busy = self._requests_under_way(record)
+            if busy is None:
+                return "its load cannot be read (no /metrics)"
+            if busy == 0:
+                return "its slots are idle"
+            time.sleep(0.25)
+        return f"still busy after {RETIRE_DRAIN_S:.0f}s"
+
+    def _requests_under_way(self, record: Record) -> int | None:
+        try:
+            response = self.http.get(f"{self.endpoint(record)}/metrics", timeout=5.0,
+                                     headers={"Authorization": f"Bearer {record.api_key}"})
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        busy = 0
+        for line in response.text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("llamacpp:requests_processing", "llamacpp:requests_deferred"):
+                busy += int(float(value or 0))
+        return busy
 
 
 def terminate(pid: int, port: int, proc: subprocess.Popen[bytes] | None = None) -> None:
