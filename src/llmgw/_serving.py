@@ -56,18 +56,20 @@ def quiet_server(app: Any, listen: str, *, certfile: str = "", keyfile: str = ""
     # No access log: a line per request costs more than a request's own work.
     # No proxy headers: nothing here reads the client's address, and the middleware that
     # rewrites it is a layer on every request.
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                         access_log=False, proxy_headers=False,
-                                         ssl_certfile=certfile or None,
-                                         ssl_keyfile=keyfile or None,
-                                         timeout_graceful_shutdown=drain_s))
+    # The ignore: uvicorn annotates timeout_graceful_shutdown int, but hands it to
+    # asyncio.timeout, which takes any seconds.
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            proxy_headers=False, ssl_certfile=certfile or None,
+                            ssl_keyfile=keyfile or None,
+                            timeout_graceful_shutdown=drain_s)  # type: ignore[arg-type]
+    return uvicorn.Server(config)
 
 
 def on_stop_signals(log: logging.Logger, stop: Callable[[], None]) -> None:
     """Call stop() when SIGTERM or SIGINT arrives, saying which the first time; from inside
     the event loop. (uvicorn raises a signal it caught once more after its stop.)"""
     loop = asyncio.get_running_loop()
-    said = set()
+    said: set[signal.Signals] = set()
 
     def received(sig: signal.Signals) -> None:
         if not said:

@@ -57,7 +57,8 @@ class Router:
             self.stale_since = None
 
     def _read_table(self) -> None:
-        names, ready = {}, {}
+        names: dict[str, ModelSpec] = {}
+        ready: dict[str, list[ReplicaRecord]] = {}
         for model in self.store.models():
             for name in [model["name"], *model.get("aliases", [])]:
                 names[name] = model

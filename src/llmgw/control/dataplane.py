@@ -197,13 +197,13 @@ def run_master(config_path: Path) -> int:
         return 1
     while True:
         while got:
-            sig = got.pop(0)
-            if sig == signal.SIGHUP:
+            received = got.pop(0)
+            if received == signal.SIGHUP:
                 log.info("received SIGHUP: starting a new worker, then draining the old one")
                 master.replace()
                 continue
             log.info("received %s: draining (up to %.0f s), then exiting",
-                     signal.Signals(sig).name, config.gateway_drain_s)
+                     signal.Signals(received).name, config.gateway_drain_s)
             master.stop()
             return 0
         master.reap()

@@ -82,9 +82,9 @@ class GatewayMetrics:
             "to last byte out", labels=["model"])
         for model, durations in self._durations.items():
             cumulative, buckets = 0.0, []
-            for le, n in zip([*map(floatToGoString, DURATION_BUCKETS), "+Inf"], durations[:-1],
-                             strict=True):
-                cumulative += n
+            for le, count in zip([*map(floatToGoString, DURATION_BUCKETS), "+Inf"],
+                                 durations[:-1], strict=True):
+                cumulative += count
                 buckets.append((le, cumulative))
             duration.add_metric([model], buckets, sum_value=durations[-1])
         yield requests
@@ -126,8 +126,8 @@ class StateCollector:
                 counts[(m["name"], state)] = 0
         for r in self.store.replicas():
             counts[(r["model"], r["state"])] = counts.get((r["model"], r["state"]), 0) + 1
-        for (model, state), n in sorted(counts.items()):
-            family.add_metric([model, state], n)
+        for (model, state_name), n in sorted(counts.items()):
+            family.add_metric([model, state_name], n)
         return family
 
     @staticmethod
