@@ -32,6 +32,7 @@ from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.drift import DriftBoard, Report
 from llmgw.control.engine_args import engine_args
 from llmgw.control.nodes import node_view
+from llmgw.control.scheduler import needed_engine
 from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.agent_api")
@@ -229,9 +230,11 @@ def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
             continue
         result.append({
             "id": r["id"], "model": model["name"], "profile": profile["name"],
-            "engine": profile["engine"], "gpu_class": profile["gpu_class"],
+            "engine": needed_engine(profile), "gpu_class": profile["gpu_class"],
             "source": model["source"], "sha256": model.get("sha256", ""),
             "args": engine_args(model, profile),
+            # The GPUs the scheduler counted this replica on: the agent holds it to them.
+            "gpus": list(r.get("gpus") or []),
         })
     return result
 
