@@ -7,11 +7,17 @@ one line and the node keeps serving on CPU (a real CUDA build is scripts/gpu-che
 
 from __future__ import annotations
 
+import json
+import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
+from llmgw.services._supervisor import Supervisor
 from tests.hosts import ThrowawayHost
 
 pytestmark = pytest.mark.slow
@@ -53,6 +59,95 @@ def test_the_control_plane_lists_the_gpu_by_class_and_the_engines_apart(host) ->
     entries = {p["engine"]: p for p in node["provision"]}
     assert entries["llamacpp"]["state"] == "ready"
     assert entries["llamacpp-cuda"]["state"] in ("pending", "building", "failed")
+
+
+def standin_gpu_engine(directory: Path, real: str) -> tuple[Path, Path]:
+    """llamacpp-cuda stood in for by the CPU llama-server: --list-devices names the
+    stand-in NVML's card as CUDA0; a replica's command line and CUDA_VISIBLE_DEVICES are
+    logged, then --device and --n-gpu-layers (which a CPU build cannot honour) dropped and
+    the real engine run in its place. Returns the engine and its log."""
+    directory.mkdir(parents=True, exist_ok=True)
+    engine, calls = directory / "llama-server", directory / "calls.jsonl"
+    engine.write_text(f"""#!{sys.executable}
+import json, os, sys
+argv = sys.argv[1:]
+if argv[:1] == ["--list-devices"]:
+    print("Available devices:")
+    print("  CUDA0: NVIDIA H100 80GB HBM3 (81559 MiB, 80535 MiB free)")
+    sys.exit(0)
+with open({str(calls)!r}, "a") as log:
+    log.write(json.dumps({{"argv": argv, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\\n")
+kept, words = [], iter(argv)
+for word in words:
+    if word in ("--device", "--n-gpu-layers"):
+        next(words)
+        continue
+    kept.append(word)
+os.execv({real!r}, [{real!r}, *kept])
+""")
+    engine.chmod(0o755)
+    return engine, calls
+
+
+def _live(host: ThrowawayHost) -> list[dict]:
+    replicas = httpx.get(f"{host.admin_url}/api/v1/replicas", headers=host.auth,
+                         timeout=10).json()
+    return [r for r in replicas if r["state"] not in ("stopped",)]
+
+
+def test_replicas_move_onto_the_gpu_engine_under_load_with_no_failed_request(
+        host, llama_server, tmp_path) -> None:
+    """Once llamacpp-cuda passes its check, the starter moves to its GPU profile: the new
+    replica is ready before the old one leaves, and no request through the gateway fails
+    meanwhile (4 clients, bounded in count and time)."""
+    engine, calls = standin_gpu_engine(tmp_path / "cuda", llama_server)
+    agent_yaml = host.state_dir / "etc" / "agent.yaml"
+    config = yaml.safe_load(agent_yaml.read_text())
+    config.setdefault("engine", {})["cuda_server"] = str(engine)
+    agent_yaml.write_text(yaml.safe_dump(config))
+    (before,) = _live(host)
+    assert before["profile"] == "cpu"
+
+    url = f"http://127.0.0.1:{host.ports['gateway']}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {host.gateway_key}"}
+    outcomes: list[int | str] = []
+    moved = threading.Event()
+    deadline = time.monotonic() + 240
+
+    def client() -> None:
+        with httpx.Client(timeout=60) as http:
+            after_move = 0
+            while time.monotonic() < deadline and len(outcomes) < 20_000 and after_move < 20:
+                try:
+                    r = http.post(url, headers=headers, json={
+                        "model": "qwen-0.5b", "max_tokens": 8,
+                        "messages": [{"role": "user", "content": "hi"}]})
+                    outcomes.append(r.status_code)
+                except httpx.HTTPError as e:
+                    outcomes.append(repr(e))
+                after_move += moved.is_set()
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    for c in clients:
+        c.start()
+    Supervisor(host.state_dir).restart("llmgw-agent")
+    last: list[dict] = []
+    while time.monotonic() < deadline:
+        last = _live(host)
+        if [(r["profile"], r["state"]) for r in last] == [("gpu-h100-80gb", "ready")]:
+            moved.set()
+            break
+        time.sleep(0.5)
+    for c in clients:
+        c.join(timeout=300)
+    assert moved.is_set(), f"no move onto the GPU profile within 240 s; replicas: {last}"
+    failed = [o for o in outcomes if o != 200]
+    assert outcomes and not failed, f"{len(failed)} of {len(outcomes)} failed: {failed[:5]}"
+    launched = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert launched[-1]["cuda"].startswith("GPU-5ea1d1e0")
+    argv = launched[-1]["argv"]
+    assert argv[argv.index("--device") + 1] == "CUDA0"
+    assert argv[argv.index("--n-gpu-layers") + 1] == "999"
 
 
 def test_negative_control_without_the_standin_this_machine_has_no_gpu() -> None:

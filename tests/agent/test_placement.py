@@ -53,3 +53,12 @@ def test_the_prebuilt_cpu_engine_takes_device_none_and_refuses_any_other() -> No
         parse(["--device", "CUDA0"])
     with pytest.raises(UsageError, match="CPU only"):
         parse(["-dev", "Vulkan0"])
+
+
+def test_a_replica_placed_on_gpus_runs_on_the_cuda_engine_and_one_without_on_its_own() -> None:
+    from llmgw.agent.replicas import engine_for
+
+    gpu = {"id": "r", "model": "m", "profile": "gpu-h100", "engine": "llamacpp",
+           "gpu_class": "h100-80gb", "source": "", "sha256": "", "args": [], "gpus": ["GPU-a"]}
+    assert engine_for(gpu) == "llamacpp-cuda"  # type: ignore[arg-type]
+    assert engine_for({**gpu, "gpus": []}) == "llamacpp"  # type: ignore[arg-type]

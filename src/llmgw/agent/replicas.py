@@ -27,7 +27,7 @@ import httpx
 
 from llmgw._files import atomic_write, last_lines
 from llmgw.agent import engine_log
-from llmgw.contract import CPU_ENGINE, ReplicaState
+from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, ReplicaState
 from llmgw.contract.records import Assignment, Gpu, Inventory, ReplicaReport
 from llmgw.engine_args import check_engine_args
 from llmgw.netaddr import free_port
@@ -88,6 +88,12 @@ class Replica:
 _LAYERS_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
 # Every layer: llama.cpp caps it at the model's layer count.
 ALL_LAYERS = "999"
+
+
+def engine_for(assignment: Assignment) -> str:
+    """The engine a replica runs on: one placed on GPUs needs llama.cpp built with CUDA,
+    whatever engine its profile names (profiles name the engine family, `llamacpp`)."""
+    return CUDA_ENGINE if assignment.get("gpus") else assignment.get("engine") or CPU_ENGINE
 
 
 def placement(gpus: list[str], known: list[Gpu],
@@ -212,7 +218,7 @@ class ReplicaSupervisor:
                     record = Record(id=rid, model=a["model"], profile=a["profile"],
                                     source=a["source"], sha256=a.get("sha256", ""),
                                     args=list(a.get("args", [])),
-                                    engine=a.get("engine") or CPU_ENGINE,
+                                    engine=engine_for(a),
                                     gpus=list(a.get("gpus") or []))
                     self.replicas[rid] = Replica(record)
                     self._launch(self.replicas[rid])
