@@ -64,6 +64,7 @@ class FastPath:
         if lease is None:
             return False
         replica = lease.replica
+        assert ex.raw is not None, "an exchange is sent once check() has taken its body"
         if self.gateway.upstream.send_now(replica["endpoint"], ex.scope["path"], ex.raw,
                                           replica["api_key"],
                                           _Relay(self.gateway, cycle, ex, lease).done) is None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, HTTPException, Query, Response
@@ -23,6 +22,7 @@ from llmgw.contract.records import (
     PublicKey,
     PublicReplica,
     ReplicaLog,
+    ReplicaRecord,
 )
 from llmgw.control import keys
 from llmgw.control.agent_api import token_hash as join_token_hash
@@ -34,13 +34,13 @@ from llmgw.control.store import Store
 
 log = logging.getLogger("llmgw.admin_api")
 
-_PUBLIC_REPLICA_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint",
-                          "updated", "gpus")
 
-
-def public_replica(replica: Mapping[str, Any]) -> PublicReplica:
+def public_replica(replica: ReplicaRecord) -> PublicReplica:
     """A replica as the admin API shows it: never its api_key."""
-    return {k: replica[k] for k in _PUBLIC_REPLICA_FIELDS if k in replica}  # type: ignore[return-value]
+    return {"id": replica["id"], "model": replica["model"], "node": replica["node"],
+            "profile": replica["profile"], "state": replica["state"],
+            "err": replica.get("err", ""), "endpoint": replica.get("endpoint", ""),
+            "updated": replica.get("updated", 0.0), "gpus": replica.get("gpus", [])}
 
 
 def replica_log(store: Store, rid: str, n: int) -> ReplicaLog:
@@ -48,7 +48,7 @@ def replica_log(store: Store, rid: str, n: int) -> ReplicaLog:
     if replica is None:
         raise HTTPException(404, f"no replica {rid!r}; GET /api/v1/replicas lists them")
     node = store.node(replica["node"]) if replica["node"] else None
-    logs = (node or {}).get("inventory", {}).get("replica_logs") or {}
+    logs = (node["inventory"].get("replica_logs") or {}) if node else {}
     if rid not in logs:
         raise HTTPException(404, f"node {replica['node'] or '(none)'} has sent no log for "
                             f"{rid}: it has not started an engine for it yet, or the log was "

@@ -43,8 +43,12 @@ class DriftBoard:
         if not _HOST.match(host):
             raise ValueError(f"host {host[:80]!r} is not a host name (letters, digits, "
                              "'.', '_', '-')")
-        entry: HostDrift = {"host": host, "received": time.time(),  # type: ignore[typeddict-item]
-                            **body.model_dump()}
+        entry: HostDrift = {
+            "host": host, "received": time.time(), "checked": body.checked,
+            "promises": body.promises,
+            "failing": [{"promise": f.promise, "since": f.since, "message": f.message}
+                        for f in body.failing],
+        }
         with self._lock:
             self._reports[host] = entry
         return entry

@@ -75,7 +75,7 @@ class Caller:
     def may_use(self, model: ModelSpec, names: dict[str, ModelSpec]) -> bool:
         """A key's models are catalog names or aliases; naming one allows all its names."""
         return not self.models or any(
-            names.get(n, {}).get("name") == model["name"] for n in self.models)
+            n in names and names[n]["name"] == model["name"] for n in self.models)
 
 
 NOBODY = Caller(keys.ANONYMOUS)
@@ -255,13 +255,15 @@ class Gateway:
         """The replica the balancer leases that takes the connection, the next one if it
         is refused; a request that reached one is never sent to another (no generation
         runs twice). The lease ends when the answer is relayed."""
+        raw = ex.raw
+        assert raw is not None, "an exchange is sent once check() has taken its body"
         tried: set[str] = set()
         refused = ""
         while lease := await self._lease(ex.name, ex.conv, tried):
             replica = lease.replica
             try:
                 response = await self.upstream.post(replica["endpoint"], ex.scope["path"],
-                                                    ex.raw, replica["api_key"])
+                                                    raw, replica["api_key"])
             except ConnectFailed as e:
                 lease.release()
                 log.warning("replica %s of %s could not take the request, trying the next: "
