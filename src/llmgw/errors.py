@@ -8,6 +8,7 @@ Error
  ├── install.InstallError
  ├── accounts.AccountError
  ├── agent._build.BuildError
+ ├── agent._cuda.ToolchainError (no CUDA toolchain can be had; CudaBuild makes it a BuildError)
  ├── agent.engine.EngineUnavailable
  ├── agent.client.AgentAPIError
  │    └── agent.client.NodeRemoved (the control plane revoked this node's certificate)
