@@ -51,6 +51,18 @@ def test_a_warning_line_names_the_gpu_engine_and_where_to_watch(host) -> None:
     assert any("CUDA 12" in line or "being made" in line for line in warned), warned
 
 
+def test_llmgw_status_shows_the_gpu_engines_warning_under_its_node(host) -> None:
+    import subprocess
+
+    table = subprocess.run([sys.executable, "-m", "llmgw", "status", "--mode=local",
+                            f"--state-dir={host.state_dir}"], capture_output=True, text=True,
+                           timeout=60)
+    assert table.returncode == 0, table.stderr
+    assert "NVIDIA H100 80GB HBM3" in table.stdout
+    assert any(line.startswith("!! ") and "llamacpp-cuda" in line
+               for line in table.stdout.splitlines()), table.stdout
+
+
 def test_the_control_plane_lists_the_gpu_by_class_and_the_engines_apart(host) -> None:
     nodes = httpx.get(f"{host.admin_url}/api/v1/nodes", headers=host.auth, timeout=10).json()
     (node,) = nodes
