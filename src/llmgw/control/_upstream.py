@@ -15,11 +15,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, cast
 from urllib.parse import urlsplit
 
 import httptools
 
+from llmgw.config import ServerConfig
 from llmgw.errors import Error
 
 # llama-server (cpp-httplib) closes a connection idle for 5 s; a pooled one is dropped
@@ -45,10 +46,16 @@ class ConnectFailed(UpstreamError):
     or no connection to it freed in time."""
 
 
+_SERVER_FIELDS = ServerConfig.model_fields
+
+
 @dataclass
 class Timeouts:
-    connect_s: float = 5.0
-    read_s: float = 600.0
+    """How long the gateway waits on a replica: server.yaml's upstream_*_timeout_s, whose
+    defaults these are."""
+
+    connect_s: float = _SERVER_FIELDS["upstream_connect_timeout_s"].default
+    read_s: float = _SERVER_FIELDS["upstream_read_timeout_s"].default
 
 
 class _Replica:
@@ -148,7 +155,8 @@ class ReplicaConnection(asyncio.Protocol):
     # --- what the event loop calls ---
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A stream connection's: asyncio's protocol API types it as the base class.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
@@ -213,7 +221,8 @@ class ReplicaConnection(asyncio.Protocol):
 
     def _done(self) -> None:
         done, self.on_done = self.on_done, None
-        done(self)  # type: ignore[misc]
+        if done is not None:
+            done(self)
 
     def _expire(self, timeout_s: float) -> None:
         """send_now's read timeout: timeout_s without a byte from the replica, as post()
@@ -278,7 +287,8 @@ class Response:
 
     status: int
     headers: dict[bytes, bytes]
-    _conn: ReplicaConnection
+    # None once released: the connection is the pool's again.
+    _conn: ReplicaConnection | None
     _pool: Upstream
     _read_s: float
     _done: bool = field(default=False)
@@ -293,6 +303,7 @@ class Response:
 
     async def read(self) -> bytes:
         conn = self._conn
+        assert conn is not None, "a replica's answer is read once"
         if conn.complete:  # the usual case: the whole answer came with its head
             data = conn.take()
             self._done = True
@@ -303,6 +314,7 @@ class Response:
     async def iter_raw(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive, de-chunked; the connection is pooled after."""
         conn = self._conn
+        assert conn is not None, "a replica's answer is read once"
         try:
             while True:
                 if conn.parts:
@@ -335,7 +347,7 @@ class Response:
             return
         keep = self._done and self.headers.get(b"connection", b"").lower() != b"close"
         self._pool._give_back(self._conn, keep)
-        self._conn = None  # type: ignore[assignment]
+        self._conn = None
         self._released()
 
     def _released(self) -> None:
@@ -393,7 +405,8 @@ class Upstream:
         conn.read_at = now
         if conn._timer is None:
             conn._timer = asyncio.get_running_loop().call_later(read_s, conn._expire, read_s)
-        conn.transport.write(head + b"%d\r\n\r\n" % len(body) + body)  # type: ignore[union-attr]
+        assert conn.transport is not None  # an idle pooled connection is connected
+        conn.transport.write(head + b"%d\r\n\r\n" % len(body) + body)
         return conn
 
     @staticmethod
