@@ -11,6 +11,7 @@ import sys
 from llmgw import __version__
 from llmgw.commands import add_day2
 from llmgw.commands._admin import EXIT_UNREACHABLE, Unreachable
+from llmgw.config import MIRROR_API_LISTEN, MIRROR_LISTEN
 from llmgw.errors import Error
 from llmgw.layout import MODES
 
@@ -145,10 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     mirror_sub = mirror.add_subparsers(dest="mirror_command", required=True)
     mserve = mirror_sub.add_parser("serve", help="serve the models dir and download into it")
     mserve.add_argument("--dir", required=True, help="the models dir")
-    mserve.add_argument("--listen", default=":8081",
-                        help="the bytes server, for every node (default :8081)")
-    mserve.add_argument("--api-listen", default="127.0.0.1:8082",
-                        help="the management API; keep it on loopback (default 127.0.0.1:8082)")
+    mserve.add_argument("--listen", default=MIRROR_LISTEN,
+                        help="the bytes server, for every node (default %(default)s)")
+    mserve.add_argument("--api-listen", default=MIRROR_API_LISTEN,
+                        help="the management API; keep it on loopback (default %(default)s)")
     mserve.add_argument("--base", default=None, metavar="URL",
                         help="the URL nodes use for the bytes server, http://ADDR:PORT "
                              "(default: the --listen address as seen from here)")

@@ -75,6 +75,10 @@ class MirrorRef(_Section):
 
 
 _LIMITS = Limits()
+# The model mirror's listen addresses by default (it has no yaml of its own: `llmgw mirror
+# serve --listen/--api-listen`): its bytes server for every node, its API on loopback.
+MIRROR_LISTEN = ":8081"
+MIRROR_API_LISTEN = "127.0.0.1:8082"
 
 
 class HttpLimits(_Section):

@@ -9,7 +9,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from llmgw._serving import on_stop_signals, quiet_server
-from llmgw.config import connect_host, parse_listen
+from llmgw.config import MIRROR_API_LISTEN, MIRROR_LISTEN, connect_host, parse_listen
 from llmgw.mirror import _metrics
 from llmgw.mirror._api import make_api
 from llmgw.mirror._bytes import BytesServer
@@ -22,8 +22,8 @@ log = logging.getLogger("llmgw.mirror")
 @dataclass(frozen=True)
 class Options:
     dir: Path
-    listen: str = ":8081"
-    api_listen: str = "127.0.0.1:8082"
+    listen: str = MIRROR_LISTEN
+    api_listen: str = MIRROR_API_LISTEN
     # Where nodes fetch from: http://ADDR:PORT[/path]; default: the listen address from here.
     base: str = ""
     # The admin token's sha256 file; without one the management API refuses all but /health.
