@@ -6,6 +6,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import httpx
 from fastapi import FastAPI, HTTPException, Query, Response
@@ -188,7 +189,8 @@ def make_admin_app(
                 f"{', '.join(clash)} already names a model in the catalog; "
                 f"DELETE /api/v1/models/{model.name} first to replace it",
             )
-        spec: ModelSpec = model.model_dump()  # type: ignore[assignment]
+        # pydantic types a dump as dict[str, Any]; catalog.Model's fields are ModelSpec's.
+        spec = cast(ModelSpec, model.model_dump())
         if not spec["size_bytes"]:
             spec["size_bytes"], geometry, why = read_file_facts(spec["source"])
             spec["geometry"] = {**spec["geometry"], **geometry}

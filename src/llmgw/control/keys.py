@@ -203,4 +203,8 @@ class Usage:
 
 def public(key: KeyRecord) -> PublicKey:
     """A stored key as the admin API shows it: never its hash."""
-    return {k: v for k, v in key.items() if k != "hash"}  # type: ignore[return-value]
+    return {"id": key["id"], "name": key["name"], "prefix": key["prefix"],
+            "models": key["models"], "rpm": key["rpm"], "tpm": key["tpm"],
+            "expires": key["expires"], "created": key["created"], "revoked": key["revoked"],
+            "last_used": key["last_used"], "requests": key["requests"],
+            "prompt_tokens": key["prompt_tokens"], "completion_tokens": key["completion_tokens"]}
