@@ -94,3 +94,22 @@ def test_untyped_dicts_stay_few(tmp_path: Path) -> None:
     assert untyped_dicts(SRC) < 20
     (tmp_path / "m.py").write_text("x: dict[str, Any] = {}\ny: dict[str, Any] = {}\n")
     assert untyped_dicts(tmp_path) == 2  # negative control: the count sees them
+
+
+def test_one_explainer_names_key_found_value_and_rule_for_models_and_typed_dicts() -> None:
+    """server.yaml and a heartbeat are refused in the same words (contract.explain)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from llmgw.config import ServerConfig
+    from llmgw.contract.explain import problems
+    from llmgw.contract.records import ReplicaRecord
+
+    with pytest.raises(ValidationError) as yaml_error:
+        ServerConfig.model_validate({"tokens": [12345], "colour": "red"})
+    said = problems(yaml_error.value, ServerConfig)
+    assert "tokens.0 is 12345: Input should be a valid string" in said
+    assert "colour is not a known key (known here: admin_listen," in said
+    with pytest.raises(ValidationError) as row_error:
+        TypeAdapter(ReplicaRecord).validate_python(
+            {"id": "r", "model": "m", "node": "", "profile": "cpu", "state": "paused"})
+    assert problems(row_error.value).startswith("state is 'paused': Input should be")

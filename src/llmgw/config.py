@@ -21,9 +21,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import ErrorDetails
 
 from llmgw._http1_limits import Limits
+from llmgw.contract.explain import problems
 from llmgw.errors import Error
 
 M = TypeVar("M", bound=BaseModel)
@@ -212,19 +212,6 @@ def connect_host(addr: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _why(model: type[BaseModel], error: ErrorDetails) -> str:
-    """`tokens.0 is 12345: Input should be a valid string` for one pydantic error."""
-    where = ".".join(str(part) for part in error["loc"]) or "the file"
-    if error["type"] == "extra_forbidden":
-        section: Any = model
-        for part in error["loc"][:-1]:
-            section = section.model_fields[str(part)].annotation
-        known = ", ".join(getattr(section, "model_fields", {})) or "none"
-        return f"{where} is not a known key (known here: {known})"
-    message = str(error["msg"]).removeprefix("Value error, ")
-    return f"{where} is {error['input']!r}: {message}"
-
-
 def parse(model: type[M], data: Any, where: str) -> M:
     """data (from YAML) as model; ConfigError naming each wrong key, value and what is allowed."""
     if data is None:
@@ -235,8 +222,7 @@ def parse(model: type[M], data: Any, where: str) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        problems = "; ".join(_why(model, err) for err in e.errors())
-        raise ConfigError(f"{where}: {problems}. Correct it and run again") from None
+        raise ConfigError(f"{where}: {problems(e, model)}. Correct it and run again") from None
 
 
 def _load(model: type[M], path: str | os.PathLike[str]) -> M:

@@ -118,9 +118,9 @@ def test_a_replica_with_an_unknown_state_or_key_is_refused_and_not_stored(
 ) -> None:
     store = Store(tmp_path / "db")
     row = {"id": "r1", "model": "m", "node": "", "profile": "cpu", "state": "pending"}
-    with pytest.raises(RecordError, match="state: Input should be 'pending'.*found 'paused'"):
+    with pytest.raises(RecordError, match="state is 'paused': Input should be 'pending'"):
         store.put_replica({**row, "state": "paused"})
-    with pytest.raises(RecordError, match="colour: Extra inputs are not permitted"):
+    with pytest.raises(RecordError, match="colour is not a known key"):
         store.put_replica({**row, "colour": "red"})
     assert store.replicas() == []
     store.put_replica(row)  # negative control: the valid record is stored
@@ -132,7 +132,7 @@ def test_a_replica_with_an_unknown_state_or_key_is_refused_and_not_stored(
 
 def test_an_inventory_with_a_wrong_type_is_refused_naming_the_key(tmp_path: Path) -> None:
     store = Store(tmp_path / "db")
-    with pytest.raises(RecordError, match=r"node n1's inventory refused: memory_mb: .*'lots'"):
+    with pytest.raises(RecordError, match=r"node n1's inventory refused: memory_mb is 'lots'"):
         store.record_heartbeat("n1", {"memory_mb": "lots"})
     with pytest.raises(RecordError, match="replica r1"):
         store.heartbeat("n1", {}, "", {"r1": {"state": "gone"}})

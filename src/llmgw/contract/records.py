@@ -15,6 +15,7 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
 from llmgw.contract import NodeState, ReplicaState
+from llmgw.contract.explain import problems
 
 _OPEN = ConfigDict(extra="allow")
 _CLOSED = ConfigDict(extra="forbid")
@@ -343,10 +344,8 @@ class RecordError(ValueError):
 
 
 def explain(e: ValidationError, what: str) -> str:
-    """One line per problem: where (dotted key), what was found, what is allowed."""
-    lines = [f"{'.'.join(str(p) for p in err['loc']) or '(top)'}: {err['msg']} "
-             f"(found {err.get('input')!r})" for err in e.errors()]
-    return f"{what} refused: " + "; ".join(lines)
+    """`WHAT refused: KEY is FOUND: WHY; ...` (contract.explain, the one explainer)."""
+    return f"{what} refused: {problems(e)}"
 
 
 def checked(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
