@@ -9,7 +9,7 @@ typed, and keys a newer agent adds are kept as sent.
 
 from __future__ import annotations
 
-from typing import Any, NotRequired
+from typing import Any, NotRequired, TypeVar
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
@@ -17,6 +17,7 @@ from typing_extensions import TypedDict
 from llmgw.contract import NodeState, ReplicaState
 from llmgw.contract.explain import problems
 
+T = TypeVar("T")
 _OPEN = ConfigDict(extra="allow")
 _CLOSED = ConfigDict(extra="forbid")
 
@@ -24,10 +25,11 @@ _CLOSED = ConfigDict(extra="forbid")
 # "class" is a Python keyword, so this record takes the functional form.
 # A MIG instance is an entry of its own: its uuid is "MIG-…", mig_parent its GPU's UUID
 # (a GPU in MIG mode is not listed itself); unknown names what NVML could not read.
-Gpu = with_config(_OPEN)(TypedDict("Gpu", {"index": int, "name": str, "memory_mb": int,
-                                           "uuid": str, "class": str, "memory_free_mb": int,
-                                           "compute_capability": str, "mig_parent": str,
-                                           "unknown": list[str]}, total=False))
+Gpu = TypedDict("Gpu", {"index": int, "name": str, "memory_mb": int, "uuid": str,
+                        "class": str, "memory_free_mb": int, "compute_capability": str,
+                        "mig_parent": str, "unknown": list[str]}, total=False)
+# What with_config does, spelled so a type checker still sees a TypedDict.
+Gpu.__pydantic_config__ = _OPEN  # type: ignore[attr-defined]
 
 
 @with_config(_OPEN)
@@ -348,7 +350,7 @@ def explain(e: ValidationError, what: str) -> str:
     return f"{what} refused: {problems(e)}"
 
 
-def checked(adapter: TypeAdapter[Any], value: Any, what: str) -> Any:
+def checked(adapter: TypeAdapter[T], value: Any, what: str) -> T:
     """value as adapter validates it, or RecordError naming what is wrong."""
     try:
         return adapter.validate_python(value)
