@@ -169,9 +169,15 @@ def hey(side: Side, body: str, width: int, seconds: float) -> Run:
          side.url],
         capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1])
-    p50 = float(re.search(r"50%+ in ([\d.]+) secs", out)[1]) * 1000
-    codes = {int(c): int(n) for c, n in re.findall(r"\[(\d+)\]\s+(\d+) responses", out)}
-    return Run(rps, p50, sum(n for c, n in codes.items() if c != 200), sum(codes.values()))
+    # No latency distribution when no answer came in the time (a side that is slow to its
+    # first answer, or down): the round then counts its errors instead.
+    latency = re.search(r"50%+ in ([\d.]+) secs", out)
+    p50 = float(latency[1]) * 1000 if latency else math.nan
+    head, _, errors = out.partition("Error distribution:")
+    codes = {int(c): int(n) for c, n in re.findall(r"\[(\d+)\]\s+(\d+) responses", head)}
+    failed = sum(int(n) for n in re.findall(r"^\s+\[(\d+)\]", errors, re.M))
+    return Run(rps, p50, sum(n for c, n in codes.items() if c != 200) + failed,
+               sum(codes.values()))
 
 
 async def _generate(url: str, key: str, body: str, width: int, seconds: float) -> Run:
@@ -204,6 +210,18 @@ def python_load(side: Side, body: str, width: int, seconds: float) -> Run:
                           str(width), str(seconds)],
                          capture_output=True, text=True, check=True).stdout
     return Run(**json.loads(out))
+
+
+def first_answer(name: str, side: Side, body: str) -> None:
+    headers = {"Authorization": f"Bearer {side.key}"} if side.key else {}
+    try:
+        r = httpx.post(side.url, content=body, timeout=120,
+                       headers={**headers, "Content-Type": "application/json"})
+    except httpx.HTTPError as e:
+        sys.exit(f"{name} at {side.url} gave no first answer in 120 s: {e!r}")
+    if r.status_code != 200:
+        sys.exit(f"{name} at {side.url} answered its first request {r.status_code}: "
+                 f"{r.text[:500]}")
 
 
 def measured(load, side: Side, body: str, width: int, seconds: float,  # type: ignore[no-untyped-def]
@@ -498,8 +516,9 @@ def main() -> None:
     results: dict[tuple[str, int], list[Run]] = {}
     pids = {"engine": direct.pid, **{name: side.pid for name, side in sides[1:]}}
     try:
-        for _, side in sides:
-            load(side, body, 4, 1.0)  # warm each
+        for name, side in sides:  # warm each: its first answer first (LiteLLM's is slow)
+            first_answer(name, side, body)
+            load(side, body, 4, 1.0)
         for width in WIDTHS:
             for i in range(args.pairs):
                 # Each side goes first in turn, so a load that rises or falls through the
