@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -533,11 +534,17 @@ def main() -> None:
     report(results)
 
 
+def finite_median(values: Iterable[float]) -> float:
+    """The median of the rounds that had a p50 (a round with no answer has none)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
 def report(results: dict[tuple[str, int], list[Run]]) -> None:
     print(f"{'':<10}{'width':>6}{'req/s':>10}{'p50 ms':>10}{'non-200':>9}   each pair (req/s)")
     for (side, width), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"{side:<10}{width:>6}{statistics.median(r.rps for r in runs):>10.1f}"
-              f"{statistics.median(r.p50_ms for r in runs):>10.2f}"
+              f"{finite_median(r.p50_ms for r in runs):>10.2f}"
               f"{sum(r.non_200 for r in runs):>9}   {', '.join(f'{r.rps:.0f}' for r in runs)}")
 
     def ratio(width: int, over: str = "direct", side: str = "gateway") -> float:
@@ -562,7 +569,7 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
               f"(the gateway's share of a request's CPU: "
               f"{cpu('gateway', 16, 'gateway') / via16:.0%})")
     pairs = zip(results[("gateway", 1)], results[("direct", 1)], strict=True)
-    added = statistics.median(g.p50_ms - d.p50_ms for g, d in pairs)
+    added = finite_median(g.p50_ms - d.p50_ms for g, d in pairs)
     t16, t1 = ratio(16), ratio(1)
     met = [t16 >= 0.9, t1 >= 0.8, added <= 1.0]
     print(f"goals (>=0.9x at 16, >=0.8x at 1, p50 +<=1 ms): "
