@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import ssl
 
 import httpx
@@ -103,7 +104,8 @@ def test_a_heartbeat_with_a_wrong_type_is_422_naming_the_key_and_nothing_is_stor
     cp = live_control_plane
     r = _heartbeat(cp, cp.client_cert("node-a"), body)
     assert r.status_code == 422, r.text
-    assert f"{key}: Input should be a valid" in r.json()["detail"], r.text
+    assert re.search(rf"{re.escape(key)} is .*: Input should be a valid", r.json()["detail"]), \
+        r.text
     assert cp.admin.get("/api/v1/nodes").json() == []
     # Negative control: the same node with valid values is recorded.
     assert _heartbeat(cp, cp.client_cert("node-a"), {"cpus": 4}).status_code == 200

@@ -11,13 +11,13 @@ def profile(*args: str) -> dict:
 
 
 def test_an_engine_has_more_http_threads_than_the_gateway_holds_connections_to_it() -> None:
-    args = engine_args({"name": "m"}, profile("--ctx-size", "512"))
+    args = engine_args({"name": "m", "routing_profile": "chat"}, profile("--ctx-size", "512"))
     assert args == ["--ctx-size", "512", "--threads-http", str(HTTP_THREADS)]
     assert HTTP_THREADS > MAX_CONNECTIONS_PER_REPLICA
 
 
 def test_a_profiles_own_http_threads_are_kept() -> None:
-    assert engine_args({"name": "m"}, profile("--threads-http", "8")) == ["--threads-http", "8"]
+    assert engine_args({"name": "m", "routing_profile": "chat"}, profile("--threads-http", "8")) == ["--threads-http", "8"]
 
 
 def test_an_embedding_model_gets_embeddings_and_a_pooling_type_unless_its_profile_says() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+from llmgw.control.catalog import SPEC_DEFAULTS
 from llmgw.control.scheduler import plan
 
 PIN = {"llmgw.control-plane": "true"}
@@ -25,7 +27,9 @@ def model(name: str = "m", min: int = 1, max: int = 1, gpu: str = "", selector=P
         profiles.insert(0, {"name": f"gpu-{gpu}", "engine": "llamacpp", "gpu_class": gpu,
                             "priority": 200, "min_memory_gb": 2, "node_selector": dict(selector),
                             "args": []})
-    return {"name": name, "scaling": {"min": min, "max": max}, "profiles": profiles}
+    # As the store hands a model out: the catalog's defaults filled in.
+    return {**copy.deepcopy(SPEC_DEFAULTS), "name": name, "scaling": {"min": min, "max": max},
+            "profiles": profiles}
 
 
 def replica(id: str, node: str, state: str = "ready", model: str = "m", profile: str = "cpu",

@@ -189,3 +189,27 @@ def test_an_old_invalid_inventory_is_shown_as_a_warning_not_a_crash(tmp_path: Pa
     store.record_heartbeat("n1", {"cpus": 2})
     assert store.node("n1")["inventory"] == {"cpus": 2}
     store.close()
+
+
+def test_a_model_stored_before_a_field_existed_is_read_with_the_catalogs_defaults(
+        tmp_path: Path) -> None:
+    """Readers never hedge (`.get("routing_profile", "chat")`): the store fills in what an
+    older row lacks, as the catalog would have."""
+    import sqlite3
+
+    store = Store(tmp_path / "db")
+    old = {"name": "m", "source": "http://mirror/m.gguf", "scaling": {"min": 1, "max": 1},
+           "profiles": [{"name": "cpu", "engine": "llamacpp", "gpu_class": "",
+                         "priority": 100, "min_memory_gb": 0, "node_selector": {},
+                         "args": []}]}
+    with sqlite3.connect(tmp_path / "db") as db:
+        db.execute("INSERT INTO models (name, spec, created) VALUES (?, ?, 0)",
+                   ("m", json.dumps(old)))
+        (raw,) = db.execute("SELECT spec FROM models").fetchone()
+    assert "routing_profile" not in json.loads(raw), "negative control: the row lacks it"
+    (model,) = store.models()
+    assert (model["routing_profile"], model["sha256"], model["size_bytes"]) == ("chat", "", 0)
+    assert model["aliases"] == [] and model["geometry"]["context_length"] == 0
+    model["aliases"].append("x")
+    assert store.model("m")["aliases"] == [], "each read gets its own defaults"
+    store.close()

@@ -174,17 +174,17 @@ class ModelSpec(TypedDict):
     aliases: list[str]
     description: str
     source: str
-    # Models stored before the catalog took a digest have none.
-    sha256: NotRequired[str]
+    # "" when the digest is unknown (and in rows stored before the catalog took one).
+    sha256: str
     routing_profile: str
     context_length: int
     max_output: int
     scaling: ScalingSpec
     profiles: list[ProfileSpec]
-    # Read from the file's GGUF header when the model is added (0 and {} when it could not
-    # be read, and in models stored before): what the scheduler checks a GPU's memory by.
-    size_bytes: NotRequired[int]
-    geometry: NotRequired[Geometry]
+    # Read from the file's GGUF header when the model is added (0 where it could not be
+    # read, and in rows stored before): what the scheduler checks a GPU's memory by.
+    size_bytes: int
+    geometry: Geometry
 
 
 class ReplicaReport(TypedDict):

@@ -60,7 +60,7 @@ class Router:
         names: dict[str, ModelSpec] = {}
         ready: dict[str, list[ReplicaRecord]] = {}
         for model in self.store.models():
-            for name in [model["name"], *model.get("aliases", [])]:
+            for name in [model["name"], *model["aliases"]]:
                 names[name] = model
         for r in self.store.replicas():
             if r["state"] == ReplicaState.READY and r["endpoint"]:

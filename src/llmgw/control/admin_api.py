@@ -74,7 +74,7 @@ class KeyRequest(BaseModel):
 
 def create_key(store: Store, request: KeyRequest) -> NewKey:
     """Make and store a key (its hash only); the answer is the one place its secret shows."""
-    names = {n for m in store.models() for n in [m["name"], *m.get("aliases", [])]}
+    names = {n for m in store.models() for n in [m["name"], *m["aliases"]]}
     unknown = [n for n in request.models if n not in names]
     if unknown:
         raise HTTPException(422, f"{', '.join(unknown)} names no model in the catalog "
@@ -181,7 +181,7 @@ def make_admin_app(
 
     @app.post("/api/v1/models", status_code=201, response_model=None)
     def add_model(model: Model) -> ModelSpec:
-        taken = {n for m in store.models() for n in [m["name"], *m.get("aliases", [])]}
+        taken = {n for m in store.models() for n in [m["name"], *m["aliases"]]}
         clash = [n for n in model.names() if n in taken]
         if clash:
             raise HTTPException(

@@ -231,7 +231,7 @@ def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
         result.append({
             "id": r["id"], "model": model["name"], "profile": profile["name"],
             "engine": needed_engine(profile), "gpu_class": profile["gpu_class"],
-            "source": model["source"], "sha256": model.get("sha256", ""),
+            "source": model["source"], "sha256": model["sha256"],
             "args": engine_args(model, profile),
             # The GPUs the scheduler counted this replica on: the agent holds it to them.
             "gpus": list(r.get("gpus") or []),

@@ -146,6 +146,17 @@ class Model(_Strict):
         return [self.name, *self.aliases]
 
 
+def _defaults() -> dict[str, object]:
+    example = Model(name="x", source="http://x", profiles=[Profile(name="p", engine="llamacpp")])
+    return {name: value for name, value in example.model_dump().items()
+            if not Model.model_fields[name].is_required()}
+
+
+# A catalog model's optional fields as Model fills them in (a row stored before one of them
+# existed gets these when read).
+SPEC_DEFAULTS = _defaults()
+
+
 def read_file_facts(source: str, *, timeout_s: float = HEADER_TIMEOUT_S,
                     transport: httpx.BaseTransport | None = None,
                     ) -> tuple[int, GeometrySpec, str]:

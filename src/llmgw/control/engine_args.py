@@ -22,8 +22,8 @@ HTTP_THREADS = MAX_CONNECTIONS_PER_REPLICA + 16
 def engine_args(model: ModelSpec, profile: ProfileSpec) -> list[str]:
     """A profile that sets --threads-http itself keeps its value (and the probe may then
     wait behind the gateway's connections again)."""
-    args = list(profile.get("args") or [])
-    if model.get("routing_profile") == "embedding":
+    args = list(profile["args"])
+    if model["routing_profile"] == "embedding":
         if "--embeddings" not in args and "--embedding" not in args:
             args.append("--embeddings")
         if "--pooling" not in args:

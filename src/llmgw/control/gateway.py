@@ -479,11 +479,11 @@ def _parse(raw: bytes) -> tuple[dict[str, object], str, bool]:
 
 def serves(model: ModelSpec, kind: str) -> bool:
     """Whether the model serves requests of this kind (chat or embedding)."""
-    return (model.get("routing_profile", "chat") == "embedding") == (kind == "embedding")
+    return (model["routing_profile"] == "embedding") == (kind == "embedding")
 
 
 def _check_kind(model: ModelSpec, kind: str, path: str) -> None:
-    profile = model.get("routing_profile", "chat")
+    profile = model["routing_profile"]
     if not serves(model, kind):
         routes = "/v1/embeddings" if profile == "embedding" else \
             "/v1/chat/completions and /v1/completions"

@@ -85,11 +85,10 @@ def _arg(args: list[str], names: tuple[str, ...]) -> str:
 def context_tokens(model: ModelSpec, profile: ProfileSpec) -> int:
     """The context a replica of profile holds: its -c, else what the file was trained for
     (llama-server's default), else the catalog's context_length."""
-    given = _arg(profile.get("args") or [], _CTX_FLAGS)
+    given = _arg(profile["args"], _CTX_FLAGS)
     if given.isdigit() and int(given) > 0:
         return int(given)
-    return (model.get("geometry") or {}).get("context_length") or model.get("context_length",
-                                                                             4096)
+    return model["geometry"].get("context_length") or model["context_length"]
 
 
 def kv_cache_bytes(geometry: Geometry, n_ctx: int, args: list[str] | None = None) -> int:
@@ -124,8 +123,7 @@ class Need:
 
 def need(model: ModelSpec, profile: ProfileSpec) -> Need:
     tokens = context_tokens(model, profile)
-    return Need(model.get("size_bytes", 0),
-                kv_cache_bytes(model.get("geometry") or {}, tokens, profile.get("args") or []),
+    return Need(model["size_bytes"], kv_cache_bytes(model["geometry"], tokens, profile["args"]),
                 tokens)
 
 

@@ -3,6 +3,7 @@ models, replicas and gateway keys."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import sqlite3
@@ -27,6 +28,7 @@ from llmgw.contract.records import (
     ReplicaRecord,
     checked,
 )
+from llmgw.control.catalog import SPEC_DEFAULTS
 from llmgw.control.nodes import Hearing
 
 log = logging.getLogger("llmgw.store")
@@ -235,7 +237,7 @@ class Store:
                     db.execute(f"UPDATE replicas SET {sets}, updated = ? WHERE id = ?",
                                (*report.values(), self.clock(), row["id"]))
         return [
-            {**_replica_row(r), "spec": json.loads(r["spec"]) if r["spec"] else None}
+            {**_replica_row(r), "spec": _stored_spec(r["spec"]) if r["spec"] else None}
             for r in rows
         ]
 
@@ -347,7 +349,7 @@ class Store:
 
     def models(self) -> list[ModelSpec]:
         rows = self._read("SELECT spec FROM models ORDER BY created, name")
-        return [json.loads(r["spec"]) for r in rows]
+        return [_stored_spec(r["spec"]) for r in rows]
 
     def created(self) -> dict[str, int]:
         """When each model entered the catalog (unix seconds), for the gateway's `created`."""
@@ -356,7 +358,7 @@ class Store:
 
     def model(self, name: str) -> ModelSpec | None:
         rows = self._read("SELECT spec FROM models WHERE name = ?", (name,))
-        return json.loads(rows[0]["spec"]) if rows else None
+        return _stored_spec(rows[0]["spec"]) if rows else None
 
     def delete_model(self, name: str) -> bool:
         with self._tx() as db:
@@ -488,3 +490,10 @@ def _key_record(row: sqlite3.Row) -> KeyRecord:
             "last_used": row["last_used"], "requests": row["requests"],
             "prompt_tokens": row["prompt_tokens"],
             "completion_tokens": row["completion_tokens"]}
+
+
+def _stored_spec(text: str) -> ModelSpec:
+    """A stored catalog model, with what a row stored before a field existed lacks (its
+    digest, size, geometry) as the catalog's defaults: readers never hedge."""
+    spec: ModelSpec = {**copy.deepcopy(SPEC_DEFAULTS), **json.loads(text)}  # type: ignore[typeddict-item]
+    return spec
