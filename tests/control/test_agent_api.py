@@ -139,3 +139,24 @@ def test_a_nodes_drift_is_kept_under_its_certificate_and_shown_by_the_admin_api(
                       timeout=5) as anonymous:
         r = anonymous.put(f"https://127.0.0.1:{cp.agent_port}{AgentPaths.DRIFT}", json={})
     assert r.status_code == 401
+
+
+@pytest.mark.parametrize("report, said", [
+    ({"id": "r1", "state": "paused"}, "replicas.0.state is 'paused'"),
+    ({"id": "r1", "state": "stopped"}, "replicas.0.state is 'stopped'"),
+    ({"state": "ready"}, "replicas.0.id"),
+    ({"id": "r1", "state": "ready", "endpoint": 8080}, "replicas.0.endpoint is 8080"),
+])
+def test_a_replica_report_the_agent_may_not_make_is_422_naming_it_not_dropped(
+    live_control_plane, report, said
+) -> None:
+    """A state a node may not report (pending and stopped are the scheduler's), or a report
+    of the wrong shape, refuses the heartbeat naming it: it is never silently dropped."""
+    cp = live_control_plane
+    r = _heartbeat(cp, cp.client_cert("node-a"), {"cpus": 4, "replicas": [report]})
+    assert r.status_code == 422, r.text
+    assert said in r.json()["detail"], r.text
+    # Negative control: a report it may make is taken.
+    ok = {"id": "r1", "state": "downloading"}
+    assert _heartbeat(cp, cp.client_cert("node-a"), {"cpus": 4, "replicas": [ok]}).status_code \
+        == 200

@@ -27,5 +27,7 @@ def problem(error: ErrorDetails, model: type[BaseModel] | None = None) -> str:
         return f"{where} is not a known key (known here: {known})"
     if error["type"] == "extra_forbidden":
         return f"{where} is not a known key"
+    if error["type"] == "missing":
+        return f"{where} is missing"
     message = str(error["msg"]).removeprefix("Value error, ")
     return f"{where} is {error['input']!r}: {message}"

@@ -9,7 +9,7 @@ typed, and keys a newer agent adds are kept as sent.
 
 from __future__ import annotations
 
-from typing import Any, NotRequired, TypeVar
+from typing import Any, Literal, NotRequired, TypeVar
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
@@ -187,15 +187,27 @@ class ModelSpec(TypedDict):
     geometry: Geometry
 
 
+# The states an agent may report of a replica it runs (REPORTED_REPLICA_STATES): pending
+# and stopped are the scheduler's alone.
+ReportedState = Literal["downloading", "starting", "ready", "failed"]
+
+
 class ReplicaReport(TypedDict):
     """What an agent says of one replica it runs, in its heartbeat's `replicas`."""
 
     id: str
-    state: ReplicaState
-    err: str
-    endpoint: str
-    api_key: str
-    pid: int
+    state: ReportedState
+    # "" (or absent) until there is one: a replica still downloading has no endpoint.
+    err: NotRequired[str]
+    endpoint: NotRequired[str]
+    api_key: NotRequired[str]
+    pid: NotRequired[int]
+
+
+class ReplicaReports(TypedDict):
+    """A heartbeat's `replicas`, as the agent API checks them (apart from the inventory)."""
+
+    replicas: list[ReplicaReport]
 
 
 class Heartbeat(Inventory, total=False):
@@ -339,6 +351,7 @@ class CheckRecord(TypedDict):
 INVENTORY: TypeAdapter[Inventory] = TypeAdapter(Inventory)
 REPLICA: TypeAdapter[ReplicaRecord] = TypeAdapter(ReplicaRecord)
 REPLICA_UPDATE: TypeAdapter[ReplicaUpdate] = TypeAdapter(ReplicaUpdate)
+REPORTS: TypeAdapter[ReplicaReports] = TypeAdapter(ReplicaReports)
 
 
 class RecordError(ValueError):

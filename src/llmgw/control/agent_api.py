@@ -20,13 +20,16 @@ from cryptography.hazmat.primitives import serialization
 from pydantic import ValidationError
 
 from llmgw import pki
-from llmgw.contract import REPORTED_REPLICA_STATES, AgentPaths
+from llmgw.contract import AgentPaths, ReplicaState
 from llmgw.contract.records import (
+    REPORTS,
     Assignment,
     Heartbeat,
     HeartbeatAnswer,
     NodeReplica,
     RecordError,
+    ReplicaUpdate,
+    checked,
 )
 from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.drift import DriftBoard, Report
@@ -40,7 +43,6 @@ log = logging.getLogger("llmgw.agent_api")
 _ANONYMOUS_PATHS = {("GET", AgentPaths.JOIN_CA), ("POST", AgentPaths.JOIN),
                     ("GET", AgentPaths.CRL)}
 
-REPORTED_FIELDS = ("state", "err", "endpoint", "api_key")
 
 
 def token_hash(token: str) -> str:
@@ -134,7 +136,8 @@ class AgentAPI:
         inventory = {k: v for k, v in body.items() if k not in ("node_id", "replicas")}
         # A body may say which node it is; the certificate decides.
         inventory["claimed_id"] = body.get("node_id", "")
-        rows = self.store.heartbeat(node_id, inventory, serial, _reports(body.get("replicas")))
+        reports = _reports(node_id, body.get("replicas"))
+        rows = self.store.heartbeat(node_id, inventory, serial, reports)
         answer: HeartbeatAnswer = {"node_id": node_id, "replicas": _assignments(rows)}
         if self.mirror_url:
             answer["mirror"] = self.mirror_url
@@ -211,13 +214,15 @@ def _pem(pair: pki.KeyPair) -> str:
     return pair.cert.public_bytes(serialization.Encoding.PEM).decode()
 
 
-def _reports(raw: Any) -> dict[str, dict[str, str]]:
-    """A node's reports on its replicas (id → fields), keeping only states it may report."""
-    found: dict[str, dict[str, str]] = {}
-    for report in raw if isinstance(raw, list) else []:
-        if isinstance(report, dict) and report.get("state") in REPORTED_REPLICA_STATES:
-            found[str(report.get("id"))] = {k: str(report.get(k) or "") for k in REPORTED_FIELDS}
-    return found
+def _reports(node_id: str, raw: Any) -> dict[str, ReplicaUpdate]:
+    """A node's reports on its replicas (id → the fields it may change), checked once here
+    (contract.records.ReplicaReport): a state it may not report, a missing field or a wrong
+    type is a RecordError naming it, and the heartbeat is refused whole."""
+    reports = checked(REPORTS, {"replicas": raw or []},
+                      f"node {node_id}'s replica reports")["replicas"]
+    return {r["id"]: {"state": ReplicaState(r["state"]), "err": r.get("err", ""),
+                      "endpoint": r.get("endpoint", ""), "api_key": r.get("api_key", "")}
+            for r in reports}
 
 
 def _assignments(rows: list[NodeReplica]) -> list[Assignment]:

@@ -26,6 +26,7 @@ from llmgw.contract.records import (
     NodeReplica,
     RecordError,
     ReplicaRecord,
+    ReplicaUpdate,
     checked,
 )
 from llmgw.control.catalog import SPEC_DEFAULTS
@@ -215,14 +216,13 @@ class Store:
         )
 
     def heartbeat(self, node_id: str, inventory: Mapping[str, object], serial: str,
-                  reports: dict[str, dict[str, str]]) -> list[NodeReplica]:
+                  reports: Mapping[str, ReplicaUpdate]) -> list[NodeReplica]:
         """One beat in one transaction: record the inventory, take the node's reports on its
-        own replicas (id → fields; a stopped replica stays stopped), and return the node's
-        live replicas, each with its model's spec (None when the model is gone).
-        RecordError, and nothing stored, when the inventory or a report is invalid."""
+        own replicas (id → fields, checked by the agent API as it read them; a stopped
+        replica stays stopped), and return the node's live replicas, each with its model's
+        spec (None when the model is gone). RecordError, and nothing stored, when the
+        inventory is invalid."""
         inventory = _inventory_in(node_id, inventory)
-        for rid, fields in reports.items():
-            checked(REPLICA_UPDATE, fields, f"node {node_id}'s report on replica {rid}")
         with self._tx() as db:
             self._upsert_node(db, node_id, inventory, serial)
             rows = db.execute(
