@@ -3,13 +3,13 @@
 In front of a scripted replica (no engine time), the gateway under uvicorn spent 0.10 ms
 of CPU a request at 16 in flight and 0.25 ms at 1; under this server 0.085 and 0.215,
 side by side (nginx: 0.022 and 0.06). uvicorn's share was its cycle objects, default
-headers, flow-control and event objects, and the writes it gathers only with help
-(which it gathers only through its private classes). This server does what llmgw needs and no more, in one
-asyncio protocol per connection: httptools parses the request, one task runs the app, an
-answer whose body comes in one message leaves in one write with its head, a streamed one
-as HTTP chunks, a file with sendfile (the ASGI zero-copy send extension). Keep-alive,
-pipelining (one request at a time, in order), Expect: 100-continue, HEAD, a client that
-leaves (http.disconnect), write backpressure and a drain that loses no request on the
+headers, flow-control and event objects, and the writes it gathers only through its
+private classes. This server does what llmgw needs and no more, in one asyncio protocol
+per connection: httptools parses the request, one task runs the app, an answer whose body
+comes in one message leaves in one write with its head, a streamed one as HTTP chunks, a
+file with sendfile (the ASGI zero-copy send extension). Keep-alive, pipelining (one
+request at a time, in order), Expect: 100-continue, HEAD, a client that leaves
+(http.disconnect), write backpressure and a drain that loses no request on the
 wire are kept. HTTP/1.1 (and 1.0) only: no upgrades, no HTTP/2.
 
 What a client may send, and how slowly, is held as it reads (`Limits`): the head on raw

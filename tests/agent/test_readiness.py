@@ -17,7 +17,8 @@ from llmgw.netaddr import free_port
 
 @pytest.fixture
 def sup(tmp_path) -> ReplicaSupervisor:
-    return ReplicaSupervisor(state_dir=tmp_path, weights_dir=tmp_path / "w", engine=lambda kind: None,
+    return ReplicaSupervisor(state_dir=tmp_path, weights_dir=tmp_path / "w",
+                             engine=lambda kind: None,
                              bind_host="127.0.0.1", probe_timeout_s=0.3)
 
 
@@ -114,7 +115,8 @@ class HangingEngines:
 def test_every_replica_is_probed_at_once_so_hung_engines_do_not_add_up(tmp_path, count) -> None:
     """The control: one replica's probe is the only one open."""
     engines = HangingEngines()
-    sup = ReplicaSupervisor(state_dir=tmp_path, weights_dir=tmp_path / "w", engine=lambda kind: None,
+    sup = ReplicaSupervisor(state_dir=tmp_path, weights_dir=tmp_path / "w",
+                            engine=lambda kind: None,
                             bind_host="127.0.0.1", probe_timeout_s=0.5)
     alive = subprocess.Popen(["sleep", "60"])
     try:

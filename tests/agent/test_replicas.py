@@ -149,7 +149,8 @@ def test_a_replica_taken_off_finishes_the_answer_under_way_then_stops(
     assert not pid_is_engine(r["pid"], int(r["endpoint"].rsplit(":", 1)[1]))
 
 
-def test_negative_control_an_engine_stopped_at_once_cuts_the_answer(supervisor, served_gguf) -> None:
+def test_negative_control_an_engine_stopped_at_once_cuts_the_answer(
+        supervisor, served_gguf) -> None:
     sup = supervisor()
     sup.reconcile([assignment(*served_gguf, ctx=4096)])
     until("ready", lambda: state_of(sup)["state"] == "ready")

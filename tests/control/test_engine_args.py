@@ -17,7 +17,8 @@ def test_an_engine_has_more_http_threads_than_the_gateway_holds_connections_to_i
 
 
 def test_a_profiles_own_http_threads_are_kept() -> None:
-    assert engine_args({"name": "m", "routing_profile": "chat"}, profile("--threads-http", "8")) == ["--threads-http", "8"]
+    chat = {"name": "m", "routing_profile": "chat"}
+    assert engine_args(chat, profile("--threads-http", "8")) == ["--threads-http", "8"]
 
 
 def test_an_embedding_model_gets_embeddings_and_a_pooling_type_unless_its_profile_says() -> None:
