@@ -246,7 +246,7 @@ def serve_gateway(work: Path, port: int, fast: bool) -> None:
     from llmgw._http1 import Http1Server
     from llmgw.control._fastpath import FastPath
 
-    app = make_gateway_app(Store(work / "control.db"), tokens=[], upstream=Upstream(),
+    app = make_gateway_app(Store(work / "control.db"), upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
     Http1Server(app, f"127.0.0.1:{port}", fast=FastPath(app) if fast else None).run()
 

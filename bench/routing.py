@@ -59,6 +59,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from llmgw.config import ServerConfig
 from llmgw.contract.records import ModelSpec, ProfileSpec  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
 from llmgw.control.engine_args import engine_args  # noqa: E402
@@ -165,8 +166,9 @@ def serve_gateway(work: Path, port: int, routing: str) -> None:
     from llmgw._http1 import Http1Server
     from llmgw.control._fastpath import FastPath
 
-    app = make_gateway_app(Store(work / "control.db"), tokens=[], upstream=Upstream(),
-                           routing=routing)  # type: ignore[arg-type]
+    app = make_gateway_app(Store(work / "control.db"),
+                           ServerConfig(gateway_routing=routing),  # type: ignore[arg-type]
+                           upstream=Upstream())
     Http1Server(app, f"127.0.0.1:{port}", fast=FastPath(app)).run()
 
 

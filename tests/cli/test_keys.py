@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from llmgw import admin_token
+from llmgw.config import ServerConfig
 from llmgw.control._upstream import Upstream
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.gateway import make_gateway_app
@@ -33,7 +34,7 @@ def host(tmp_path: Path) -> Iterator[tuple[Path, Store, str]]:
     store = Store(tmp_path / "control.db")
     store.add_model(MODEL)
     hash_path = tmp_path / "state" / "etc" / admin_token.HASH_FILE
-    gateway = make_gateway_app(store, tokens=[], upstream=Upstream(), keys_required=True)
+    gateway = make_gateway_app(store, ServerConfig(gateway_keys="required"), upstream=Upstream())
     with serve_asgi(make_admin_app(store, node_timeout_s=30.0, token_hash=hash_path)) as url, \
             serve_gateway(gateway) as gateway_url:
         write_server_yaml(tmp_path / "state", int(url.rsplit(":", 1)[1]))

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from llmgw._http1 import Http1Server
+from llmgw.config import ServerConfig
 from llmgw.control._fastpath import FastPath
 from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.admin_api import KeyRequest, create_key
@@ -90,8 +91,8 @@ def fast_gateway(store: Store, timeouts: Timeouts | None = None, with_fast: bool
                  **options: object) -> Iterator[tuple[httpx.Client, FastPath, Gateway]]:
     """A gateway served with its fast path (or, not with_fast, without: the coroutine path
     alone), its client, the fast path (how many requests it took) and the app."""
-    app = make_gateway_app(store, tokens=[], upstream=Upstream(timeouts),
-                           metrics=GatewayMetrics(CollectorRegistry()), **options)  # type: ignore[arg-type]
+    app = make_gateway_app(store, ServerConfig(**options), upstream=Upstream(timeouts),  # type: ignore[arg-type]
+                           metrics=GatewayMetrics(CollectorRegistry()))
     fast = FastPath(app)
     with serve_gateway(app, fast=fast if with_fast else None) as url, \
             httpx.Client(base_url=url, timeout=30) as client:
@@ -322,7 +323,7 @@ def test_a_drain_answers_a_request_on_the_fast_path_and_closes(store) -> None:
 
     with raw_replica(script) as (endpoint, _):
         ready(store, "r1", endpoint)
-        app = make_gateway_app(store, tokens=[], upstream=Upstream())
+        app = make_gateway_app(store, upstream=Upstream())
         fast = FastPath(app)
         port = free_port()
         server = Http1Server(app, f"127.0.0.1:{port}", drain_s=5.0, fast=fast)
@@ -348,7 +349,7 @@ def test_usage_and_metrics_count_fast_path_answers(store) -> None:
     registry = CollectorRegistry()
     with scripted_upstream(lambda p, b: (200, "application/json", [json_answer()])) as up:
         ready(store, "r1", up.endpoint)
-        app = make_gateway_app(store, tokens=[], upstream=Upstream(),
+        app = make_gateway_app(store, upstream=Upstream(),
                                metrics=GatewayMetrics(registry), usage_flush_s=0.2)
         fast = FastPath(app)
         with serve_gateway(app, fast=fast) as url, httpx.Client(base_url=url) as gw:

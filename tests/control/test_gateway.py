@@ -14,6 +14,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from llmgw.config import ServerConfig
 from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.gateway import Router, make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
@@ -54,8 +55,8 @@ def ready(store: Store, rid: str, endpoint: str, key: str = "k", model: str = "t
 def gateway(store: Store, tokens: list[str] | None = None, max_body_bytes: int = 1 << 20,
             metrics: GatewayMetrics | None = None,
             timeouts: Timeouts | None = None) -> Iterator[httpx.Client]:
-    app = make_gateway_app(store, tokens=tokens or [], upstream=Upstream(timeouts),
-                           metrics=metrics, max_body_bytes=max_body_bytes)
+    settings = ServerConfig(tokens=tokens or [], gateway_max_body_bytes=max_body_bytes)
+    app = make_gateway_app(store, settings, upstream=Upstream(timeouts), metrics=metrics)
     with serve_gateway(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         yield client
 

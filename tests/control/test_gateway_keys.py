@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from llmgw import pki
+from llmgw.config import ServerConfig
 from llmgw.control._upstream import Upstream
 from llmgw.control.admin_api import KeyRequest, create_key
 from llmgw.control.gateway import make_gateway_app
@@ -49,8 +50,9 @@ def key(store: Store, **request: Any) -> str:  # noqa: F811
 def gateway(store: Store, *, required: bool = True, tokens: list[str] | None = None,  # noqa: F811
             metrics: GatewayMetrics | None = None, flush_s: float = 0.2,
             certfile: str = "", keyfile: str = "") -> Iterator[str]:
-    app = make_gateway_app(store, tokens=tokens or [], upstream=Upstream(), metrics=metrics,
-                           keys_required=required, usage_flush_s=flush_s)
+    settings = ServerConfig(tokens=tokens or [], gateway_keys="required" if required else "")
+    app = make_gateway_app(store, settings, upstream=Upstream(), metrics=metrics,
+                           usage_flush_s=flush_s)
     with serve_gateway(app, certfile, keyfile) as url:
         yield url
 
@@ -217,7 +219,7 @@ def test_usage_waits_in_memory_while_the_store_is_busy(store, replica, tmp_path)
     """Another process holds the write lock past the store's busy timeout: the batch is
     kept, and written once the lock is gone."""
     secret = key(store, name="patient")
-    app = make_gateway_app(store, tokens=[], upstream=Upstream(), keys_required=True)
+    app = make_gateway_app(store, ServerConfig(gateway_keys="required"), upstream=Upstream())
     with serve_gateway(app) as url:
         chat(client(url, secret))
     other = sqlite3.connect(tmp_path / "db.sqlite", isolation_level=None)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from llmgw.config import ServerConfig
 from llmgw.control._upstream import Upstream
 from llmgw.control.gateway import Gateway, make_gateway_app
 from llmgw.control.store import Store
@@ -38,8 +39,9 @@ def ready(store: Store, rid: str, engine: FakeEngine, key: str = "k") -> None:
 
 
 @contextmanager
-def gateway(store: Store, **routing: Any) -> Iterator[tuple[Gateway, httpx.Client]]:
-    app = make_gateway_app(store, tokens=[], upstream=Upstream(), **routing)
+def gateway(store: Store, **settings: Any) -> Iterator[tuple[Gateway, httpx.Client]]:
+    """The gateway with these server.yaml settings (gateway_routing=..., and so on)."""
+    app = make_gateway_app(store, ServerConfig(**settings), upstream=Upstream())
     with serve_gateway(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         yield app, client
 
@@ -77,7 +79,7 @@ def test_a_request_beyond_every_replicas_slots_waits_in_the_gateway(
     with fake_engine(1, held=True) as e1, fake_engine(1, held=True) as e2:
         ready(store, "r1", e1)
         ready(store, "r2", e2)
-        with gateway(store, routing=routing) as (app, gw), ThreadPoolExecutor(3) as pool:
+        with gateway(store, gateway_routing=routing) as (app, gw), ThreadPoolExecutor(3) as pool:
             if routing == "balanced":
                 wait_polled(app, "r1", "r2")
             sent = [pool.submit(gw.post, "/v1/chat/completions", json=chat(f"c{i}"))
@@ -96,9 +98,10 @@ def test_a_request_beyond_every_replicas_slots_waits_in_the_gateway(
 def test_beyond_the_queue_or_its_wait_the_answer_is_503_with_retry_after(store) -> None:
     with fake_engine(1, held=True) as e1:
         ready(store, "r1", e1)
-        for limits, says in [({"queue_size": 0}, "0 requests already wait (gateway_queue_size"),
-                             ({"queue_wait_s": 0.3}, "(gateway_queue_wait_s in server.yaml); "
-                                                     "r1: 1 in flight of 1 slots")]:
+        cases = [({"gateway_queue_size": 0}, "0 requests already wait (gateway_queue_size"),
+                 ({"gateway_queue_wait_s": 0.3}, "(gateway_queue_wait_s in server.yaml); "
+                                                 "r1: 1 in flight of 1 slots")]
+        for limits, says in cases:
             with gateway(store, **limits) as (app, gw), ThreadPoolExecutor(1) as pool:
                 wait_polled(app, "r1")
                 first = pool.submit(gw.post, "/v1/chat/completions", json=chat("a"))
@@ -122,7 +125,7 @@ def test_each_turn_of_a_conversation_goes_back_to_the_replica_that_served_it(
     with fake_engine(8) as e1, fake_engine(8) as e2:
         ready(store, "r1", e1)
         ready(store, "r2", e2)
-        with gateway(store, routing=routing) as (_, gw):
+        with gateway(store, gateway_routing=routing) as (_, gw):
             for name in ("cats", "dogs"):
                 history = [name]
                 for turn in range(3):
@@ -212,7 +215,7 @@ def test_a_conversations_next_turn_reuses_the_real_engines_prompt_cache(
         store.put_replica({"id": f"r{i + 1}", "model": "m", "node": "n1", "profile": "cpu",
                            "state": "ready", "endpoint": endpoint, "api_key": "k"})
     history = [f"tell me a story about {routing} routing and the long road home"]
-    with gateway(store, routing=routing) as (app, gw):
+    with gateway(store, gateway_routing=routing) as (app, gw):
         if routing == "balanced":
             wait_polled(app, "r1", "r2")
             assert [app.balancer.loads[r].slots for r in ("r1", "r2")] == [2, 2]

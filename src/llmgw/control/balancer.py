@@ -28,8 +28,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from llmgw.config import ServerConfig
 from llmgw.contract.records import ReplicaRecord
 from llmgw.errors import Error
+
+# server.yaml's defaults, where each is spelled (the balancer's own defaults are these).
+_SERVER = ServerConfig()
 
 Routing = Literal["balanced", "round-robin"]
 
@@ -173,8 +177,10 @@ class Balancer:
     """Leases replicas to requests. `routing: round-robin` in server.yaml keeps the old way:
     each request to the next ready replica, no slots, no queue (the engine queues)."""
 
-    def __init__(self, routing: Routing = "balanced", *, queue_size: int = 256,
-                 queue_wait_s: float = 30.0, affinity_entries: int = AFFINITY_ENTRIES) -> None:
+    def __init__(self, routing: Routing = _SERVER.gateway_routing, *,
+                 queue_size: int = _SERVER.gateway_queue_size,
+                 queue_wait_s: float = _SERVER.gateway_queue_wait_s,
+                 affinity_entries: int = AFFINITY_ENTRIES) -> None:
         self.routing = routing
         self.queue_size, self.queue_wait_s = queue_size, queue_wait_s
         self.loads: dict[str, Load] = {}

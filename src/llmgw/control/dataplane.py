@@ -33,7 +33,6 @@ from llmgw._http1_limits import Limits
 from llmgw._serving import on_stop_signals
 from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.control._fastpath import FastPath
-from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.gateway import make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store
@@ -298,15 +297,7 @@ async def serve_worker(config_path: Path) -> None:
     store = Store(Path(config.state_dir) / "control.db", busy_timeout_s=READ_WAIT_S)
     registry = CollectorRegistry()
     _info(registry, config)
-    upstream = Upstream(Timeouts(config.upstream_connect_timeout_s,
-                                 config.upstream_read_timeout_s))
-    app = make_gateway_app(store, tokens=config.tokens, upstream=upstream,
-                           metrics=GatewayMetrics(registry),
-                           max_body_bytes=int(config.gateway_max_body_bytes),
-                           keys_required=config.gateway_keys == "required",
-                           routing=config.gateway_routing,
-                           queue_size=config.gateway_queue_size,
-                           queue_wait_s=config.gateway_queue_wait_s)
+    app = make_gateway_app(store, config, metrics=GatewayMetrics(registry))
     servers = [Http1Server(app, drain_s=config.gateway_drain_s,
                            certfile=config.gateway_tls.cert, keyfile=config.gateway_tls.key,
                            fast=FastPath(app), limits=gateway_limits(config)),
@@ -326,6 +317,6 @@ async def serve_worker(config_path: Path) -> None:
     finally:
         for task in helpers:
             task.cancel()
-        await upstream.aclose()
+        await app.upstream.aclose()
         store.close()
         log.info("gateway worker %s stopped", os.getpid())

@@ -16,18 +16,18 @@ import time
 from dataclasses import dataclass
 
 from llmgw._asgi import Receive, Scope, Send
+from llmgw.config import ServerConfig
 from llmgw.contract.records import ModelSpec
 from llmgw.control import _wire, keys
 from llmgw.control._relay import kept, relay_events, respond, whole_answer
 from llmgw.control._router import Router
 from llmgw.control._slots import SlotPoller
-from llmgw.control._upstream import ConnectFailed, Response, Upstream, UpstreamError
+from llmgw.control._upstream import ConnectFailed, Response, Timeouts, Upstream, UpstreamError
 from llmgw.control.balancer import (
     RETRY_AFTER_S,
     Balancer,
     Conversation,
     Lease,
-    Routing,
     Saturated,
     conversation,
 )
@@ -40,7 +40,6 @@ log = logging.getLogger("llmgw.gateway")
 FORWARDED = {"/v1/chat/completions": "chat", "/v1/completions": "chat",
              "/v1/embeddings": "embedding"}
 KNOWN_GET = ("/healthz", "/v1/models")
-DEFAULT_MAX_BODY_BYTES = 16 << 20
 JSON_HEADERS = [(b"content-type", b"application/json")]
 # Usage per key reaches the store in batches, never per request: the store may be another
 # process's too, and busy.
@@ -91,10 +90,8 @@ class Gateway:
     always checked."""
 
     def __init__(self, store: Store, *, tokens: list[str], upstream: Upstream,
-                 metrics: GatewayMetrics | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 keys_required: bool = False, usage_flush_s: float = USAGE_FLUSH_S,
-                 balancer: Balancer | None = None) -> None:
+                 metrics: GatewayMetrics | None, max_body_bytes: int, keys_required: bool,
+                 usage_flush_s: float, balancer: Balancer) -> None:
         self.router = Router(store)
         self.tokens = [t.encode() for t in tokens]
         self.required = keys_required or bool(tokens)
@@ -104,7 +101,7 @@ class Gateway:
         self.usage = keys.Usage()
         self.usage_flush_s = usage_flush_s
         self._callers: dict[str, Caller] = {}
-        self.balancer = balancer or Balancer()
+        self.balancer = balancer
         self.slots = SlotPoller(self.balancer, self.router.all_ready)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -411,17 +408,22 @@ class Exchange:
                                self.caller.name)
 
 
-def make_gateway_app(store: Store, *, tokens: list[str], upstream: Upstream,
-                     metrics: GatewayMetrics | None = None,
-                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                     keys_required: bool = False,
-                     usage_flush_s: float = USAGE_FLUSH_S,
-                     routing: Routing = "balanced", queue_size: int = 256,
-                     queue_wait_s: float = 30.0) -> Gateway:
-    return Gateway(store, tokens=tokens, upstream=upstream, metrics=metrics,
-                   max_body_bytes=max_body_bytes, keys_required=keys_required,
+def make_gateway_app(store: Store, settings: ServerConfig | None = None, *,
+                     upstream: Upstream | None = None, metrics: GatewayMetrics | None = None,
+                     usage_flush_s: float = USAGE_FLUSH_S) -> Gateway:
+    """The gateway for server.yaml's settings (its defaults when none are given): tokens,
+    gateway_keys, gateway_max_body_bytes, gateway_routing and the queue; upstream, the
+    replica client (its timeouts from the same settings unless given)."""
+    settings = settings or ServerConfig()
+    upstream = upstream or Upstream(Timeouts(settings.upstream_connect_timeout_s,
+                                             settings.upstream_read_timeout_s))
+    return Gateway(store, tokens=settings.tokens, upstream=upstream, metrics=metrics,
+                   max_body_bytes=settings.gateway_max_body_bytes,
+                   keys_required=settings.gateway_keys == "required",
                    usage_flush_s=usage_flush_s,
-                   balancer=Balancer(routing, queue_size=queue_size, queue_wait_s=queue_wait_s))
+                   balancer=Balancer(settings.gateway_routing,
+                                     queue_size=settings.gateway_queue_size,
+                                     queue_wait_s=settings.gateway_queue_wait_s))
 
 
 def replica_failed(replica_id: str, model: str, why: object) -> GatewayError:
