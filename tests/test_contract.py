@@ -113,3 +113,31 @@ def test_one_explainer_names_key_found_value_and_rule_for_models_and_typed_dicts
         TypeAdapter(ReplicaRecord).validate_python(
             {"id": "r", "model": "m", "node": "", "profile": "cpu", "state": "paused"})
     assert problems(row_error.value).startswith("state is 'paused': Input should be")
+
+
+@pytest.mark.parametrize("model_name, spec_name", [
+    ("Model", "ModelSpec"), ("Profile", "ProfileSpec"), ("Scaling", "ScalingSpec"),
+    ("Geometry", "Geometry"),
+])
+def test_the_catalogs_rules_and_the_dicts_readers_hold_have_the_same_fields(
+        model_name: str, spec_name: str) -> None:
+    """contract.catalog's models (the rules, checked on the way in) dump to exactly the
+    TypedDicts of contract.records that the gateway, the scheduler and the store read: a
+    field added to one and not the other fails here."""
+    import typing
+
+    from llmgw.contract import catalog, records
+
+    model = getattr(catalog, model_name)
+    spec = getattr(records, spec_name)
+    assert set(model.model_fields) == set(typing.get_type_hints(spec)), \
+        f"catalog.{model_name} and records.{spec_name} differ"
+
+
+def test_negative_control_a_field_the_dicts_lack_is_seen() -> None:
+    import typing
+
+    from llmgw.contract import catalog, records
+
+    fields = set(catalog.Model.model_fields) | {"colour"}
+    assert fields != set(typing.get_type_hints(records.ModelSpec))

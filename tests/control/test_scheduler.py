@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from llmgw.control.catalog import SPEC_DEFAULTS
+from llmgw.contract.catalog import SPEC_DEFAULTS
 from llmgw.control.scheduler import plan
 
 PIN = {"llmgw.control-plane": "true"}

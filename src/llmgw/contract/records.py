@@ -142,7 +142,7 @@ class ScalingSpec(TypedDict):
 
 
 class ProfileSpec(TypedDict):
-    """One way to serve a catalog model (checked on the way in by catalog.Profile)."""
+    """One way to serve a catalog model (checked on the way in by contract.catalog.Profile)."""
 
     name: str
     engine: str
@@ -168,7 +168,7 @@ class Geometry(TypedDict, total=False):
 
 
 class ModelSpec(TypedDict):
-    """A catalog model as stored and as the admin API shows it (catalog.Model, dumped)."""
+    """A catalog model as stored and as the admin API shows it (contract.catalog.Model, dumped)."""
 
     name: str
     aliases: list[str]

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from llmgw.admin_token import RequireAdminToken
+from llmgw.contract.catalog import Model
 from llmgw.contract.records import (
     JoinToken,
     ModelSpec,
@@ -27,7 +28,7 @@ from llmgw.contract.records import (
 )
 from llmgw.control import keys
 from llmgw.control.agent_api import token_hash as join_token_hash
-from llmgw.control.catalog import Model, read_file_facts
+from llmgw.control.catalog import read_file_facts
 from llmgw.control.drift import DriftBoard, add_drift_routes
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
@@ -189,7 +190,7 @@ def make_admin_app(
                 f"{', '.join(clash)} already names a model in the catalog; "
                 f"DELETE /api/v1/models/{model.name} first to replace it",
             )
-        # pydantic types a dump as dict[str, Any]; catalog.Model's fields are ModelSpec's.
+        # pydantic types a dump as dict[str, Any]; contract.catalog.Model's fields are ModelSpec's.
         spec = cast(ModelSpec, model.model_dump())
         if not spec["size_bytes"]:
             spec["size_bytes"], geometry, why = read_file_facts(spec["source"])

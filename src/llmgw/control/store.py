@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.contract import ReplicaState
+from llmgw.contract.catalog import SPEC_DEFAULTS
 from llmgw.contract.records import (
     INVENTORY,
     REPLICA,
@@ -29,7 +30,6 @@ from llmgw.contract.records import (
     ReplicaUpdate,
     checked,
 )
-from llmgw.control.catalog import SPEC_DEFAULTS
 from llmgw.control.nodes import Hearing
 
 log = logging.getLogger("llmgw.store")
