@@ -184,3 +184,12 @@ def test_a_hosts_drift_report_replaces_its_last_and_is_listed_by_host(live_contr
     anonymous = live_control_plane.anonymous().put("/api/v1/drift/a",
                                                    json={"checked": 3.0, "promises": 0})
     assert anonymous.status_code == 401
+
+
+def test_a_refused_body_is_one_line_in_the_words_every_boundary_uses(live_control_plane) -> None:
+    """`llmgw models add` prints the detail as it comes: one sentence, not pydantic's list."""
+    r = live_control_plane.admin.post("/api/v1/models", json=_with(sha256="abc"))
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert isinstance(detail, str) and detail.startswith("POST /api/v1/models refused: "), r.text
+    assert "sha256 is 'abc': sha256 must be 64 lower-case hex digits" in detail, detail

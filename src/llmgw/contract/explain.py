@@ -4,19 +4,28 @@ key), what was found and what is allowed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
 
 
-def problems(e: ValidationError, model: type[BaseModel] | None = None) -> str:
-    """`tokens.0 is 12345: Input should be a valid string; ...` for each of e's errors; an
-    unknown key lists the keys known there when model (the shape validated) says them."""
-    return "; ".join(problem(error, model) for error in e.errors())
+def problems(e: ValidationError | Iterable[Mapping[str, Any]],
+             model: type[BaseModel] | None = None, *, within: str = "") -> str:
+    """`tokens.0 is 12345: Input should be a valid string; ...` for each error (a pydantic
+    ValidationError, or errors as FastAPI gives them); an unknown key lists the keys known
+    there when model (the shape validated) says them. within: a first location part to
+    leave out (FastAPI's "body")."""
+    errors = e.errors() if isinstance(e, ValidationError) else e
+    return "; ".join(problem(error, model, within=within) for error in errors)
 
 
-def problem(error: ErrorDetails, model: type[BaseModel] | None = None) -> str:
+def problem(error: Mapping[str, Any], model: type[BaseModel] | None = None, *,
+            within: str = "") -> str:
+    loc = list(error["loc"])
+    if within and loc[:1] == [within]:
+        loc = loc[1:]
+    error = {**error, "loc": tuple(loc)}
     where = ".".join(str(part) for part in error["loc"]) or "the whole value"
     if error["type"] == "extra_forbidden" and model is not None:
         section: Any = model
@@ -30,4 +39,4 @@ def problem(error: ErrorDetails, model: type[BaseModel] | None = None) -> str:
     if error["type"] == "missing":
         return f"{where} is missing"
     message = str(error["msg"]).removeprefix("Value error, ")
-    return f"{where} is {error['input']!r}: {message}"
+    return f"{where} is {error.get('input')!r}: {message}"

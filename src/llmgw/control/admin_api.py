@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import cast
 
 import httpx
-from fastapi import FastAPI, HTTPException, Query, Response
+from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from llmgw.admin_token import RequireAdminToken
 from llmgw.contract.catalog import Model
+from llmgw.contract.explain import problems
 from llmgw.contract.records import (
     JoinToken,
     ModelSpec,
@@ -115,6 +118,13 @@ def make_admin_app(
     them from then on)."""
     app = FastAPI(title="llmgw admin API", version="1")
     app.add_middleware(RequireAdminToken, hash_path=token_hash)
+
+    @app.exception_handler(RequestValidationError)
+    async def refused(request: Request, e: RequestValidationError) -> JSONResponse:
+        """A body of the wrong shape, in the words every boundary uses (contract.explain)."""
+        return JSONResponse(status_code=422, content={
+            "detail": f"{request.method} {request.url.path} refused: "
+                      f"{problems(e.errors(), within='body')}"})
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
     scraper = httpx.AsyncClient()
     add_drift_routes(app, drift or DriftBoard())
