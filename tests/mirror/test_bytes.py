@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llmgw._http1_limits import Limits
 from llmgw.mirror import PRESENT
 from llmgw.mirror._bytes import BytesServer
 from llmgw.mirror._downloads import Manager
@@ -25,11 +26,6 @@ from tests.hosts import free_port
 from tests.mirror.conftest import MirrorProcess
 
 SECRET = b"the bytes of a file outside the models dir " * 50
-
-# Written before the port, failing on today's server: strict, so the marker goes once they pass.
-NOT_ON_THE_CORE = pytest.mark.xfail(
-    run=False, strict=True,
-    reason="the mirror's bytes server is not yet on the hardened HTTP core (issue 24, item 1)")
 
 
 def _serve(tmp_path: Path) -> tuple[MirrorProcess, str, bytes]:
@@ -126,7 +122,7 @@ def test_only_get_and_head(served):
     "/m/v1/src.bin%00",
     "/m/v1/.llmgw-mirror.json",
     "/m/v1/.src.bin.partial",
-    "http://127.0.0.1/m/v1/src.bin",
+    "http://127.0.0.1/m/../../secret.txt",
     "/m/v1/src.bin/../../../secret.txt",
     "/%c0%ae%c0%ae/secret.txt",
 ])
@@ -137,6 +133,14 @@ def test_path_escapes_get_400_or_404_and_never_other_bytes(served, target):
     status, answer = raw_get(mirror.bytes_port, target)
     assert status in (400, 404), answer[:300]
     assert SECRET[:40] not in answer
+
+
+def test_an_absolute_form_target_is_served_as_its_path(served):
+    """RFC 9112 3.2.2: a server must accept the absolute-form; the HTTP core takes its
+    path, so it is the same file (and the traversal checks above hold for it too)."""
+    mirror, _, data = served
+    status, answer = raw_get(mirror.bytes_port, "http://127.0.0.1/m/v1/src.bin")
+    assert status == 200 and answer.endswith(data)
 
 
 def test_the_raw_request_helper_does_serve_the_file(served):
@@ -198,7 +202,6 @@ def statuses(answer: bytes) -> list[int]:
     return [int(m[1]) for m in re.finditer(rb"HTTP/1\.1 (\d{3}) ", answer)]
 
 
-@NOT_ON_THE_CORE
 def test_two_content_lengths_are_400_and_the_request_hidden_behind_is_not_answered(served):
     """Content-Length N then 0: 400 and close; the GET hidden in the N bytes is never
     answered as a request of its own."""
@@ -220,7 +223,6 @@ def test_negative_control_the_same_pipelined_pair_without_the_second_length(serv
     assert statuses(answer) == [200, 206], answer[:300]
 
 
-@NOT_ON_THE_CORE
 @pytest.mark.parametrize("spec", [f"bytes={'9' * 5000}-", f"bytes=0-{'9' * 5000}",
                                   f"bytes=-{'9' * 5000}"])
 def test_a_range_with_thousands_of_digits_is_refused_without_a_traceback(served, spec):
@@ -257,10 +259,9 @@ def big_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return base / "models", src
 
 
-def _limits(**deadlines: float) -> dict:
-    """The keyword arguments that set these deadlines on BytesServer. Today's server has
-    none to set: its tests show what it does without."""
-    return {}
+def _limits(write_s: float) -> dict:
+    """BytesServer's limits with this write deadline (the core's Limits.write_timeout_s)."""
+    return {"limits": Limits(write_timeout_s=write_s)}
 
 
 @contextmanager
@@ -287,7 +288,7 @@ def bytes_server(models: Path, src: Path, **deadlines: float) -> Iterator[tuple[
 
 def held(server: object) -> int:
     """Connections the bytes server holds open now."""
-    return len(server._writers)  # type: ignore[attr-defined]
+    return server.connections  # type: ignore[attr-defined,no-any-return]
 
 
 def stop_reading(port: int, gets: int) -> socket.socket:
@@ -317,7 +318,6 @@ def read_all(sock: socket.socket, cap: int) -> tuple[int, bool]:
     return got, False
 
 
-@NOT_ON_THE_CORE
 def test_a_client_that_stops_reading_is_let_go_by_the_write_deadline(big_models):
     """36 pipelined GETs of a 32 MiB file into a 4 KiB receive buffer, then no reads: the
     connection is closed by the write deadline (within its margin) and the server holds
@@ -334,7 +334,6 @@ def test_a_client_that_stops_reading_is_let_go_by_the_write_deadline(big_models)
     assert closed and got < BIG, f"{got} bytes came, {'then EOF' if closed else 'and more'}"
 
 
-@NOT_ON_THE_CORE
 def test_negative_control_a_raised_write_deadline_still_holds_the_stalled_client(big_models):
     """The same stalled client with the deadline raised: held when the test looks."""
     with bytes_server(*big_models, write_s=60.0) as (server, port):

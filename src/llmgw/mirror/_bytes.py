@@ -1,11 +1,14 @@
 """The bytes server: GET and HEAD of finished files, with single ranges, nothing else.
 
-Not on uvicorn/Starlette: Starlette's FileResponse reads the file in a worker thread and
-pushes every chunk through the ASGI loop, while this server hands the socket to the
-kernel with sendfile(2) (asyncio's loop.sendfile), so a node pulling many gigabytes costs
-the mirror almost no CPU. bench/mirror_throughput.py measures it against
-`python -m http.server` and nginx. It speaks only what nodes need: HTTP/1.1 with
-keep-alive, GET/HEAD, one Range; anything else is answered 400, 405 or 404.
+Served by llmgw's HTTP/1.1 core (`llmgw._http1`), which reads every request under its
+limits and deadlines (a head one byte at a time, two Content-Lengths, a client that stops
+reading a multi-gigabyte answer) before this app sees it. Not Starlette's FileResponse,
+which reads the file in a worker thread and pushes every chunk through the ASGI loop:
+this app answers with the core's zero-copy send, which hands the socket to the kernel
+with sendfile(2) in 1 MiB chunks, each under the write deadline, so a node pulling many
+gigabytes costs the mirror almost no CPU (bench/mirror_throughput.py measures it against
+`python -m http.server` and nginx). It serves what nodes need: GET/HEAD, one Range;
+anything else is answered 400, 405 or 404.
 """
 
 from __future__ import annotations
@@ -16,21 +19,29 @@ import logging
 import os
 import re
 import stat
-from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from llmgw._asgi import Receive, Scope, Send
+from llmgw._http1 import Http1Server
+from llmgw._http1_limits import Limits
 from llmgw.mirror._disk import is_name
 from llmgw.mirror._downloads import Manager, Servable
 from llmgw.mirror._metrics import ServedCounter
 
 log = logging.getLogger("llmgw.mirror.bytes")
 
-_HEAD_LIMIT = 16 * 1024
-_IDLE_S = 60.0
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+# A byte position longer than this lies past the end of any file (10^18 bytes is an
+# exabyte); int() of thousands of digits would otherwise cost time, or raise past
+# Python's digit limit.
+_MAX_DIGITS = 18
+# A node downloads for as long as it takes; a client that takes nothing is let go by the
+# write deadline, not by this.
+KEEP_ALIVE_S = 60.0
+DRAIN_S = 2.0
 
 
 class _Refused(Exception):
@@ -40,39 +51,6 @@ class _Refused(Exception):
         super().__init__(why)
         self.status = status
         self.headers = headers or {}
-
-
-@dataclass(frozen=True)
-class Request:
-    method: str
-    target: str
-    version: str
-    headers: dict[str, str]
-
-    def keep_alive(self) -> bool:
-        conn = self.headers.get("connection", "").lower()
-        if self.version == "HTTP/1.0":
-            return conn == "keep-alive"
-        return conn != "close"
-
-
-def parse_head(block: bytes) -> Request:
-    try:
-        lines = block.decode("latin-1").split("\r\n")
-        method, target, version = lines[0].split(" ")
-    except ValueError:
-        raise _Refused(400, "malformed request line") from None
-    if version not in ("HTTP/1.0", "HTTP/1.1"):
-        raise _Refused(400, f"unsupported protocol {version}")
-    headers = {}
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise _Refused(400, "malformed header")
-        headers[name.lower()] = value.strip()
-    return Request(method, target, version, headers)
 
 
 def resolve(target: str, base_path: str) -> tuple[str, str, str]:
@@ -107,6 +85,8 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None:
         416, f"the range lies past the end of the file ({size} bytes)",
         {"Content-Range": f"bytes */{size}"},
     )
+    if len(found[1]) > _MAX_DIGITS or len(found[2]) > _MAX_DIGITS:
+        raise unsatisfiable
     if not found[1]:
         suffix = int(found[2])
         if suffix == 0 or size == 0:
@@ -138,61 +118,58 @@ def _open_inside(root: Path, servable: Servable) -> int:
 
 
 class BytesServer:
-    """Serves the manager's present files under base_path on one listening socket."""
+    """Serves the manager's present files under base_path on one listening socket, on the
+    HTTP core with limits (its defaults, with a longer keep-alive, unless given)."""
 
     def __init__(self, manager: Manager, base_path: str = "",
-                 served: ServedCounter | None = None) -> None:
+                 served: ServedCounter | None = None, *, limits: Limits | None = None) -> None:
         self.manager = manager
         self.base_path = base_path.rstrip("/")
         self.served = served or ServedCounter()
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self.http = Http1Server(self.app, drain_s=DRAIN_S,
+                                limits=limits or Limits(keep_alive_s=KEEP_ALIVE_S))
+        self._serving: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> asyncio.Server:
-        self._server = await asyncio.start_server(self._serve, host, port, limit=_HEAD_LIMIT)
-        return self._server
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        return len(self.http.connections)
+
+    async def start(self, host: str, port: int) -> None:
+        """Listen on host:port ("" for every interface); OSError when it cannot."""
+        self.http.listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._serving = asyncio.get_running_loop().create_task(self.http.serve())
+        while not self.http.started:
+            if self._serving.done():
+                await self._serving  # it failed to start: raise why
+            await asyncio.sleep(0.01)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for w in list(self._writers):
-            w.close()
-        if self._server is not None:
+        """Stop listening; answers under way get DRAIN_S, then are cut."""
+        self.http.should_exit = True
+        if self._serving is not None:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+                await asyncio.wait_for(self._serving, DRAIN_S + 5.0)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan to speak
+        head_only = scope["method"] == "HEAD"
         try:
-            while await self._one(reader, writer):
-                pass
-        except (
-            TimeoutError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError
-        ):
-            pass
-        finally:
-            self._writers.discard(writer)
-            writer.close()
-
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        """Answer one request; whether the connection stays open for another."""
-        block = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IDLE_S)
-        method = "GET"
-        try:
-            req = parse_head(block[:-4])
-            method = req.method
-            if req.headers.get("content-length", "0") != "0" or "transfer-encoding" in req.headers:
-                raise _Refused(400, "requests with a body are not served")
-            if req.method not in ("GET", "HEAD"):
-                raise _Refused(405, f"{req.method} is not served; only GET and HEAD")
-            return await self._send_file(req, writer)
+            await self._answer(scope, send, head_only)
         except _Refused as e:
             self.served.sent(e.status, 0)
-            await _send_error(writer, e, body=method != "HEAD")
-            return False
+            await _send_error(send, e, body=not head_only)
 
-    async def _send_file(self, req: Request, writer: asyncio.StreamWriter) -> bool:
-        model, version, file = resolve(req.target, self.base_path)
+    async def _answer(self, scope: Scope, send: Send, head_only: bool) -> None:
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1")
+                   for name, value in scope["headers"]}
+        if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+            raise _Refused(400, "requests with a body are not served")
+        if scope["method"] not in ("GET", "HEAD"):
+            raise _Refused(405, f"{scope['method']} is not served; only GET and HEAD")
+        target = scope["raw_path"].decode("latin-1")
+        model, version, file = resolve(target, self.base_path)
         servable = self.manager.servable(model, version, file)
         if servable is None:
             raise _Refused(404, f"{model}/{version}/{file} is not present in this mirror")
@@ -200,47 +177,36 @@ class BytesServer:
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             etag = f'"{servable.sha256}"'
-            wanted = req.headers.get("range")
-            if req.headers.get("if-range", etag) != etag:
+            wanted = headers.get("range")
+            if headers.get("if-range", etag) != etag:
                 wanted = None  # the client holds another version: send it this one whole
             span = byte_range(wanted, st.st_size)
             status = 206 if span else 200
             start, end = span or (0, st.st_size - 1)
-            headers = {
-                "Content-Type": "application/octet-stream",
-                "Content-Length": str(end - start + 1),
-                "Accept-Ranges": "bytes",
-                "ETag": etag,
-                "Last-Modified": formatdate(st.st_mtime, usegmt=True),
-            }
+            count = max(end - start + 1, 0)
+            answer = [(b"content-type", b"application/octet-stream"),
+                      (b"content-length", b"%d" % count), (b"accept-ranges", b"bytes"),
+                      (b"etag", etag.encode()), (b"server", b"llmgw-mirror"),
+                      (b"last-modified", formatdate(st.st_mtime, usegmt=True).encode())]
             if span:
-                headers["Content-Range"] = f"bytes {start}-{end}/{st.st_size}"
-            keep = req.keep_alive()
-            writer.write(_head(status, headers, keep))
-            await writer.drain()
-            if req.method == "GET" and end >= start:
-                loop = asyncio.get_running_loop()
-                await loop.sendfile(writer.transport, f, start, end - start + 1)
-                self.served.sent(status, end - start + 1)
-            else:
+                answer.append((b"content-range", f"bytes {start}-{end}/{st.st_size}".encode()))
+            await send({"type": "http.response.start", "status": status, "headers": answer})
+            if head_only or not count:
+                await send({"type": "http.response.body", "body": b""})
                 self.served.sent(status, 0)
-        return keep
+                return
+            await send({"type": "http.response.zerocopysend", "file": f, "offset": start,
+                        "count": count})
+            self.served.sent(status, count)
 
 
-def _head(status: int, headers: dict[str, str], keep_alive: bool) -> bytes:
-    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
-             f"Date: {formatdate(usegmt=True)}", "Server: llmgw-mirror",
-             f"Connection: {'keep-alive' if keep_alive else 'close'}"]
-    lines += [f"{k}: {v}" for k, v in headers.items()]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-async def _send_error(writer: asyncio.StreamWriter, e: _Refused, *, body: bool) -> None:
+async def _send_error(send: Send, e: _Refused, *, body: bool) -> None:
     text = f"{e.status} {HTTPStatus(e.status).phrase}: {e}\n".encode()
-    headers = {"Content-Type": "text/plain; charset=utf-8", "Content-Length": str(len(text)),
-               **e.headers}
+    headers: list[tuple[bytes, bytes]] = [
+        (b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"%d" % len(text)),
+        (b"server", b"llmgw-mirror"), (b"connection", b"close"),
+        *((k.lower().encode(), v.encode()) for k, v in e.headers.items())]
     if e.status == 405:
-        headers["Allow"] = "GET, HEAD"
-    writer.write(_head(e.status, headers, keep_alive=False) + (text if body else b""))
-    with contextlib.suppress(ConnectionError):
-        await writer.drain()
+        headers.append((b"allow", b"GET, HEAD"))
+    await send({"type": "http.response.start", "status": e.status, "headers": headers})
+    await send({"type": "http.response.body", "body": text if body else b""})
