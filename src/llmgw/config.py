@@ -101,6 +101,17 @@ class HttpLimits(_Section):
         return Limits(**self.model_dump())
 
 
+# Longer than any heartbeat interval, so a kept-alive agent never finds its connection gone.
+AGENT_KEEP_ALIVE_S = 120.0
+
+
+class AgentHttpLimits(HttpLimits):
+    """server.yaml's agent_http: HttpLimits, but an idle agent's connection is kept open
+    AGENT_KEEP_ALIVE_S (it heartbeats every few seconds over it)."""
+
+    keep_alive_s: float = Field(default=AGENT_KEEP_ALIVE_S, gt=0)
+
+
 class ServerConfig(_Section):
     """server.yaml: the control plane's listen addresses, state and certificates."""
 
@@ -145,7 +156,7 @@ class ServerConfig(_Section):
     # The gateway's body limit on the wire is gateway_max_body_bytes plus its framing
     # unless gateway_http.max_body_bytes says otherwise.
     gateway_http: HttpLimits = Field(default_factory=lambda: HttpLimits())
-    agent_http: HttpLimits = Field(default_factory=lambda: HttpLimits())
+    agent_http: AgentHttpLimits = Field(default_factory=lambda: AgentHttpLimits())
 
     @field_validator("admin_listen", "agent_listen", "gateway_listen", "gateway_metrics_listen")
     @classmethod

@@ -167,12 +167,14 @@ def test_a_connection_that_waited_too_long_for_its_turn_is_closed_unanswered(
 def test_handshakes_wait_for_a_turn(
     tmp_path: Path, cluster: dict[str, pki.KeyPair], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With one turn, a client that connects and never says hello holds it until its
-    handshake times out; the next node's handshake waits for it, then is served."""
+    """With one turn, a client whose whole ClientHello came and which then stalls holds
+    it until its handshake times out; the next node's handshake waits for it, then is
+    served. (A silent connection takes no turn: tests/control/test_tlsserver.py.)"""
     import socket
     import threading
 
     from llmgw.control import _tlsserver
+    from tests.control.test_tlsserver import client_hello
 
     monkeypatch.setattr(_tlsserver, "HANDSHAKES_AT_ONCE", 1)
     monkeypatch.setattr(_tlsserver, "HANDSHAKE_TIMEOUT_S", 1.5)
@@ -181,9 +183,10 @@ def test_handshakes_wait_for_a_turn(
     client = AgentClient(f"https://127.0.0.1:{server.port}",
                          node_tls(tmp_path, cluster["ca"], "node-a", "node-a"))
     silent = socket.create_connection(("127.0.0.1", server.port))
+    silent.sendall(client_hello())
     answers: list[dict] = []
     try:
-        time.sleep(0.2)  # the silent connection takes the turn first
+        time.sleep(0.2)  # the stalled handshake takes the turn first
         beat = threading.Thread(target=lambda: answers.append(client.heartbeat({})))
         beat.start()
         beat.join(timeout=0.7)

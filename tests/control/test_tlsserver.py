@@ -18,7 +18,7 @@ import pytest
 
 from llmgw import pki
 from llmgw.agent.client import AgentClient
-from llmgw.config import TLSFiles
+from llmgw.config import AgentHttpLimits, TLSFiles
 from llmgw.contract import AgentPaths
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.store import Store
@@ -49,12 +49,6 @@ class Cluster:
         return TLSFiles(ca=self.ca_file, cert=self.node[0], key=self.node[1])
 
 
-# Written before the port, failing on today's server; run=False: some wait out deadlines
-# the server does not have. strict: once they pass, this marker must go.
-pytestmark = pytest.mark.xfail(
-    run=False, strict=True,
-    reason="the agent API is not yet on the hardened HTTP core (issue 24, item 1): no "
-           "deadlines, handshake admission or strict framing hold these yet")
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Cluster:
@@ -77,10 +71,15 @@ class Served:
         return self.server.port
 
 
+_DEADLINES = {"body_s": "body_window_s", "first_byte_s": "first_byte_timeout_s",
+              "handshake_s": "handshake_timeout_s"}
+
+
 def _limits(**deadlines: float) -> dict[str, Any]:
-    """The keyword arguments that set these deadlines on AgentAPIServer. Today's server
-    has none to set: its tests show what it does without."""
-    return {}
+    """AgentAPIServer's limits with these deadlines (body_s: the body's rate window, its
+    first one the grace a body has to begin), the agent API's defaults otherwise."""
+    settings = {_DEADLINES[name]: value for name, value in deadlines.items()}
+    return {"limits": AgentHttpLimits(**settings).limits()}
 
 
 @contextmanager

@@ -1,28 +1,42 @@
-"""A small HTTP/1.1 JSON server over TLS on asyncio: no thread per connection.
+"""The agent API's server: TLS admission, then llmgw's HTTP/1.1 core, on one event loop in a
+thread of its own (no thread per connection).
 
-Served by hand rather than by uvicorn because uvicorn does not hand the verified client
-certificate to the app (no ASGI TLS extension), and identity must come from the handshake.
+Not uvicorn: the handshake is admitted here, before a connection may cost anything, and
+identity comes from it (the core hands the verified client certificate's CN and serial
+to the app in the scope's TLS extension). Every node reaches this port, and a client
+without a certificate may connect (to join), so a connection is admitted in three steps:
+its first byte and whole ClientHello must come within first_byte_timeout_s (it takes no
+handshake slot meanwhile: a silent or half-done connection cannot keep a node out), then
+it waits for one of HANDSHAKES_AT_ONCE slots (at most HANDSHAKE_QUEUE_S), then the
+handshake must end within the handshake deadline. The requests are read by the core
+(`llmgw._http1`) under its limits: a head or body that stops part-way is closed by its
+deadline, before any certificate check would matter; framing the core refuses (two
+Content-Lengths, an unknown coding, folded lines) never reaches the handler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
 import ssl
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from http import HTTPStatus
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
+
+from llmgw._asgi import Receive, Scope, Send
+from llmgw._http1 import Http1Server
+from llmgw._http1_limits import Limits
+from llmgw.config import AgentHttpLimits
 
 log = logging.getLogger("llmgw.agent_api")
 
 BACKLOG = 2048
 MAX_BODY = 4 * 1024 * 1024
-HANDSHAKE_TIMEOUT_S = 10.0
 # TLS handshakes in progress at once; the rest wait, accepted, in their sockets. Every node
 # reconnects after a control-plane restart: handshakes all in progress together each take
 # seconds, the agents give up on them and try again, and the work done is lost.
@@ -31,8 +45,22 @@ HANDSHAKES_AT_ONCE = 32
 # on a handshake at 10 s, so the work would come too late; closed, the agent backs off and
 # comes back when the queue is shorter.
 HANDSHAKE_QUEUE_S = 5.0
-# Longer than any heartbeat interval, so a kept-alive agent never finds its connection gone.
-IDLE_TIMEOUT_S = 120.0
+# The handshake's deadline when set (tests set it); else the limits' handshake_timeout_s.
+HANDSHAKE_TIMEOUT_S: float | None = None
+# The agent API's limits unless server.yaml's agent_http says otherwise (its defaults).
+DEFAULT_LIMITS = AgentHttpLimits().limits()
+# A TLS record: type 22 (handshake), a version, a length of at most 2^14 (+ expansion).
+_HANDSHAKE_RECORD = 0x16
+_MAX_RECORD = (1 << 14) + 2048
+# How often a connection whose ClientHello came in part is looked at again (a readable
+# socket with unread bytes would wake the loop at once, over and over).
+_HELLO_POLL_S = 0.05
+# A stopping server lets answers under way finish this long: agents reconnect by themselves.
+DRAIN_S = 1.0
+
+
+class _NotTLS(Exception):
+    """The first bytes are not a TLS handshake record."""
 
 
 @dataclass(frozen=True)
@@ -67,46 +95,12 @@ class Reply:
 Handler = Callable[[Request], Reply]
 
 
-def peer_of(ssl_object: ssl.SSLObject | None, addr: str) -> Peer:
-    cert = ssl_object.getpeercert() if ssl_object else None
-    cn = ""
-    for rdn in (cert or {}).get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName":
-                cn = str(value)
-    return Peer(cn=cn, serial=str((cert or {}).get("serialNumber", "")), addr=addr)
-
-
-def _encode(reply: Reply, keep_alive: bool) -> bytes:
-    data = json.dumps(reply.body).encode()
-    reason = HTTPStatus(reply.status).phrase
-    head = (
-        f"HTTP/1.1 {reply.status} {reason}\r\n"
-        "Content-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n"
-        f"Connection: {'keep-alive' if keep_alive else 'close'}\r\n\r\n"
-    )
-    # Headers and body in one write: two small writes wait out Nagle and delayed ACKs.
-    return head.encode() + data
-
-
-@dataclass
-class _Head:
-    method: str
-    target: str
-    version: str
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def _parse_head(raw: bytes) -> _Head:
-    lines = raw.decode("latin-1").split("\r\n")
-    method, target, version = lines[0].split(" ", 2)
-    head = _Head(method, target, version)
-    for line in lines[1:]:
-        if line:
-            name, _, value = line.partition(":")
-            head.headers[name.strip().lower()] = value.strip()
-    return head
+def peer_of(scope: Scope) -> Peer:
+    """Who sent this request, from the core's TLS extension ("" for no certificate)."""
+    tls = scope.get("extensions", {}).get("tls") or {}
+    client = scope.get("client") or ("?", 0)
+    return Peer(cn=str(tls.get("client_cert_common_name", "")),
+                serial=str(tls.get("client_cert_serial", "")), addr=str(client[0]))
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -120,18 +114,28 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 class TLSServer:
-    """Serves handler on host:port in a thread of its own running one event loop."""
+    """Serves handler on host:port in a thread of its own running one event loop.
+
+    gate(method, path, peer), when it answers, answers a request from its head alone (a
+    401 for a path that needs a certificate the client did not show: no body is waited
+    for); refused(peer) turns away a client that passed the handshake (a revoked serial)."""
 
     def __init__(self, host: str, port: int, context: ssl.SSLContext, handler: Handler,
-                 *, refused: Callable[[Peer], str | None] = lambda peer: None) -> None:
+                 *, refused: Callable[[Peer], str | None] = lambda peer: None,
+                 gate: Callable[[str, str, Peer], Reply | None] = lambda m, p, peer: None,
+                 limits: Limits | None = None) -> None:
         self.context = context
         self._handler = handler
         self._refused = refused
+        self._gate = gate
+        self.limits = limits or DEFAULT_LIMITS
+        self.http = Http1Server(self._app, drain_s=DRAIN_S, limits=self.limits)
         self._loop = new_event_loop()
         self._sock = self._listen(host, port)
         self._accepting: asyncio.Task[None] | None = None
-        self._conns: dict[asyncio.StreamWriter, Peer] = {}
+        self._serving: asyncio.Task[None] | None = None
         self._handshakes: asyncio.Semaphore | None = None
+        self._admitting: set[asyncio.Task[None]] = set()
         self.accepted = 0  # connections served since start
         self.shed = 0  # connections closed after waiting HANDSHAKE_QUEUE_S for a handshake
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-api",
@@ -156,11 +160,18 @@ class TLSServer:
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
 
     async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
         self._handshakes = asyncio.Semaphore(HANDSHAKES_AT_ONCE)
-        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        self._serving = loop.create_task(self.http.serve(sockets=[]))
+        while not self.http.started:
+            if self._serving.done():
+                await self._serving
+            await asyncio.sleep(0.005)
+        self._protocol = self.http.protocol_factory()
+        self._accepting = loop.create_task(self._accept())
 
     async def _accept(self) -> None:
-        """Accept every connection at once (cheap); its TLS waits for a turn."""
+        """Accept every connection at once (cheap); its TLS waits for its hello, then a turn."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -169,28 +180,39 @@ class TLSServer:
                 log.warning("accepting a connection failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            loop.create_task(self._admit(sock))
+            task = loop.create_task(self._admit(sock))
+            self._admitting.add(task)
+            task.add_done_callback(self._admitting.discard)
 
     async def _admit(self, sock: socket.socket) -> None:
-        """The TLS handshake, at most HANDSHAKES_AT_ONCE together, then the requests."""
+        """The whole ClientHello within the first-byte deadline, then the TLS handshake, at
+        most HANDSHAKES_AT_ONCE together, then the requests (the core's)."""
         assert self._handshakes is not None
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=2 ** 16)
-        protocol = asyncio.StreamReaderProtocol(reader)
-        arrived = loop.time()
+        try:
+            await asyncio.wait_for(_hello(sock), self.limits.first_byte_timeout_s)
+        except (TimeoutError, OSError, _NotTLS):
+            sock.close()
+            return
+        hello_at = loop.time()
         async with self._handshakes:
-            if loop.time() - arrived > HANDSHAKE_QUEUE_S:
+            if loop.time() - hello_at > HANDSHAKE_QUEUE_S:
                 self.shed += 1
                 sock.close()
                 return
+            deadline = HANDSHAKE_TIMEOUT_S or self.limits.handshake_timeout_s
             try:
                 transport, _ = await loop.connect_accepted_socket(
-                    lambda: protocol, sock, ssl=self.context,
-                    ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S)
+                    self._protocol, sock, ssl=self.context, ssl_handshake_timeout=deadline)
             except (OSError, ssl.SSLError, TimeoutError, ConnectionError):
                 sock.close()
                 return
-        await self._connection(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
+        raw = transport.get_extra_info("socket")
+        if raw is not None:
+            # An answer is one write, sent at once (asyncio and uvloop set this too).
+            with contextlib.suppress(OSError):
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.accepted += 1
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run fn on the server's loop, after what it is doing now."""
@@ -198,7 +220,7 @@ class TLSServer:
 
     def stop(self) -> None:
         if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=10)
+            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(timeout=30)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
         self._loop.close()
@@ -207,84 +229,124 @@ class TLSServer:
         if self._accepting is not None:
             self._accepting.cancel()
         self._sock.close()
-        for writer in list(self._conns):
-            writer.transport.abort()
+        for task in list(self._admitting):
+            task.cancel()
+        self.http.should_exit = True
+        if self._serving is not None:
+            with contextlib.suppress(Exception):
+                await self._serving
 
     def connections(self) -> int:
-        return len(self._conns)
+        return len(self.http.connections)
 
     def drop(self, serials: set[str]) -> None:
         """Close every open connection whose client certificate has one of serials."""
+        def revoked(tls: dict[str, Any] | None) -> bool:
+            return bool(tls) and tls["client_cert_serial"] in serials  # type: ignore[index]
+
         def drop_now() -> None:
-            for writer, peer in list(self._conns.items()):
-                if peer.serial in serials:
-                    log.info("closing the connection of %s (serial %s): revoked",
-                             peer.cn, peer.serial)
-                    writer.transport.abort()
+            if (cut := self.http.drop(revoked)):
+                log.info("closed %d connection(s) of revoked serials %s", cut,
+                         ", ".join(sorted(serials)))
         self._loop.call_soon_threadsafe(drop_now)
 
-    async def _connection(self, reader: asyncio.StreamReader,
-                          writer: asyncio.StreamWriter) -> None:
-        addr = str((writer.get_extra_info("peername") or ("?",))[0])
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            # An answer is one write, sent at once (asyncio and uvloop set this too).
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = peer_of(writer.get_extra_info("ssl_object"), addr)
+    # --- the app the core runs for each request ---
+
+    async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan to speak
+        peer = peer_of(scope)
+        method, path = scope["method"], scope["path"]
         why = self._refused(peer)
         if why:
-            log.info("refused %s from %s: %s", peer.cn, addr, why)
-            writer.transport.abort()
+            log.info("refused %s from %s: %s", peer.cn, peer.addr, why)
+            await _send(send, Reply(403, {"detail": f"refused: {why}"}, close=True))
             return
-        self._conns[writer] = peer
-        self.accepted += 1
-        try:
-            await self._requests(reader, writer, peer)
-        except (OSError, ssl.SSLError, asyncio.IncompleteReadError, TimeoutError):
-            pass
-        finally:
-            self._conns.pop(writer, None)
-            writer.close()
-
-    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        peer: Peer) -> None:
-        while True:
-            try:
-                raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), IDLE_TIMEOUT_S)
-            except asyncio.LimitOverrunError:
-                writer.write(_encode(Reply(431, {"detail": "the headers are too large"}), False))
-                return
-            try:
-                head = _parse_head(raw)
-            except ValueError:
-                writer.write(_encode(Reply(400, {"detail": "malformed request line"}), False))
-                return
-            reply = await self._read_and_handle(reader, head, peer)
-            keep = (not reply.close and head.version == "HTTP/1.1"
-                    and head.headers.get("connection", "").lower() != "close")
-            writer.write(_encode(reply, keep))
-            await writer.drain()
-            if not keep:
-                return
-
-    async def _read_and_handle(self, reader: asyncio.StreamReader, head: _Head,
-                               peer: Peer) -> Reply:
-        if "chunked" in head.headers.get("transfer-encoding", "").lower():
-            return Reply(411, {"detail": "send a Content-Length, not a chunked body"}, True)
-        try:
-            length = int(head.headers.get("content-length") or 0)
-        except ValueError:
-            return Reply(400, {"detail": "Content-Length is not a number"}, True)
-        if length > MAX_BODY:
-            return Reply(413, {"detail": f"a request body is at most {MAX_BODY} bytes"}, True)
-        body = await reader.readexactly(length) if length else b""
-        url = urlsplit(head.target)
-        request = Request(head.method, url.path, dict(parse_qsl(url.query)), body, peer)
+        early = self._gate(method, path, peer)
+        if early is not None:
+            await _send(send, early)
+            return
+        body, too_large = await _body(receive)
+        if body is None:
+            return  # the client left (or a deadline let it go) before its body came
+        if too_large:
+            await _send(send, Reply(413, {"detail": f"a request body is at most {MAX_BODY} "
+                                                    "bytes"}, close=True))
+            return
+        query = dict(parse_qsl(scope["query_string"].decode("latin-1")))
+        request = Request(method, path, query, body, peer)
         try:
             # On the loop itself: a beat's SQLite work takes well under a millisecond,
             # less than handing it to a thread and back.
-            return self._handler(request)
+            reply = self._handler(request)
         except Exception:  # one bad request must not take the agent API down
-            log.exception("%s %s from %s failed", head.method, url.path, peer.cn or peer.addr)
-            return Reply(500, {"detail": "the control plane failed on this request; "
-                                         "see its log"}, True)
+            log.exception("%s %s from %s failed", method, path, peer.cn or peer.addr)
+            reply = Reply(500, {"detail": "the control plane failed on this request; see "
+                                          "its log"}, close=True)
+        await _send(send, reply)
+
+
+async def _body(receive: Receive) -> tuple[bytes | None, bool]:
+    """The whole body (None when the client went first), and whether it passed MAX_BODY
+    (then what came is dropped)."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None, False
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY:
+            return b"", True
+        parts.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(parts), False
+
+
+async def _send(send: Send, reply: Reply) -> None:
+    data = json.dumps(reply.body).encode()
+    headers = [(b"content-type", b"application/json")]
+    if reply.close:
+        headers.append((b"connection", b"close"))
+    # The head and body in one write (the core joins them): two small writes would wait
+    # out Nagle and delayed ACKs.
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+async def _hello(sock: socket.socket) -> None:
+    """Until the socket holds a whole TLS record (its ClientHello), read without taking it
+    (MSG_PEEK: the handshake reads it); _NotTLS for anything else, ConnectionError if the
+    client leaves first."""
+    loop = asyncio.get_running_loop()
+    need = 5
+    while True:
+        try:
+            data = sock.recv(need, socket.MSG_PEEK)
+        except BlockingIOError:
+            data = None
+        if data is not None:
+            if not data:
+                raise ConnectionError("closed before its ClientHello")
+            if data[0] != _HANDSHAKE_RECORD:
+                raise _NotTLS(f"first byte {data[0]:#x}")
+            if len(data) >= 5:
+                need = 5 + int.from_bytes(data[3:5], "big")
+                if need > _MAX_RECORD:
+                    raise _NotTLS(f"a record of {need} bytes")
+                if len(data) >= need:
+                    return
+            await asyncio.sleep(_HELLO_POLL_S)
+            continue
+        readable: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(sock.fileno(), _settle, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(sock.fileno())
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives import serialization
 from pydantic import ValidationError
 
 from llmgw import pki
+from llmgw._http1_limits import Limits
 from llmgw.contract import AgentPaths, ReplicaState
 from llmgw.contract.records import (
     REPORTS,
@@ -88,12 +89,20 @@ class AgentAPI:
 
     # --- routing ---
 
+    def gate(self, method: str, path: str, peer: Peer) -> Reply | None:
+        """The answer a request gets from its head alone: 401 for a path that needs a client
+        certificate the client did not show (its body is never waited for)."""
+        if not peer.cn and (method, path) not in _ANONYMOUS_PATHS:
+            return Reply(401, {"detail": f"{path} needs a client certificate from the "
+                                         f"cluster CA; only {AgentPaths.JOIN} takes none"},
+                         close=True)
+        return None
+
     def handle(self, request: Request) -> Reply:
         route = (request.method, request.path)
-        if not request.peer.cn and route not in _ANONYMOUS_PATHS:
-            return Reply(401, {"detail": f"{request.path} needs a client certificate from "
-                                         f"the cluster CA; only {AgentPaths.JOIN} takes none"},
-                         close=True)
+        refused = self.gate(request.method, request.path, request.peer)
+        if refused is not None:
+            return refused
         routes = {
             ("GET", AgentPaths.HEALTH):
                 lambda r: Reply(200, {"status": "ok", "node_id": r.peer.cn}),
@@ -253,14 +262,16 @@ class AgentAPIServer:
     """
 
     def __init__(self, host: str, port: int, ctx: ssl.SSLContext, api: AgentAPI,
-                 *, tls: tuple[str, str, str] | None = None) -> None:
+                 *, tls: tuple[str, str, str] | None = None,
+                 limits: Limits | None = None) -> None:
         self.api = api
         self._crl_dir = tempfile.TemporaryDirectory(prefix="llmgw-crl-")
         self._crl_at = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
         if tls and api.ca is not None:
             ctx = mtls_context(*tls, crl=self._write_crl())
         self.ctx = ctx
-        self._server = TLSServer(host, port, ctx, api.handle, refused=api.refused)
+        self._server = TLSServer(host, port, ctx, api.handle, refused=api.refused,
+                                 gate=api.gate, limits=limits)
 
     @property
     def port(self) -> int:

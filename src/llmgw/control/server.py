@@ -80,7 +80,8 @@ def agent_api_server(config: ServerConfig, store: Store,
                    mirror_url=config.mirror.url)
     if metrics is not None:
         api.heartbeat = metrics.heartbeats.wrap(api.heartbeat)  # type: ignore[method-assign]
-    return AgentAPIServer(host, port, mtls_context(*tls), api, tls=tls)
+    return AgentAPIServer(host, port, mtls_context(*tls), api, tls=tls,
+                          limits=config.agent_http.limits())
 
 
 def _raise_open_files() -> None:
