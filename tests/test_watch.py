@@ -116,3 +116,22 @@ def test_a_provisioned_watch_sees_the_mirror_stop(make_host) -> None:
     assert status.returncode == 0, status.stderr
     drift = [line for line in status.stdout.splitlines() if "mirror/service" in line]
     assert drift and drift[0].split()[0] not in ("", "-"), status.stdout
+
+
+def test_an_address_in_use_is_refused_at_once_naming_it() -> None:
+    """The server is the HTTP core, in a thread: a bind that fails is said in the caller's
+    thread (the command exits), not lost in the server's; with the port free it serves."""
+    import socket
+
+    import pytest
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    w = watch.Watch(lambda: _records())
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            watch.serve(f"127.0.0.1:{port}", w, 60.0, threading.Event())
+    finally:
+        busy.close()

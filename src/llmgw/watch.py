@@ -9,11 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from llmgw._asgi import Receive, Scope, Send
+from llmgw._http1 import Http1Server
 from llmgw.config import parse_listen
 from llmgw.contract.records import DriftFailure, DriftReport
 
@@ -140,30 +141,26 @@ def _labels(**labels: str) -> str:
     return ",".join(f'{k}="{esc(v)}"' for k, v in labels.items())
 
 
-def _handler(watch: Watch) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            result = watch.last()
-            if self.path == "/healthz":
-                self._send(*healthz(result), "text/plain; charset=utf-8")
-            elif self.path == "/metrics":
-                self._send(200, metrics(result), "text/plain; version=0.0.4; charset=utf-8")
-            else:
-                self._send(404, "llmgw check --serve answers /healthz and /metrics\n",
-                           "text/plain; charset=utf-8")
+def asgi_app(watch: Watch) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """/healthz and /metrics of the last round, for the HTTP core (GET and HEAD only)."""
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan to speak
+        result = watch.last()
+        text = "text/plain; charset=utf-8"
+        if scope["method"] not in ("GET", "HEAD"):
+            code, body, kind = 405, f"{scope['method']} is not served; GET /healthz\n", text
+        elif scope["path"] == "/healthz":
+            (code, body), kind = healthz(result), text
+        elif scope["path"] == "/metrics":
+            code, body, kind = 200, metrics(result), "text/plain; version=0.0.4; charset=utf-8"
+        else:
+            code, body, kind = 404, "llmgw check --serve answers /healthz and /metrics\n", text
+        await send({"type": "http.response.start", "status": code,
+                    "headers": [(b"content-type", kind.encode())]})
+        await send({"type": "http.response.body", "body": body.encode()})
 
-        def _send(self, code: int, body: str, kind: str) -> None:
-            data = body.encode()
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass  # a scrape every few seconds would bury the rounds' own lines
-
-    return Handler
+    return app
 
 
 def serve(addr: str, watch: Watch, interval_s: float,
@@ -171,8 +168,25 @@ def serve(addr: str, watch: Watch, interval_s: float,
     """Answer /healthz and /metrics on addr while rounds run every interval_s (from the end
     of one to the start of the next) until stop is set."""
     host, port = parse_listen(addr)
-    server = ThreadingHTTPServer((host or "127.0.0.1", port), _handler(watch))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host = host or "127.0.0.1"
+    server = Http1Server(asgi_app(watch), f"[{host}]:{port}" if ":" in host else
+                         f"{host}:{port}", drain_s=1.0)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run()
+        except BaseException as e:  # noqa: BLE001 - said below, in the caller's thread
+            failed.append(e)
+
+    serving = threading.Thread(target=run, name="check-serve", daemon=True)
+    serving.start()
+    while not server.started:
+        if failed or not serving.is_alive():
+            raise OSError(f"llmgw check --serve cannot listen on {addr}: "
+                          f"{failed[0] if failed else 'its server stopped'}; pick another "
+                          "address (--serve HOST:PORT)")
+        time.sleep(0.01)
     log.info("llmgw check --serve on %s: a round every %.0fs", addr, interval_s)
     stop = stop or threading.Event()
     try:
@@ -184,8 +198,8 @@ def serve(addr: str, watch: Watch, interval_s: float,
                      result.duration_s)
             stop.wait(interval_s)
     finally:
-        server.shutdown()
-        server.server_close()
+        server.should_exit = True
+        serving.join(timeout=10)
 
 
 def drift_report(result: Result) -> DriftReport:
