@@ -308,7 +308,12 @@ class _Connection(asyncio.Protocol):
         self._refusal = b""  # written once the answers ahead of it are
         self._reading_head = True
         self._head_bytes = 0  # raw bytes of the head so far
+        self._head_end = b""  # the last bytes of the head so far: its end may straddle reads
         self._received = 0    # raw bytes in all, for the body's rate
+        self._unfed = 0       # bytes of the read being taken not yet fed to the parser
+        self._begun = 0       # requests begun, to tell a read that holds the next one
+        self._feeding = 0     # the body read being fed, and the body bytes before it
+        self._feed_seen = 0
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._field_bytes = 0
@@ -355,16 +360,35 @@ class _Connection(asyncio.Protocol):
 
     def _take(self, data: bytes) -> None:
         if not self._reading_head:
-            seen = self._body_seen
+            seen, begun = self._body_seen, self._begun
+            self._feeding, self._feed_seen = len(data), seen
             self._feed(data)
-            if not self._reading_head and not self._stopped:
-                # The whole read was body: what httptools did not hand on was its framing.
+            self._feeding = 0
+            if self._begun == begun and not self._stopped:
+                # The whole read was this body's (no request began behind it): what
+                # httptools did not hand on was its framing (chunk sizes, extensions,
+                # trailers). A read that also holds the next request goes uncounted: at
+                # most one read's worth of framing.
                 self._body_framing += len(data) - (self._body_seen - seen)
                 if self._body_seen + self._body_framing > self.limits.max_body_bytes:
                     self._fail(413, self._too_large())
             return
         if not self._head_bytes and not self._head_at:
             self._start_head()
+        # Where this read's head ends, so the body behind it is counted as body.
+        window = self._head_end + data
+        end = window.find(b"\r\n\r\n")
+        if 0 <= end and end + 4 - len(self._head_end) < len(data):
+            cut = end + 4 - len(self._head_end)
+            self._head_end = b""
+            rest = data[cut:]
+            self._unfed = len(rest)
+            self._take(data[:cut])
+            self._unfed = 0
+            if not self._stopped:
+                self._take(rest)
+            return
+        self._head_end = window[-3:]
         room = self.limits.max_head_bytes - self._head_bytes
         if len(data) <= room:
             self._head_bytes += len(data)
@@ -430,6 +454,7 @@ class _Connection(asyncio.Protocol):
     # --- what httptools calls ---
 
     def on_message_begin(self) -> None:
+        self._begun += 1
         self._url, self._headers, self._field_bytes = b"", [], 0
         self._hosts, self._codings, self._length = 0, None, -1
         self._expect_continue = False
@@ -545,6 +570,11 @@ class _Connection(asyncio.Protocol):
         cycle.wake()
 
     def on_message_complete(self) -> None:
+        if self._feeding and self._body_seen + self._body_framing + self._feeding - (
+                self._body_seen - self._feed_seen) > self.limits.max_body_bytes:
+            # The body ends in this read: its framing here is at most what of the read
+            # was not body (over-counted only by a pipelined request behind it).
+            raise _Refusal(413, self._too_large())
         cycle, self.parsing = self.parsing, None
         self._reading_head, self._head_bytes, self._body_at = True, 0, 0.0
         if cycle is None:
@@ -717,7 +747,8 @@ class _Connection(asyncio.Protocol):
 
     def _start_body(self) -> None:
         self._body_seen = self._body_framing = 0
-        self._body_mark = self._received
+        # What came behind the head in the same read is the body's first bytes.
+        self._body_mark = self._received - self._unfed
         self._body_at = self.loop.time() + self.limits.body_window_s
         self._arm(self._body_at)
 
