@@ -28,11 +28,25 @@ import httpx
 from llmgw._files import atomic_write, last_lines
 from llmgw.agent import engine_log
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, ReplicaState
-from llmgw.contract.records import Assignment, Gpu, Inventory, ReplicaReport
+from llmgw.contract.records import (
+    Assignment,
+    Gpu,
+    Inventory,
+    ReplicaReport,
+    ReportedState,
+    StateChanges,
+)
 from llmgw.engine_args import check_engine_args
 from llmgw.netaddr import free_port
 
 log = logging.getLogger("llmgw.replicas")
+
+# The states this agent gives a replica, as its heartbeat spells them (the contract's
+# ReportedState): pending and stopped are the scheduler's.
+_REPORTED: dict[ReplicaState, ReportedState] = {
+    ReplicaState.DOWNLOADING: "downloading", ReplicaState.STARTING: "starting",
+    ReplicaState.READY: "ready", ReplicaState.FAILED: "failed",
+}
 
 ENGINE_NAME = "llama-server"
 MAX_BACKOFF_S = 30.0
@@ -74,7 +88,7 @@ class Record:
 @dataclass
 class Replica:
     record: Record
-    state: str = ReplicaState.DOWNLOADING
+    state: ReplicaState = ReplicaState.DOWNLOADING
     err: str = ""
     proc: subprocess.Popen[bytes] | None = None
     failures: int = 0
@@ -178,7 +192,7 @@ class ReplicaSupervisor:
             return [
                 {
                     "id": r.record.id,
-                    "state": r.state,
+                    "state": _REPORTED[r.state],
                     "err": r.err,
                     "endpoint": self.endpoint(r.record) if r.record.port else "",
                     "api_key": r.record.api_key,
@@ -192,12 +206,13 @@ class ReplicaSupervisor:
         changed state (for llmgw_replica_state_changes_total) and the tail of each engine's
         log, kept until the replica is removed (for `llmgw logs`)."""
         with self._lock:
-            changes = {rid: {"model": r.record.model, "to": dict(r.changes)}
-                       for rid, r in self.replicas.items()}
+            changes: dict[str, StateChanges] = {
+                rid: {"model": r.record.model, "to": dict(r.changes)}
+                for rid, r in self.replicas.items()}
         return {"replica_state_changes": changes,
                 "replica_logs": engine_log.tails(self.dir)}
 
-    def set_state(self, replica: Replica, state: str, why: str = "") -> None:
+    def set_state(self, replica: Replica, state: ReplicaState, why: str = "") -> None:
         """Every change of state is logged with its reason and counted."""
         if state == replica.state:
             replica.err = why
