@@ -85,7 +85,7 @@ class AgentClient:
     def report_drift(self, report: DriftReport) -> HostDrift:
         """This node's last round of `llmgw check --serve`; the control plane keeps it under
         this node's certificate's name."""
-        return self._call("PUT", AgentPaths.DRIFT, json=report)  # type: ignore[return-value]
+        return self._call("PUT", AgentPaths.DRIFT, json=report)
 
     def renew(self, key_pem: bytes, csr_pem: bytes) -> None:
         """Swap this node's certificate for a new one over the current mTLS connection; the
@@ -123,7 +123,7 @@ class AgentClient:
         return signed and crl.get_revoked_certificate_by_serial_number(
             cert.serial_number) is not None
 
-    def _call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
         return self._body(self._send_or_raise(method, path, **kw))
 
     def _send_or_raise(self, method: str, path: str, **kw: Any) -> httpx.Response:
@@ -140,7 +140,9 @@ class AgentClient:
                 f"the control plane at {self.server} did not answer: {e or type(e).__name__}"
             ) from e
 
-    def _body(self, response: httpx.Response) -> dict[str, Any]:
+    def _body(self, response: httpx.Response) -> Any:
+        """The answer's JSON object (the caller's annotation names its shape), or
+        AgentAPIError saying what came instead."""
         if response.status_code != 200:
             raise AgentAPIError(
                 f"the control plane at {self.server} answered {response.status_code}: "

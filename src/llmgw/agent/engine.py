@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -48,7 +48,7 @@ from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent._build import BuildError
 from llmgw.config import EngineConfig
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, ENGINE_GAVE_UP, EngineState
-from llmgw.contract.records import Gpu
+from llmgw.contract.records import EngineStatus, Gpu
 from llmgw.errors import Error
 
 log = logging.getLogger("llmgw.agent.engine")
@@ -76,8 +76,9 @@ class Status:
     state: str
     detail: str = ""
 
-    def as_dict(self) -> dict[str, str]:
-        return asdict(self)
+    def as_dict(self) -> EngineStatus:
+        return {"engine": self.engine, "version": self.version, "state": self.state,
+                "detail": self.detail}
 
 
 @dataclass(frozen=True)

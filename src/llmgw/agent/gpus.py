@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -50,10 +50,11 @@ class GPU:
     unknown: tuple[str, ...] = ()
 
     def as_dict(self) -> Gpu:
-        d = asdict(self)
-        d["class"] = d.pop("gpu_class")
-        d["unknown"] = list(self.unknown)
-        return d  # type: ignore[return-value]
+        return {"index": self.index, "name": self.name, "memory_mb": self.memory_mb,
+                "uuid": self.uuid, "class": self.gpu_class,
+                "memory_free_mb": self.memory_free_mb,
+                "compute_capability": self.compute_capability, "mig_parent": self.mig_parent,
+                "unknown": list(self.unknown)}
 
 
 @dataclass(frozen=True)
