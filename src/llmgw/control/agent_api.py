@@ -13,6 +13,8 @@ import hashlib
 import logging
 import ssl
 import tempfile
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,6 @@ from llmgw.contract import AgentPaths, ReplicaState
 from llmgw.contract.records import (
     REPORTS,
     Assignment,
-    Heartbeat,
     HeartbeatAnswer,
     NodeReplica,
     RecordError,
@@ -86,6 +87,8 @@ class AgentAPI:
         self.revoked = set(store.revoked_serials())
         # Hosts' drift; the admin API shows the same board (server.py hands it over).
         self.drift = DriftBoard()
+        # Around each heartbeat's handling: server.py times it for the metrics.
+        self.heartbeat_timer: Callable[[], AbstractContextManager[object]] = nullcontext
 
     # --- routing ---
 
@@ -134,14 +137,18 @@ class AgentAPI:
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
         try:
-            return Reply(200, self.heartbeat(request.peer.cn, body, request.peer.serial))
+            with self.heartbeat_timer():
+                answer = self.heartbeat(request.peer.cn, body, request.peer.serial)
+            return Reply(200, answer)
         except RecordError as e:
             # An agent's body is untrusted: refused whole, naming each bad key; nothing stored.
             return Reply(422, {"detail": f"{e}; fix the agent (or upgrade it to match "
                                          "this control plane)"})
 
-    def heartbeat(self, node_id: str, body: Heartbeat, serial: str = "") -> HeartbeatAnswer:
-        """Record the node's inventory and replica states; answer with what it should run."""
+    def heartbeat(self, node_id: str, body: Mapping[str, object],
+                  serial: str = "") -> HeartbeatAnswer:
+        """Record the node's inventory and replica states; answer with what it should run.
+        body is the agent's Heartbeat, untrusted: the store checks what it keeps."""
         inventory = {k: v for k, v in body.items() if k not in ("node_id", "replicas")}
         # A body may say which node it is; the certificate decides.
         inventory["claimed_id"] = body.get("node_id", "")
@@ -235,12 +242,13 @@ def _reports(node_id: str, raw: Any) -> dict[str, ReplicaUpdate]:
 
 
 def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
-    result = []
+    result: list[Assignment] = []
     for r in rows:
         model = r["spec"]
-        profile = next((p for p in (model or {}).get("profiles", [])
-                        if p["name"] == r["profile"]), None)
-        if model is None or profile is None:
+        if model is None:
+            continue
+        profile = next((p for p in model["profiles"] if p["name"] == r["profile"]), None)
+        if profile is None:
             continue
         result.append({
             "id": r["id"], "model": model["name"], "profile": profile["name"],

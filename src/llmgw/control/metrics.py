@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -150,12 +150,6 @@ class HeartbeatTimer:
         self.seconds = Histogram("llmgw_heartbeat_duration_seconds", "Time the control plane "
                                  "takes to handle one heartbeat", registry=registry,
                                  buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
-
-    def wrap(self, handle: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self.seconds.time():
-                return handle(*args, **kwargs)
-        return timed
 
 
 def relabel(text: str, labels: dict[str, str], seen_meta: set[str]) -> list[str]:

@@ -79,7 +79,7 @@ def agent_api_server(config: ServerConfig, store: Store,
     api = AgentAPI(store, _ca(config), node_timeout_s=config.node_timeout_s,
                    mirror_url=config.mirror.url)
     if metrics is not None:
-        api.heartbeat = metrics.heartbeats.wrap(api.heartbeat)  # type: ignore[method-assign]
+        api.heartbeat_timer = metrics.heartbeats.seconds.time
     return AgentAPIServer(host, port, mtls_context(*tls), api, tls=tls,
                           limits=config.agent_http.limits())
 
