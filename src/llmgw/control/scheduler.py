@@ -320,17 +320,17 @@ def plan(
     for model in models:
         mine = _surplus(model, [r for r in kept if r["model"] == model["name"]], result)
         placed = [r for r in mine if r["node"]]
-        unplaced = [r for r in mine if not r["node"]]
-        missing = model["scaling"]["min"] - len(mine)
-        unplaced += [{"id": "", "model": model["name"]} for _ in range(max(missing, 0))]
+        # Replicas to place: those without a node, then "" for each one to make.
+        unplaced = [r["id"] for r in mine if not r["node"]]
+        unplaced += [""] * max(model["scaling"]["min"] - len(mine), 0)
         taken = placed + result.add
         others = [r for r in kept if r["id"] not in result.stop and r["model"] != model["name"]]
-        for r in unplaced:
+        for rid in unplaced:
             where = place(model, nodes, others + taken, by_name)
-            if r["id"] and where.node:
-                result.place[r["id"]] = (where.node, where.profile, where.gpus)
-            elif r["id"]:
-                result.waiting[r["id"]] = where.why
+            if rid and where.node:
+                result.place[rid] = (where.node, where.profile, where.gpus)
+            elif rid:
+                result.waiting[rid] = where.why
             else:
                 new = _new_replica(model, where)
                 result.add.append(new)
