@@ -164,6 +164,11 @@ class ServerConfig(_Section):
         return _listen(value)
 
 
+# What engine.prebuilt and engine.cuda take (the harness's --engine-prebuilt, --engine-cuda).
+EnginePrebuilt = Literal["off", "auto", "xllamacpp"]
+EngineCuda = Literal["auto", "off"]
+
+
 class EngineConfig(_Section):
     """How the agent finds or builds llama.cpp."""
 
@@ -175,10 +180,10 @@ class EngineConfig(_Section):
     # off: find or build llama-server; xllamacpp: its prebuilt CPU wheel first; auto: the
     # wheel on a CPU node without a cached build (see llmgw.agent.engine). Provisioning
     # writes auto (--engine-prebuilt); the library's own default builds.
-    prebuilt: Literal["off", "auto", "xllamacpp"] = "off"
+    prebuilt: EnginePrebuilt = "off"
     # auto: on a node with NVIDIA GPUs, make llama.cpp with CUDA (llamacpp-cuda) in the
     # background while the CPU engine serves; off: CPU only (tests and CI write off).
-    cuda: Literal["auto", "off"] = "auto"
+    cuda: EngineCuda = "auto"
     # A llama-server built with CUDA to use as llamacpp-cuda instead of building one; it
     # is checked like a built one (--list-devices names each GPU).
     cuda_server: StrictStr = ""
