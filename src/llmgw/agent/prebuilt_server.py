@@ -41,10 +41,6 @@ def _floats(word: str) -> list[float]:
     return [float(v) for v in word.replace(",", "/").split("/")]
 
 
-def _switch(field: str, value: Any) -> tuple[str, Convert | None, Any]:
-    return (field, None, value)
-
-
 def _on_off(word: str) -> bool:
     if word not in ("on", "off", "1", "0", "true", "false"):
         raise ValueError(f"{word!r} is not on or off")
