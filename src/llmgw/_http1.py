@@ -479,6 +479,9 @@ class _Connection(asyncio.Protocol):
             raise _Refusal(431, f"the request has over {self.limits.max_headers} header "
                                 "fields")
         name = name.lower()
+        # RFC 9110 5.5: a field's value excludes the whitespace around it (httptools keeps
+        # what trails it).
+        value = value.rstrip(b" \t")
         if name in _FRAMING:
             self._framing(name, value)
         self._headers.append((name, value))
@@ -498,6 +501,11 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._head_at = 0.0
+        method = self.parser.get_method()
+        if method == b"CONNECT":
+            raise _Refusal(501, "CONNECT is not served: this server is no proxy")
+        if self._url == b"*" and method != b"OPTIONS":
+            raise _Refusal(400, "the asterisk-form target is for OPTIONS only (RFC 9112 3.2.4)")
         keep_alive = self._check_framing() and not self.draining
         url = self._url
         if b"?" in url or not url.startswith(b"/"):

@@ -1,0 +1,7 @@
+#
+# This file is part of gunicorn released under the MIT license.
+# See the NOTICE for more information.
+
+from gunicorn.http.errors import ObsoleteFolding
+
+request = ObsoleteFolding
