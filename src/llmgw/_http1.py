@@ -897,7 +897,9 @@ def _tls_extension(ssl_object: ssl.SSLObject) -> dict[str, Any]:
     subject as an RFC 4514 name), plus the verified client certificate's commonName and
     serial (upper-case hex, as getpeercert() writes it): "" for none."""
     cert = ssl_object.getpeercert() or {}  # {} unless the certificate was verified
-    subject = [pair for rdn in cert.get("subject", ()) for pair in rdn]
+    # ssl types every value of the dict as any of its shapes: keep the (name, value) pairs.
+    subject = [pair for rdn in cert.get("subject", ()) if isinstance(rdn, tuple)
+               for pair in rdn if isinstance(pair, tuple)]
     der = ssl_object.getpeercert(binary_form=True) if cert else None
     short = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU",
              "countryName": "C", "localityName": "L", "stateOrProvinceName": "ST"}
