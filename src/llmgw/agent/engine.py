@@ -1,7 +1,7 @@
 """A node's engines, each provisioned and reported on its own: `llamacpp` (CPU) and
 `llamacpp-cuda` (llama.cpp built with CUDA, on a node with NVIDIA GPUs).
 
-The CPU engine, in its order of sources (DESIGN.md): `engine.llama_server` from agent.yaml;
+The CPU engine, in its order of sources: `engine.llama_server` from agent.yaml;
 `llama-server` on PATH; a build cached by version; else a CMake build of the pinned source.
 `engine.prebuilt` adds xllamacpp's prebuilt CPU wheel (llmgw.agent._prebuilt): `xllamacpp`
 takes it before the cached build, `auto` where no build is cached and no engine.version is

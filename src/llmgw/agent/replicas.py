@@ -54,7 +54,7 @@ STOP_GRACE_S = 10.0
 _LOG_TAIL = 8
 # A ready replica leaves ready on a refused connection or an exit at once, but only after
 # this many slow or failed probes in a row: under load a probe waits behind generations,
-# and one slow answer said nothing about whether the engine serves (issue 11).
+# and one slow answer said nothing about whether the engine serves.
 PROBE_FAILURES_TO_LEAVE = 3
 PROBE_TIMEOUT_S = 5.0
 # A replica taken off this node: requests the gateway routed just before it left the table

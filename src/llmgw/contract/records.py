@@ -51,7 +51,7 @@ class StateChanges(TypedDict, total=False):
 
 @with_config(_OPEN)
 class Inventory(TypedDict, total=False):
-    """What a node's last heartbeat said about it (DESIGN.md), as stored."""
+    """What a node's last heartbeat said about it (Heartbeat below), as stored."""
 
     claimed_id: str
     gpus: list[Gpu]

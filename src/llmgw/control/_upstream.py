@@ -1,7 +1,7 @@
 """A small pooled HTTP/1.1 client for the gateway's hot path: replicas only, POST only.
 
 httpx costs the gateway about as much CPU per request as the engine spends on a short
-answer (profiled, issue 11), so the hot path speaks HTTP/1.1 itself: an asyncio protocol
+answer (profiled: its request and response objects, not the bytes), so the hot path speaks HTTP/1.1 itself: an asyncio protocol
 per connection, its answers parsed by httptools (the parser uvicorn uses).
 It tells the two failures that matter apart: ConnectFailed (the request never reached
 the engine: safe to try another replica) and UpstreamError (it was sent: never resent,
@@ -30,7 +30,7 @@ IDLE_EXPIRY_S = 2.0
 # requests keep coming on it; a connection beyond the threads waits, unserved, until one
 # frees. With 32 busy keep-alive connections on a default engine (6 threads: slots + 2) a
 # new connection waited 5-7 s, and so did the agent's /health probe, on its own fresh
-# connection (measured, issue 11). So the gateway opens at most this many connections to
+# connection (measured against llama-server). So the gateway opens at most this many connections to
 # one replica, in use and idle together, and the agent starts engines with more HTTP
 # threads than this (control/engine_args.py HTTP_THREADS): some are always free for the
 # probe. A request beyond them waits in the gateway for a connection, not in the engine.

@@ -14,7 +14,7 @@ DEFAULT_POOLING = "mean"
 # by default has only slots + 2 of them. The gateway holds at most
 # MAX_CONNECTIONS_PER_REPLICA connections to a replica; with more threads than that, some
 # are always free for the agent's /health probe and the metrics scrape, which would
-# otherwise wait seconds behind the gateway's connections (issue 11). An idle thread costs
+# otherwise wait seconds behind the gateway's connections. An idle thread costs
 # a stack of address space, no CPU.
 HTTP_THREADS = MAX_CONNECTIONS_PER_REPLICA + 16
 

@@ -2,7 +2,8 @@
 
 A plain ASGI app, not FastAPI: the hot path (read the body, pick a replica, relay the
 answer's bytes) is most of what the gateway costs, and a router plus a JSON round trip
-per request cost as much as the engine's own answer to a short prompt (issue 11).
+per request cost as much as the engine's own answer to a short prompt
+(profiled).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def reported_state(inventory: Mapping[str, Any]) -> NodeState:
 
 def node_view(node: NodeRecord, now: float, timeout_s: float,
               hearing: Hearing = ALWAYS_HEARD) -> NodeView:
-    """The admin API's view of a stored node (DESIGN.md wire contract); the scheduler, the
+    """The admin API's view of a stored node (contract.records.NodeView); the scheduler, the
     metrics and the agent API read the same view."""
     inv = node["inventory"]
     silent = silence_s(node["last_seen"], now, timeout_s, hearing) > timeout_s
