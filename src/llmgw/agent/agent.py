@@ -73,7 +73,8 @@ class Agent:
         self._renew_checked = float("-inf")
 
     def inventory(self) -> Heartbeat:
-        """The heartbeat body (contract.records.Heartbeat); the control plane names the node by its cert."""
+        """The heartbeat body (contract.records.Heartbeat); the control plane names the node
+        by its cert."""
         interface, addr = host.management_interface(self.config.server)
         statuses = [self.engine.status, self.cuda.status]
         return {

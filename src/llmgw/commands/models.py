@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     msub = p.add_subparsers(dest="models_command", required=True)
     ls = msub.add_parser("ls", help="list the catalog with each model's ready replicas")
     add = msub.add_parser("add", help="add the model a YAML file describes")
-    add.add_argument("file", help="a catalog model in YAML (contract/catalog.py Model, POST /api/v1/models)")
+    add.add_argument("file", help="a catalog model in YAML (POST /api/v1/models)")
     rm = msub.add_parser("rm", help="remove a model; its replicas stop")
     rm.add_argument("name")
     for q, run in ((ls, _ls), (add, _add), (rm, _rm)):

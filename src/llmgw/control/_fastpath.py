@@ -3,7 +3,7 @@
 Most requests are the plain case: a body already in, an answer in one piece (no stream),
 a replica with a free slot and an idle pooled connection to it. Awaited, such a request
 costs a task, the ASGI messages and a future per wait. In front of a scripted replica
-(both paths measured side by side) that path spent 0.06-0.08 ms of CPU a request at 16 in flight,
+(both measured side by side) that path spent 0.06-0.08 ms of CPU a request at 16 in flight,
 this one 0.045-0.058 (nginx 0.02); with the real engine the gateway served 1.02-1.13x
 the requests a second with it. So Http1Server offers each request here first (`fast=`):
 the Exchange's steps run from the event loop's callbacks, and an error answer is written

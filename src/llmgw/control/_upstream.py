@@ -1,7 +1,7 @@
 """A small pooled HTTP/1.1 client for the gateway's hot path: replicas only, POST only.
 
 httpx costs the gateway about as much CPU per request as the engine spends on a short
-answer (profiled: its request and response objects, not the bytes), so the hot path speaks HTTP/1.1 itself: an asyncio protocol
+answer (profiled), so the hot path speaks HTTP/1.1 itself: an asyncio protocol
 per connection, its answers parsed by httptools (the parser uvicorn uses).
 It tells the two failures that matter apart: ConnectFailed (the request never reached
 the engine: safe to try another replica) and UpstreamError (it was sent: never resent,
