@@ -33,20 +33,13 @@ from llmgw.contract.records import (
     Gpu,
     Inventory,
     ReplicaReport,
-    ReportedState,
     StateChanges,
+    reported,
 )
 from llmgw.engine_args import check_engine_args
 from llmgw.netaddr import free_port
 
 log = logging.getLogger("llmgw.replicas")
-
-# The states this agent gives a replica, as its heartbeat spells them (the contract's
-# ReportedState): pending and stopped are the scheduler's.
-_REPORTED: dict[ReplicaState, ReportedState] = {
-    ReplicaState.DOWNLOADING: "downloading", ReplicaState.STARTING: "starting",
-    ReplicaState.READY: "ready", ReplicaState.FAILED: "failed",
-}
 
 ENGINE_NAME = "llama-server"
 MAX_BACKOFF_S = 30.0
@@ -192,7 +185,7 @@ class ReplicaSupervisor:
             return [
                 {
                     "id": r.record.id,
-                    "state": _REPORTED[r.state],
+                    "state": reported(r.state),
                     "err": r.err,
                     "endpoint": self.endpoint(r.record) if r.record.port else "",
                     "api_key": r.record.api_key,

@@ -9,12 +9,12 @@ typed, and keys a newer agent adds are kept as sent.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypeVar
+from typing import Any, Literal, NotRequired, TypeVar, cast
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
-from llmgw.contract import NodeState, ReplicaState
+from llmgw.contract import REPORTED_REPLICA_STATES, NodeState, ReplicaState
 from llmgw.contract.explain import problems
 
 T = TypeVar("T")
@@ -189,7 +189,16 @@ class ModelSpec(TypedDict):
 
 # The states an agent may report of a replica it runs (REPORTED_REPLICA_STATES): pending
 # and stopped are the scheduler's alone.
-ReportedState = Literal["downloading", "starting", "ready", "failed"]
+ReportedState = Literal[ReplicaState.DOWNLOADING, ReplicaState.STARTING, ReplicaState.READY,
+                        ReplicaState.FAILED]
+
+
+def reported(state: ReplicaState) -> ReportedState:
+    """state as a heartbeat may carry it; ValueError for one only the scheduler gives."""
+    if state not in REPORTED_REPLICA_STATES:
+        raise ValueError(f"a replica's agent does not report {state!r}: it is the "
+                         "scheduler's")
+    return cast(ReportedState, state)
 
 
 class ReplicaReport(TypedDict):
