@@ -87,6 +87,11 @@ class SlotPoller:
             self._task = None
 
 
+# A replica's /slots answer is a few KiB a slot: anything near this is not one, and the
+# gateway never buffers more of it.
+MAX_ANSWER_BYTES = 1 << 20
+
+
 async def _get(endpoint: str, path: str, api_key: str) -> tuple[int, bytes]:
     """One GET on a connection of its own, closed after: httpx cost the gateway about 5 ms
     of CPU a poll (py-spy under load), what some 15 requests cost its hot path."""
@@ -100,7 +105,17 @@ async def _get(endpoint: str, path: str, api_key: str) -> tuple[int, bytes]:
         headers = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
         length = {k.strip().lower(): v.strip() for k, v in headers.items()}.get(
             b"content-length")
-        body = await (reader.readexactly(int(length)) if length else reader.read())
+        if length is not None and (not length.isdigit() or int(length) > MAX_ANSWER_BYTES):
+            raise ValueError(f"{endpoint}{path} answered Content-Length {length[:30]!r}: not "
+                             f"a length of at most {MAX_ANSWER_BYTES} bytes")
+        if length is not None:
+            return status, await reader.readexactly(int(length))
+        body = b""
+        while chunk := await reader.read(MAX_ANSWER_BYTES + 1 - len(body)):
+            body += chunk
+            if len(body) > MAX_ANSWER_BYTES:
+                raise ValueError(f"{endpoint}{path} answered more than {MAX_ANSWER_BYTES} "
+                                 "bytes")
         return status, body
     finally:
         writer.close()
