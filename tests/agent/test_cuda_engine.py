@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent._build import BuildError
-from llmgw.agent.engine import CudaEngine, LlamaCpp, Status, cuda_devices
+from llmgw.agent.cuda_engine import CudaEngine, cuda_devices
+from llmgw.agent.engine import LlamaCpp, Status
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import EngineConfig
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
@@ -174,7 +175,7 @@ def test_a_failed_engine_is_tried_again_only_when_its_cache_changed(
             raise BuildError("no CUDA toolkit")
         return built
 
-    monkeypatch.setattr("llmgw.agent.engine.RETRY_LOOK_S", 0.0)
+    monkeypatch.setattr("llmgw.agent.cuda_engine.RETRY_LOOK_S", 0.0)
     e = cuda_engine(tmp_path, flaky, [H100])
     assert e.provision().state == EngineState.FAILED
     assert not e.retry_if_cache_changed(), "tried again with nothing changed"

@@ -14,7 +14,8 @@ from pathlib import Path
 from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
 from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved
-from llmgw.agent.engine import CudaEngine, LlamaCpp
+from llmgw.agent.cuda_engine import CudaEngine
+from llmgw.agent.engine import LlamaCpp
 from llmgw.agent.join import needs_renewal, renewal_request
 from llmgw.agent.replicas import ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload

@@ -1,17 +1,12 @@
-"""A node's engines, each provisioned and reported on its own: `llamacpp` (CPU) and
-`llamacpp-cuda` (llama.cpp built with CUDA, on a node with NVIDIA GPUs).
+"""A node's CPU engine, `llamacpp`, provisioned and reported on its own (the GPU engine,
+`llamacpp-cuda`, is llmgw.agent.cuda_engine's), and what both engines share: their status,
+the binary found, the quiet run of a check.
 
 The CPU engine, in its order of sources: `engine.llama_server` from agent.yaml;
 `llama-server` on PATH; a build cached by version; else a CMake build of the pinned source.
 `engine.prebuilt` adds xllamacpp's prebuilt CPU wheel (llmgw.agent._prebuilt): `xllamacpp`
 takes it before the cached build, `auto` where no build is cached and no engine.version is
 named (and builds when the wheel cannot be had).
-
-The GPU engine (`engine.cuda: auto`, the default) is made after the CPU engine is ready,
-in the background, while the CPU engine serves: `engine.cuda_server` from agent.yaml, else
-a CUDA build (llmgw.agent._build). It is ready once `--list-devices`, run with each GPU
-alone visible, names that GPU. A build or check that fails says why in one line and is
-not tried again until the agent restarts or the cache changes.
 
 The cache lives outside any checkout, under `engine.cache_dir` (default
 `${XDG_CACHE_HOME:-~/.cache}/llmgw`):
@@ -36,19 +31,17 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from llmgw._files import atomic_write
 from llmgw.agent import _build, _prebuilt
-from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent._build import BuildError
 from llmgw.config import EngineConfig
-from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, ENGINE_GAVE_UP, EngineState
-from llmgw.contract.records import EngineStatus, Gpu
+from llmgw.contract import CPU_ENGINE, EngineState
+from llmgw.contract.records import EngineStatus
 from llmgw.errors import Error
 
 log = logging.getLogger("llmgw.agent.engine")
@@ -124,7 +117,28 @@ def run_quietly(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int,
     return proc.returncode, proc.stdout + proc.stderr
 
 
-class LlamaCpp:
+class Reporting:
+    """An engine's status, read by the heartbeat while a thread of the engine's own sets it."""
+
+    def __init__(self, status: Status) -> None:
+        self._status = status
+        self._lock = threading.Lock()
+
+    @property
+    def status(self) -> Status:
+        with self._lock:
+            return self._status
+
+    def ready(self) -> bool:
+        return self.status.state == EngineState.READY
+
+    def _report(self, status: Status) -> None:
+        with self._lock:
+            self._status = status
+        log.info("%s %s: %s %s", status.engine, status.version, status.state, status.detail)
+
+
+class LlamaCpp(Reporting):
     """Provisions llama-server for this node; `status` says how far it got, at any time."""
 
     def __init__(
@@ -145,25 +159,12 @@ class LlamaCpp:
             default_cache_dir()
         )
         self.found: Found | None = None
-        self._status = Status(ENGINE, self.source_version, EngineState.PENDING, "")
-        self._lock = threading.Lock()
+        super().__init__(Status(ENGINE, self.source_version, EngineState.PENDING, ""))
         self._thread: threading.Thread | None = None
         self._runner: _build.Runner | None = None
 
-    # --- what others read ---
-
-    @property
-    def status(self) -> Status:
-        with self._lock:
-            return self._status
-
-    def ready(self) -> bool:
-        return self.status.state == EngineState.READY
-
     def _say(self, state: str, detail: str = "", version: str | None = None) -> None:
-        with self._lock:
-            self._status = Status(ENGINE, version or self._status.version, state, detail)
-        log.info("%s %s: %s %s", ENGINE, self._status.version, state, detail)
+        self._report(Status(ENGINE, version or self.status.version, state, detail))
 
     # --- where the cache is ---
 
@@ -408,190 +409,3 @@ def recorded_engine(state_dir: Path) -> EngineRecord | None:
         return json.loads((state_dir / "engine.json").read_text())
     except (OSError, ValueError):
         return None
-
-
-# --- the GPU engine ---
-
-_CUDA_DEVICE_LINE = re.compile(r"^\s*CUDA(\d+):\s*(.*?)\s*(?:\(|$)", re.MULTILINE)
-# How often a failed GPU engine looks whether its cache changed (a new try then).
-RETRY_LOOK_S = 30.0
-
-
-# A CUDA build: given a way to report progress (`40%`), the llama-server it made.
-CudaBuild = Callable[[Callable[[str], None]], Path]
-
-
-def cuda_devices(output: str) -> list[str]:
-    """The CUDA devices `llama-server --list-devices` names, in order: their descriptions."""
-    return [m.group(2) for m in _CUDA_DEVICE_LINE.finditer(output)]
-
-
-class CudaEngine:
-    """llamacpp-cuda: made after the CPU engine is ready, in the background; `status` says
-    how far it got (absent, switched_off, pending, building, checking, ready, failed)."""
-
-    def __init__(
-        self,
-        config: EngineConfig,
-        discovery: gpu_discovery.Discovery,
-        *,
-        cpu: LlamaCpp,
-        build: CudaBuild | None = None,
-    ) -> None:
-        self.config = config
-        self.discovery = discovery
-        self.gpus: list[Gpu] = [g.as_dict() for g in discovery.gpus]
-        self.cpu = cpu
-        self.build_engine = build or self._build_with_cuda
-        self.version = cpu.source_version
-        self.cache_dir = cpu.cache_dir
-        self.found: Found | None = None
-        self._runner: Any = None
-        self._stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._status = self._initial()
-        self._thread: threading.Thread | None = None
-        self._failed_at: tuple[float, ...] | None = None
-        self._looked = 0.0
-
-    def _initial(self) -> Status:
-        if self.config.cuda == "off":
-            return Status(CUDA_ENGINE, self.version, EngineState.SWITCHED_OFF,
-                          "engine.cuda: off in agent.yaml; this node serves on CPU")
-        if not self.gpus:
-            return Status(CUDA_ENGINE, self.version, EngineState.ABSENT, "no NVIDIA GPU here")
-        return Status(CUDA_ENGINE, self.version, EngineState.PENDING,
-                      f"made once the CPU engine ({ENGINE}) is ready")
-
-    @property
-    def status(self) -> Status:
-        with self._lock:
-            return self._status
-
-    def ready(self) -> bool:
-        return self.status.state == EngineState.READY
-
-    def wanted(self) -> bool:
-        return self.config.cuda != "off" and bool(self.gpus)
-
-    def _say(self, state: str, detail: str = "") -> None:
-        with self._lock:
-            self._status = Status(CUDA_ENGINE, self.version, state, detail)
-        log.info("%s %s: %s %s", CUDA_ENGINE, self.version, state, detail)
-
-    def start(self) -> threading.Thread | None:
-        """Make the engine in a background thread (nothing where it is not wanted)."""
-        if not self.wanted():
-            return None
-        self._thread = threading.Thread(target=self._after_cpu, name="engine-cuda",
-                                        daemon=True)
-        self._thread.start()
-        return self._thread
-
-    def stop(self) -> None:
-        """Stop a running build (the agent is going away)."""
-        self._stopped.set()
-        if self._runner is not None:
-            self._runner.stop()
-
-    def _after_cpu(self) -> None:
-        # One build at a time: a CUDA build beside the CPU one would slow the first answer.
-        while not self._stopped.is_set() and self.cpu.status.state \
-                not in (EngineState.READY, *ENGINE_GAVE_UP):
-            self._stopped.wait(0.25)
-        if not self._stopped.is_set():
-            self.provision()
-
-    def provision(self) -> Status:
-        """Find or build the engine, check it; end in ready or failed (one line why)."""
-        try:
-            found = self._obtain()
-            self._say(EngineState.CHECKING, f"{found.path} ({found.origin})")
-            self.check(found)
-        except Exception as e:  # noqa: BLE001 - every failure is the node's to show, once
-            if not isinstance(e, Error):
-                log.exception("provisioning %s", CUDA_ENGINE)
-            self._failed_at = self._cache_stamp()
-            self._say(EngineState.FAILED, one_line(str(e))[:500]
-                      + "; the node serves on CPU meanwhile")
-            return self.status
-        self.found = found
-        self._say(EngineState.READY, f"{found.path} ({found.origin}), "
-                  f"{len(self.gpus)} GPU(s) checked")
-        return self.status
-
-    def _obtain(self) -> Found:
-        configured = self.config.cuda_server
-        if configured:
-            path = Path(configured).expanduser()
-            if not (path.is_file() and os.access(path, os.X_OK)):
-                raise EngineUnavailable(
-                    EngineState.FAILED,
-                    f"engine.cuda_server in agent.yaml names {path}, which is not an "
-                    "executable file; fix the path or remove the key to have one built")
-            return Found(path, self.version, "configured")
-        self._say(EngineState.BUILDING, "finding a CUDA toolchain")
-        built = self.build_engine(lambda detail: self._say(EngineState.BUILDING, detail))
-        return Found(built, self.version, "built")
-
-    def _build_with_cuda(self, on_progress: Callable[[str], None]) -> Path:
-        """llama.cpp built with CUDA for this node's GPUs into the cache (or found there)."""
-        source = self.cpu.source_archive(on_progress)
-        self._runner = _build.CudaBuild(self.version, source, self.cache_dir, self.discovery,
-                            on_progress=on_progress, search_path=self.cpu.search_path)
-        try:
-            return Path(self._runner.run())
-        finally:
-            self._runner = None
-
-    def check(self, found: Found) -> None:
-        """`--list-devices`, with each GPU alone visible (CUDA_VISIBLE_DEVICES=its UUID),
-        names a CUDA device, and that device is the GPU NVML named."""
-        for gpu in self.gpus:
-            uuid, name = str(gpu.get("uuid", "")), str(gpu.get("name", ""))
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid}
-            rc, out = run_quietly([str(found.path), "--list-devices"], env=env)
-            devices = cuda_devices(out)
-            if rc != 0 or not devices:
-                raise EngineUnavailable(
-                    EngineState.FAILED,
-                    f"{found.path} --list-devices with CUDA_VISIBLE_DEVICES={uuid} names no "
-                    f"CUDA device ({rc}: {one_line(out)[-300:] or 'no output'}); it was not "
-                    "built with CUDA, or the CUDA driver cannot run it")
-            if not _same_card(devices[0], name):
-                raise EngineUnavailable(
-                    EngineState.FAILED,
-                    f"{found.path} --list-devices with CUDA_VISIBLE_DEVICES={uuid} names "
-                    f"{devices[0]!r}, but NVML names that GPU {name!r}")
-
-    def retry_if_cache_changed(self) -> bool:
-        """A failed engine is made again when its cache changed since it failed (someone
-        removed a broken build or put a toolkit there); looked at every RETRY_LOOK_S."""
-        if self.status.state != EngineState.FAILED or self._failed_at is None:
-            return False
-        now = time.monotonic()
-        if now - self._looked < RETRY_LOOK_S:
-            return False
-        self._looked = now
-        if self._cache_stamp() == self._failed_at:
-            return False
-        log.info("%s: the cache %s changed since it failed; trying again", CUDA_ENGINE,
-                 self.cache_dir)
-        self._say(EngineState.PENDING, "the cache changed; trying again")
-        self.start()
-        return True
-
-    def _cache_stamp(self) -> tuple[float, ...]:
-        """The modification times of the cache's engine and toolchain folders."""
-        stamps = []
-        for sub in ("engines/llamacpp", "toolchains", "cuda"):
-            try:
-                stamps.append((self.cache_dir / sub).stat().st_mtime)
-            except OSError:
-                stamps.append(0.0)
-        return tuple(stamps)
-
-
-def _same_card(cuda_name: str, nvml_name: str) -> bool:
-    a, b = cuda_name.lower().strip(), nvml_name.lower().strip()
-    return bool(a) and (not b or a in b or b in a)
