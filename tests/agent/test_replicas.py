@@ -130,10 +130,13 @@ def _long_answer(r: dict, out: list) -> None:
         out.append(("cut", repr(e)))
 
 
-def test_a_replica_taken_off_finishes_the_answer_under_way_then_stops(
-        supervisor, served_gguf) -> None:
-    """Moved elsewhere, a replica's engine stops once its slots are idle, not mid-answer."""
-    sup = supervisor()
+def _port(r: dict) -> int:
+    return int(r["endpoint"].rsplit(":", 1)[1])
+
+
+def _stopped_mid_answer(sup, served_gguf, stop) -> tuple[dict, list]:  # type: ignore[no-untyped-def]
+    """A ready replica, a long streamed answer under way, then stop(replica) 0.3 s in: the
+    replica and the answer's outcome once its client is done."""
     sup.reconcile([assignment(*served_gguf, ctx=4096)])
     until("ready", lambda: state_of(sup)["state"] == "ready")
     r = state_of(sup)
@@ -141,26 +144,27 @@ def test_a_replica_taken_off_finishes_the_answer_under_way_then_stops(
     streaming = threading.Thread(target=_long_answer, args=(r, out))
     streaming.start()
     time.sleep(0.3)
-    retiring = sup.stop("r-1")
-    assert retiring is not None
+    stop(r)
     streaming.join(timeout=120)
-    retiring.join(timeout=60)
+    return r, out
+
+
+def test_a_replica_taken_off_finishes_the_answer_under_way_then_stops(
+        supervisor, served_gguf) -> None:
+    """Moved elsewhere, a replica's engine stops once its slots are idle, not mid-answer."""
+    sup = supervisor()
+    retiring: list = []
+    r, out = _stopped_mid_answer(sup, served_gguf, lambda r: retiring.append(sup.stop("r-1")))
+    assert retiring[0] is not None
+    retiring[0].join(timeout=60)
     assert out == [(200, True)], out
-    assert not pid_is_engine(r["pid"], int(r["endpoint"].rsplit(":", 1)[1]))
+    assert not pid_is_engine(r["pid"], _port(r))
 
 
 def test_negative_control_an_engine_stopped_at_once_cuts_the_answer(
         supervisor, served_gguf) -> None:
     sup = supervisor()
-    sup.reconcile([assignment(*served_gguf, ctx=4096)])
-    until("ready", lambda: state_of(sup)["state"] == "ready")
-    r = state_of(sup)
-    out: list = []
-    streaming = threading.Thread(target=_long_answer, args=(r, out))
-    streaming.start()
-    time.sleep(0.3)
-    terminate(r["pid"], int(r["endpoint"].rsplit(":", 1)[1]))
-    streaming.join(timeout=120)
+    _, out = _stopped_mid_answer(sup, served_gguf, lambda r: terminate(r["pid"], _port(r)))
     assert out and out[0] != (200, True), out
     kept = sup.facts()["replica_logs"]["r-1"]
     assert any("llama" in line.lower() for line in kept), "the stopped engine's log is gone"
