@@ -14,9 +14,13 @@ from llmgw.layout import Layout
 __all__ = [
     "HARDENING",
     "OPEN_FILES",
+    "Action",
+    "Command",
+    "MakeDir",
     "ServiceError",
     "ServiceManager",
     "ServiceSpec",
+    "WriteText",
     "llmgw_command",
     "manager_for",
     "read_environment_file",
@@ -59,15 +63,56 @@ class ServiceSpec:
     stop_timeout_s: float = 15.0
 
 
+@dataclass(frozen=True)
+class WriteText:
+    """A file a manager writes (a unit, a program section): path holds text, with mode;
+    backup: the old text is kept beside as PATH.bak first."""
+
+    path: Path
+    text: str
+    mode: int = 0o644
+    backup: bool = False
+
+
+@dataclass(frozen=True)
+class MakeDir:
+    """A folder a manager makes (with its parents) before it starts anything."""
+
+    path: Path
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command a manager runs, as the argv a person would type: systemctl's own, or the
+    supervisorctl line that does what the supervisor does over its XML-RPC socket."""
+
+    argv: tuple[str, ...]
+
+
+# One thing a manager does to the host; plan_* lists them, ensure/restart/reload do them.
+Action = WriteText | MakeDir | Command
+
+
 class ServiceManager(Protocol):
     def definition_path(self, name: str) -> Path:
         """Where the service's definition (unit or program section) lives."""
 
     def ensure(self, spec: ServiceSpec) -> bool:
         """Define, enable and start the service; restart it when its definition changed.
+        Does exactly plan_ensure(spec)'s actions, in order, then waits for it to run.
 
         Returns whether anything changed.
         """
+
+    def plan_ensure(self, spec: ServiceSpec) -> list[Action]:
+        """What ensure(spec) would do now, read only: the files it would write, the folders
+        it would make, the commands it would run."""
+
+    def plan_restart(self, name: str) -> list[Action]:
+        """What restart(name) would do now, read only."""
+
+    def plan_reload(self, name: str) -> list[Action]:
+        """What reload(name) would do now, read only."""
 
     def definition_drift(self, spec: ServiceSpec) -> str:
         """Why the service's definition is not what spec renders to; '' when it is."""

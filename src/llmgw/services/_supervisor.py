@@ -15,7 +15,16 @@ from supervisor.xmlrpc import SupervisorTransport
 
 from llmgw._files import atomic_write, last_lines
 from llmgw.layout import Layout
-from llmgw.services import OPEN_FILES, ServiceError, ServiceSpec, drift
+from llmgw.services import (
+    OPEN_FILES,
+    Action,
+    Command,
+    MakeDir,
+    ServiceError,
+    ServiceSpec,
+    WriteText,
+    drift,
+)
 from llmgw.waiting import Probe, wait_until
 
 _START_TIMEOUT_S = 15.0
@@ -95,14 +104,14 @@ class Supervisor:
     def definition_drift(self, spec: ServiceSpec) -> str:
         return drift(self.definition_path(spec.name), self.render_program(spec))
 
-    def _write_if_differs(self, path: Path, text: str) -> bool:
+    def _write_if_differs(self, path: Path, text: str) -> list[Action]:
+        """The write of text to path, or none when path holds it already."""
         try:
             if path.read_text() == text:
-                return False
+                return []
         except FileNotFoundError:
             pass
-        atomic_write(path, text, mode=0o600)  # a program's environment may hold a token
-        return True
+        return [WriteText(path, text, mode=0o600)]  # a program's environment may hold a token
 
     # --- the daemon ---
 
@@ -118,11 +127,24 @@ class Supervisor:
         except (OSError, xmlrpc.client.Fault, xmlrpc.client.ProtocolError):
             return False
 
+    def _daemon_argv(self) -> tuple[str, ...]:
+        return (sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf))
+
+    def _ctl(self, *args: str) -> Command:
+        """The supervisorctl line that does what this class does over XML-RPC."""
+        return Command((sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf),
+                        *args))
+
+    def _plan_daemon(self) -> list[Action]:
+        actions = self._write_if_differs(self.conf, self._main_conf())
+        if self.daemon_running():
+            return actions
+        folders: list[Action] = [MakeDir(d) for d in (self.logs, self.programs) if not d.is_dir()]
+        return [*actions, *folders, Command(self._daemon_argv())]
+
     def _start_daemon(self) -> None:
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.programs.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(
-            [sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf)],
+            list(self._daemon_argv()),
             capture_output=True,
             text=True,
             stdin=subprocess.DEVNULL,
@@ -139,38 +161,64 @@ class Supervisor:
         )
 
     def ensure_daemon(self) -> bool:
-        changed = self._write_if_differs(self.conf, self._main_conf())
-        if self.daemon_running():
-            return changed
-        self._start_daemon()
-        return True
+        actions = self._plan_daemon()
+        for action in actions:
+            self._do(action)
+        return bool(actions)
 
     # --- programs ---
 
+    def plan_ensure(self, spec: ServiceSpec) -> list[Action]:
+        known = self._info(spec.name) is not None
+        program = self._write_if_differs(self.definition_path(spec.name),
+                                         self.render_program(spec))
+        # `update` stands for reloadConfig and adding (or replacing) the program's group,
+        # as supervisord's answer says; it is needed when supervisord has not read the
+        # program's section as it will be.
+        update = [self._ctl("update", spec.name)] if program or not known else []
+        start = [] if self.is_running(spec.name) else [self._ctl("start", spec.name)]
+        return [*self._plan_daemon(), *program, *update, *start]
+
     def ensure(self, spec: ServiceSpec) -> bool:
-        daemon_started = self.ensure_daemon()
-        changed = self._write_if_differs(self.definition_path(spec.name), self.render_program(spec))
+        actions = self.plan_ensure(spec)
+        for action in actions:
+            self._do(action)
+        self._wait_running(spec.name)
+        return bool(actions)
+
+    def _update(self, name: str) -> None:
         rpc = self._rpc()
         added, modified, _removed = rpc.reloadConfig()[0]
-        if spec.name in modified:
-            rpc.stopProcessGroup(spec.name)
-            rpc.removeProcessGroup(spec.name)
-            rpc.addProcessGroup(spec.name)
-        elif spec.name in added:
-            rpc.addProcessGroup(spec.name)
-        started = False
-        if not self.is_running(spec.name):
-            try:
-                rpc.startProcess(spec.name)
-            except xmlrpc.client.Fault as e:
-                if "ALREADY_STARTED" not in e.faultString:
-                    raise ServiceError(
-                        f"supervisord could not start {spec.name}: {e.faultString}; "
-                        f"its log is {self.logs / (spec.name + '.log')}"
-                    ) from e
-            started = True
-        self._wait_running(spec.name)
-        return changed or started or daemon_started
+        if name in modified:
+            rpc.stopProcessGroup(name)
+            rpc.removeProcessGroup(name)
+            rpc.addProcessGroup(name)
+        elif name in added:
+            rpc.addProcessGroup(name)
+
+    def _start(self, name: str) -> None:
+        try:
+            self._rpc().startProcess(name)
+        except xmlrpc.client.Fault as e:
+            if "ALREADY_STARTED" not in e.faultString:
+                raise ServiceError(
+                    f"supervisord could not start {name}: {e.faultString}; "
+                    f"its log is {self.logs / (name + '.log')}"
+                ) from e
+
+    def _do(self, action: Action) -> None:
+        """One action of a plan: its file written, folder made, or command done (over
+        XML-RPC for supervisorctl's)."""
+        if isinstance(action, WriteText):
+            atomic_write(action.path, action.text, mode=action.mode)
+        elif isinstance(action, MakeDir):
+            action.path.mkdir(parents=True, exist_ok=True)
+        elif action.argv == self._daemon_argv():
+            self._start_daemon()
+        else:  # supervisorctl -c CONF VERB [ARG] NAME
+            verb, name = action.argv[5], action.argv[-1]
+            {"update": self._update, "start": self._start, "restart": self._restart,
+             "signal": self._hup}[verb](name)
 
     def _wait_running(self, name: str) -> None:
         # A program counts as started only after startsecs; say so only then.
@@ -195,7 +243,23 @@ class Supervisor:
     def not_enabled(self, spec: ServiceSpec) -> str:
         return ""  # every program starts with supervisord (autostart); nothing to enable
 
+    def plan_restart(self, name: str) -> list[Action]:
+        return [self._ctl("restart", name)]
+
+    def plan_reload(self, name: str) -> list[Action]:
+        if not self.is_running(name):
+            return self.plan_restart(name)
+        return [self._ctl("signal", "HUP", name)]
+
     def restart(self, name: str) -> None:
+        for action in self.plan_restart(name):
+            self._do(action)
+
+    def reload(self, name: str) -> None:
+        for action in self.plan_reload(name):
+            self._do(action)
+
+    def _restart(self, name: str) -> None:
         rpc = self._rpc()
         try:
             if self.is_running(name):
@@ -208,10 +272,7 @@ class Supervisor:
                 f"its log is {self.logs / (name + '.log')}"
             ) from e
 
-    def reload(self, name: str) -> None:
-        if not self.is_running(name):
-            self.restart(name)
-            return
+    def _hup(self, name: str) -> None:
         try:
             self._rpc().signalProcess(name, "HUP")
         except xmlrpc.client.Fault as e:

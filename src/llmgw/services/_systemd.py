@@ -7,7 +7,16 @@ import subprocess
 from pathlib import Path
 
 from llmgw._files import atomic_write
-from llmgw.services import OPEN_FILES, ServiceError, ServiceSpec, drift
+from llmgw.services import (
+    OPEN_FILES,
+    Action,
+    Command,
+    MakeDir,
+    ServiceError,
+    ServiceSpec,
+    WriteText,
+    drift,
+)
 
 UNIT_DIR = Path("/etc/systemd/system")
 
@@ -87,45 +96,76 @@ class Systemd:
     def write_unit(self, spec: ServiceSpec) -> bool:
         """The service's unit and, with socket lines, its socket unit; whether either
         changed."""
-        socket = self._write(self.socket_path(spec.name), render_socket(spec)) \
-            if spec.socket else False
-        return self._write(self.definition_path(spec.name), render_unit(spec)) or socket
+        writes = self._unit_writes(spec)
+        for write in writes:
+            self._do(write)
+        return bool(writes)
 
-    def _write(self, path: Path, text: str) -> bool:
-        try:
-            old = path.read_text()
-        except FileNotFoundError:
-            old = None
-        if old == text:
-            return False
-        if old is not None:
-            atomic_write(path.with_name(path.name + ".bak"), old)
-        atomic_write(path, text)
-        return True
+    def _unit_writes(self, spec: ServiceSpec) -> list[Action]:
+        """The unit files whose text differs from what spec renders to (socket first)."""
+        wanted = [(self.socket_path(spec.name), render_socket(spec))] if spec.socket else []
+        wanted.append((self.definition_path(spec.name), render_unit(spec)))
+        writes: list[Action] = []
+        for path, text in wanted:
+            try:
+                old: str | None = path.read_text()
+            except FileNotFoundError:
+                old = None
+            if old != text:
+                writes.append(WriteText(path, text, backup=old is not None))
+        return writes
 
-    def ensure(self, spec: ServiceSpec) -> bool:
-        changed = self.write_unit(spec)
-        if changed:
-            self._systemctl("daemon-reload")
-        running = self.is_running(spec.name)
+    def plan_ensure(self, spec: ServiceSpec) -> list[Action]:
+        return self._plan_ensure(spec)[0]
+
+    def _plan_ensure(self, spec: ServiceSpec) -> tuple[list[Action], bool]:
+        """The actions of ensure(spec), and whether the service runs now."""
+        writes = self._unit_writes(spec)
+        changed, running = bool(writes), self.is_running(spec.name)
+        actions = [*writes, *([_systemctl("daemon-reload")] if changed else [])]
         if spec.socket:
-            self._systemctl("enable", "--now", f"{spec.name}.socket")
-        self._systemctl("enable", "--now", spec.name)
+            actions.append(_systemctl("enable", "--now", f"{spec.name}.socket"))
+        actions.append(_systemctl("enable", "--now", spec.name))
         if changed and running and spec.socket:
             # A changed address needs the socket bound again, which only a stopped service
             # lets happen: this restart refuses connections for a moment.
-            self._systemctl("stop", spec.name)
-            self._systemctl("restart", f"{spec.name}.socket")
-            self._systemctl("start", spec.name)
+            actions += [_systemctl("stop", spec.name),
+                        _systemctl("restart", f"{spec.name}.socket"),
+                        _systemctl("start", spec.name)]
         elif changed and running:
-            self._systemctl("restart", spec.name)
-        return changed or not running
+            actions.append(_systemctl("restart", spec.name))
+        return actions, running
+
+    def ensure(self, spec: ServiceSpec) -> bool:
+        actions, running = self._plan_ensure(spec)
+        for action in actions:
+            self._do(action)
+        return any(isinstance(a, WriteText) for a in actions) or not running
+
+    def plan_restart(self, name: str) -> list[Action]:
+        return [_systemctl("restart", name)]
+
+    def plan_reload(self, name: str) -> list[Action]:
+        return [_systemctl("restart", name)]
 
     def restart(self, name: str) -> None:
-        self._systemctl("restart", name)
+        for action in self.plan_restart(name):
+            self._do(action)
 
     def reload(self, name: str) -> None:
-        self._systemctl("restart", name)
+        for action in self.plan_reload(name):
+            self._do(action)
+
+    def _do(self, action: Action) -> None:
+        if isinstance(action, WriteText):
+            if action.backup and action.path.exists():
+                atomic_write(action.path.with_name(action.path.name + ".bak"),
+                             action.path.read_text())
+            atomic_write(action.path, action.text, mode=action.mode)
+        elif isinstance(action, MakeDir):
+            action.path.mkdir(parents=True, exist_ok=True)
+        else:
+            self._systemctl(*action.argv[1:])
 
     def is_running(self, name: str) -> bool:
         proc = subprocess.run(["systemctl", "is-active", "--quiet", name])
@@ -146,3 +186,7 @@ class Systemd:
 
     def start_hint(self, name: str) -> str:
         return f"systemctl start {name} (its log: journalctl -u {name})"
+
+
+def _systemctl(*args: str) -> Command:
+    return Command(("systemctl", *args))
