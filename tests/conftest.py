@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.hosts import ThrowawayHost
+from tests.postgres import PostgresServer, bindir
 from tests.tiny_gguf import write_tiny_gguf
 
 
@@ -65,3 +67,32 @@ def served_gguf(tiny_gguf) -> Iterator[tuple[str, str]]:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}/{path.name}", digest
     server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """Session: a real PostgreSQL server on loopback (tests/postgres.py), started on first
+    use and removed at the end. Skipped, saying what to install, where PostgreSQL is not
+    installed and this is not root; as root (CI) `scripts/bootstrap` installs it, and its
+    absence fails."""
+    binaries = bindir()
+    if binaries is None:
+        why = ("PostgreSQL is not installed (no pg_config, no /usr/lib/postgresql/*/bin): "
+               "`apt-get install postgresql`, or run scripts/bootstrap as root")
+        if os.geteuid() == 0:
+            pytest.fail(why)
+        pytest.skip(why)
+    server = PostgresServer(binaries)
+    try:
+        server.start()
+    except BaseException:
+        server.remove()
+        raise
+    yield server
+    server.remove()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """Function: the URL of a new, empty database on the session's PostgreSQL server."""
+    return postgres_server.create_database()

@@ -119,6 +119,10 @@ class ServerConfig(_Section):
     agent_listen: StrictStr = ":7443"
     gateway_listen: StrictStr = ":8080"
     state_dir: StrictStr = "/var/lib/llmgw"
+    # Where the fleet's state is kept: "" is SQLite in STATE_DIR/control.db (nothing to
+    # install); postgresql://USER[:PASSWORD]@HOST:PORT/DB is a PostgreSQL database, which
+    # several control planes share (docs/operations.md "Moving to PostgreSQL").
+    store: StrictStr = ""
     # The address nodes use to reach the agent API; first --advertise name.
     advertise: StrictStr = ""
     tls: TLSFiles = Field(default_factory=TLSFiles)
@@ -162,6 +166,19 @@ class ServerConfig(_Section):
     @classmethod
     def _has_port(cls, value: str) -> str:
         return _listen(value)
+
+    @field_validator("store")
+    @classmethod
+    def _a_store(cls, value: str) -> str:
+        if value and not value.startswith(STORE_SCHEMES) and not value.startswith("/"):
+            raise ValueError(f"{value!r} is neither an absolute path (a SQLite file) nor a "
+                             "postgresql://USER@HOST:PORT/DB URL; leave it out for SQLite in "
+                             "state_dir")
+        return value
+
+    def store_at(self) -> str:
+        """Where the store is: `store`, else the SQLite file in state_dir."""
+        return self.store or str(Path(self.state_dir) / "control.db")
 
 
 # What engine.prebuilt and engine.cuda take (the harness's --engine-prebuilt, --engine-cuda).
@@ -209,6 +226,10 @@ class AgentConfig(_Section):
     # Renew the node's certificate (a CSR over mTLS) when it expires within this many days.
     renew_before_days: float = Field(default=30.0, gt=0)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+
+# What `store` may start with, beside an absolute path.
+STORE_SCHEMES = ("postgresql://", "postgres://", "postgresql+psycopg://", "sqlite:///")
 
 
 def parse_listen(addr: str) -> tuple[str, int]:

@@ -4,12 +4,11 @@ control plane's store at most every ttl_s (kept when a read fails), never per re
 from __future__ import annotations
 
 import logging
-import sqlite3
 import time
 
 from llmgw.contract import ReplicaState
 from llmgw.contract.records import KeyRecord, ModelSpec, ReplicaRecord
-from llmgw.control.store import Store
+from llmgw.control.store import Store, StoreError
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -44,7 +43,7 @@ class Router:
             return
         try:
             self._read_table()
-        except (sqlite3.Error, OSError) as e:
+        except (StoreError, OSError) as e:
             self._read_at = time.monotonic()  # try again after ttl_s, not on every request
             if self.stale_since is None:
                 self.stale_since = time.monotonic()
@@ -103,7 +102,7 @@ class Router:
     def states(self, model: str) -> str:
         try:
             reps = [r for r in self.store.replicas(model) if r["state"] != ReplicaState.STOPPED]
-        except (sqlite3.Error, OSError) as e:
+        except (StoreError, OSError) as e:
             return f"the replicas' states cannot be read now ({e})"
         if not reps:
             return "no replica is scheduled"

@@ -35,7 +35,7 @@ from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.control._fastpath import FastPath
 from llmgw.control.gateway import make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
-from llmgw.control.store import Store
+from llmgw.control.store import SchemaError, Store
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -45,6 +45,9 @@ SD_LISTEN_FDS_START = 3
 WORKER_START_TIMEOUT_S = 30.0
 # A routing-table read waits this long for a lock at most: requests wait behind it.
 READ_WAIT_S = 0.2
+# How long a worker waits for the control plane to make or migrate the store's schema
+# (within WORKER_START_TIMEOUT_S).
+SCHEMA_WAIT_S = 20.0
 BACKLOG = 4096
 
 
@@ -290,11 +293,30 @@ def gateway_limits(config: ServerConfig) -> Limits:
     return limits
 
 
+async def open_store(config: ServerConfig, wait_s: float = SCHEMA_WAIT_S) -> Store:
+    """The store, read as the control plane made it: the gateway never migrates. A schema
+    not yet made or not yet migrated (both started at once, at boot or in an upgrade) is
+    waited for, wait_s at most, then refused saying why (SchemaError)."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            return Store(config.store_at(), busy_timeout_s=READ_WAIT_S, migrate=False)
+        except SchemaError as e:
+            if time.monotonic() >= deadline:
+                raise
+            if not said:
+                log.info("waiting up to %.0f s for the control plane to make the store's "
+                         "schema: %s", wait_s, e)
+                said = True
+        await asyncio.sleep(0.5)
+
+
 async def serve_worker(config_path: Path) -> None:
     """One worker: the gateway and its metrics on the inherited sockets, until SIGTERM."""
     config = load_server(config_path)
     gateway_sock, metrics_sock, ready_fd = worker_fds()
-    store = Store(Path(config.state_dir) / "control.db", busy_timeout_s=READ_WAIT_S)
+    store = await open_store(config)
     registry = CollectorRegistry()
     _info(registry, config)
     app = make_gateway_app(store, config, metrics=GatewayMetrics(registry))

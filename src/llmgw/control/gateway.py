@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import secrets
-import sqlite3
 import time
 from dataclasses import dataclass
 
@@ -33,7 +32,7 @@ from llmgw.control.balancer import (
     conversation,
 )
 from llmgw.control.metrics import GatewayMetrics
-from llmgw.control.store import Store
+from llmgw.control.store import Store, StoreError
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -137,7 +136,7 @@ class Gateway:
             return
         try:
             await asyncio.to_thread(self.router.store.add_key_usage, taken)
-        except sqlite3.Error as e:
+        except StoreError as e:
             self.usage.put_back(taken)
             log.warning("could not write the usage of %d gateway keys to the store (%s); "
                         "kept, trying again in %.0f s", len(taken), e, self.usage_flush_s)

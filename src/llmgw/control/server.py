@@ -98,7 +98,7 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
     admin_token_hash: the file holding the admin token's sha256 (admin_token.py)."""
     _raise_open_files()
     tune_gc()
-    store = Store(Path(config.state_dir) / "control.db")
+    store = Store(config.store_at())
     metrics = ControlPlaneMetrics(
         store, config.node_timeout_s,
         gateway_url=f"http://{connect_host(config.gateway_metrics_listen)}")

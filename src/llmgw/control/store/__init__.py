@@ -1,0 +1,62 @@
+"""The control plane's state: nodes and certificates, join tokens, the catalog, replicas,
+gateway keys and their usage, in SQLite (a file, the embedded default) or PostgreSQL
+(`store: postgresql://…` in server.yaml), through SQLAlchemy Core.
+
+One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py); _db.py
+opens the store and brings its schema to this code's revision (migrations/, Alembic).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from llmgw.control.nodes import Hearing
+
+from ._db import Database, SchemaError, StoreError, redacted, store_url
+from .catalog import CatalogStore
+from .keys import KeyStore
+from .nodes import NodeStore
+from .replicas import ReplicaStore
+from .tokens import TokenStore
+
+__all__ = ["SchemaError", "Store", "StoreError", "redacted", "store_url"]
+
+
+class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore):
+    """The store, shared by the API threads of one process.
+
+    where: a SQLite file's path, or a URL (`sqlite:///PATH`, `postgresql://…`).
+    busy_timeout_s: how long a read waits for a lock or a connection (the gateway waits
+    little: its requests wait on it).
+    migrate: bring the schema to this code's revision (the control plane); False reads a
+    schema made elsewhere and raises SchemaError unless it is this code's (the gateway).
+    """
+
+    def __init__(self, where: str | Path, clock: Any = time.time,
+                 busy_timeout_s: float = 5.0, migrate: bool = True) -> None:
+        self.db = Database(where, busy_timeout_s=busy_timeout_s, migrate=migrate)
+        self.clock = clock
+        self._inventories = {}
+        # This process starts hearing now; node_view keeps a restart from silencing nodes.
+        last = self.last_heard()
+        self.hearing = Hearing(since=clock(), last_before=float("-inf") if last is None
+                               else last)
+
+    @property
+    def path(self) -> str:
+        """Where the store is, as it may be shown (a URL's password hidden)."""
+        return self.db.where
+
+    @property
+    def backend(self) -> str:
+        """'sqlite' or 'postgresql'."""
+        return self.db.backend
+
+    def checkpoint(self) -> None:
+        """Copy SQLite's write-ahead log into the database, beside the writer."""
+        self.db.checkpoint()
+
+    def close(self) -> None:
+        self.db.close()

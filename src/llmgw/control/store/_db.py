@@ -1,0 +1,258 @@
+"""Opening the store: one location (a SQLite file or a PostgreSQL URL), its connections, its
+transactions, and its schema brought to this code's revision.
+
+SQLite (the embedded default): writes go through one connection under a lock, each a
+`BEGIN IMMEDIATE` transaction, so a writer never waits half-way for another process's lock;
+each read opens its own connection in autocommit (WAL lets each statement read a snapshot
+beside a writer). PostgreSQL: a pool through psycopg 3, connections checked before use so a
+restarted server is reconnected to by itself; writes under the same process lock (the
+database orders them between processes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, RowMapping
+from sqlalchemy.exc import SQLAlchemyError
+
+from llmgw.errors import Error
+
+log = logging.getLogger("llmgw.store")
+# Alembic says each plugin it sets up (as it is imported) and each step at INFO; the store
+# says what changed. Set before the first import of alembic, below.
+logging.getLogger("alembic").setLevel(logging.WARNING)
+
+from alembic import command  # noqa: E402
+from alembic.config import Config  # noqa: E402
+from alembic.runtime.migration import MigrationContext  # noqa: E402
+from alembic.script import ScriptDirectory  # noqa: E402
+
+# What a read or a write may raise when the store is unreachable, busy or broken: the
+# gateway and the usage writer catch it and go on from what they had.
+StoreError = SQLAlchemyError
+
+# A store made before migrations existed has its columns completed, then the baseline
+# (migrations/versions/0001_baseline.py, which creates only what is missing) stamps it.
+_MIGRATIONS = str(Path(__file__).with_name("migrations"))
+# Taken by a PostgreSQL migration so two control planes starting at once migrate in turn.
+_MIGRATION_LOCK = 0x6C6D6777  # "lmgw"
+# Columns added before migrations existed; a store from then gains them when stamped.
+_LEGACY_COLUMNS = {
+    "nodes": {"serial": "TEXT NOT NULL DEFAULT ''", "inv_version": "INTEGER NOT NULL DEFAULT 0"},
+    "replicas": {"gpus": "TEXT NOT NULL DEFAULT '[]'"},
+}
+
+
+class SchemaError(Error):
+    """The store's schema is not the one this code reads; says which and what to do."""
+
+
+def store_url(where: str | Path) -> sa.URL:
+    """The SQLAlchemy URL of a store: a path is a SQLite file; `sqlite:///PATH` too;
+    `postgresql://…` (or `postgresql+psycopg://…`) a PostgreSQL database through psycopg 3.
+    ValueError, naming what was given, for anything else."""
+    text = str(where)
+    if "://" not in text:
+        return sa.URL.create("sqlite", database=text)
+    try:
+        url = sa.make_url(text)
+    except sa.exc.ArgumentError as e:
+        raise ValueError(f"store {redacted(text)!r} is not a URL ({e})") from None
+    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg"):
+        return url.set(drivername="postgresql+psycopg")
+    if url.drivername == "sqlite" and url.database:
+        return url
+    raise ValueError(f"store {redacted(text)!r}: llmgw keeps its state in SQLite (a path, or "
+                     "sqlite:///PATH) or PostgreSQL (postgresql://USER@HOST:PORT/DB)")
+
+
+def redacted(where: str | sa.URL) -> str:
+    """A store's location as it may be shown: a URL's password hidden."""
+    if isinstance(where, sa.URL):
+        return where.render_as_string(hide_password=True)
+    if "://" not in where:
+        return where
+    try:
+        return sa.make_url(where).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return "(a URL that does not parse)"
+
+
+class Database:
+    """The store's connections; migrate=False (the gateway) reads a schema the control
+    plane made, and refuses one of another revision, saying which."""
+
+    def __init__(self, where: str | Path, *, busy_timeout_s: float = 5.0,
+                 migrate: bool = True) -> None:
+        self.url = store_url(where)
+        self.backend = self.url.get_backend_name()
+        self.where = (self.url.database or "") if self.backend == "sqlite" \
+            else redacted(self.url)
+        if self.backend == "sqlite":
+            self._writer, self._reader = self._sqlite_engines(busy_timeout_s)
+        else:
+            engine = sa.create_engine(
+                self.url, pool_pre_ping=True, pool_size=4, max_overflow=12,
+                connect_args={"connect_timeout": max(1, round(busy_timeout_s))})
+            self._writer = engine
+            self._reader = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._lock = threading.RLock()
+        try:
+            if migrate:
+                self._migrate()
+            else:
+                self._check_revision()
+        except BaseException:
+            self.close()
+            raise
+
+    def _sqlite_engines(self, busy_timeout_s: float) -> tuple[sa.Engine, sa.Engine]:
+        assert self.url.database
+        Path(self.url.database).parent.mkdir(parents=True, exist_ok=True)
+        writer = sa.create_engine(self.url, poolclass=sa.pool.StaticPool,
+                                  connect_args={"check_same_thread": False, "timeout": 5.0})
+        # A read opens the file anew (a fraction of a millisecond): a pooled connection
+        # would go on reading a file replaced under it (a restore) as if nothing happened.
+        reader = sa.create_engine(
+            self.url, poolclass=sa.pool.NullPool, isolation_level="AUTOCOMMIT",
+            connect_args={"check_same_thread": False, "timeout": busy_timeout_s})
+
+        @sa.event.listens_for(writer, "connect")
+        def _tune(dbapi: Any, record: Any) -> None:
+            dbapi.isolation_level = None  # transactions are ours (below), not the driver's
+            dbapi.execute("PRAGMA journal_mode=WAL")
+            # In WAL, NORMAL syncs at checkpoints, not on every commit: a heartbeat lost to a
+            # power cut is sent again 5 s later, and an fsync per beat caps the node count.
+            dbapi.execute("PRAGMA synchronous=NORMAL")
+            # A checkpoint copies the log into the database and syncs it: done inside a
+            # commit it stalls the heartbeat that happened to cross the threshold, so
+            # `checkpoint()` runs it on the scheduler's thread instead.
+            dbapi.execute("PRAGMA wal_autocheckpoint=0")
+
+        @sa.event.listens_for(writer, "begin")
+        def _begin(conn: Connection) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return writer, reader
+
+    @contextmanager
+    def tx(self) -> Iterator[Connection]:
+        """One write transaction, committed when the block ends, rolled back on an error."""
+        with self._lock, self._writer.begin() as conn:
+            yield conn
+
+    def read(self, statement: sa.Executable) -> Sequence[RowMapping]:
+        """One statement outside any transaction: a snapshot, no write lock."""
+        with self._reader.connect() as conn:
+            return conn.execute(statement).mappings().all()
+
+    def checkpoint(self) -> None:
+        """Copy SQLite's write-ahead log into the database, beside the writer (PASSIVE);
+        nothing for PostgreSQL."""
+        if self.backend == "sqlite":
+            with self._reader.connect() as conn:
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def close(self) -> None:
+        with self._lock:
+            self._reader.dispose()
+            self._writer.dispose()
+
+    # --- the schema ---
+
+    def revision(self) -> str | None:
+        """The store's schema revision; None for a store without one (new or pre-migration)."""
+        with self._reader.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+
+    def _migrate(self) -> None:
+        config = _alembic_config()
+        known = _known_revisions(config)
+        with self.tx() as conn:
+            if self.backend == "postgresql":
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK})
+            current = MigrationContext.configure(conn).get_current_revision()
+            if current is not None and current not in known:
+                raise self._too_new(current, config)
+            config.attributes["connection"] = conn
+            if current is None and sa.inspect(conn).has_table("nodes"):
+                _complete_legacy_columns(conn)
+                log.info("store %s: made before schema revisions; stamped at the baseline",
+                         self.where)
+            command.upgrade(config, "head")
+            now = MigrationContext.configure(conn).get_current_revision()
+        if now != current:
+            log.info("store %s: schema at revision %s (was %s)", self.where, now,
+                     current or "none")
+
+    def _check_revision(self) -> None:
+        config = _alembic_config()
+        head = ScriptDirectory.from_config(config).get_current_head()
+        current = self.revision()
+        if current == head:
+            return
+        if current is None:
+            raise SchemaError(
+                f"the store {self.where} has no llmgw schema yet: the control plane makes it "
+                "when it starts; start llmgw-server (`llmgw server`) first, then this")
+        if current not in _known_revisions(config):
+            raise self._too_new(current, config)
+        raise SchemaError(
+            f"the store {self.where} is at schema revision {current}, older than this "
+            f"llmgw's {head}: the control plane migrates it when it starts; restart "
+            "llmgw-server with this same llmgw, then this")
+
+    def _too_new(self, current: str, config: Config) -> SchemaError:
+        head = ScriptDirectory.from_config(config).get_current_head()
+        return SchemaError(
+            f"the store {self.where} is at schema revision {current}, which this llmgw "
+            f"(newest revision {head}) does not know: a newer llmgw migrated it, and this "
+            "code could misread it; run that newer llmgw, or restore a backup made before "
+            "the upgrade (`llmgw restore`)")
+
+
+def _alembic_config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", _MIGRATIONS)
+    return config
+
+
+def _known_revisions(config: Config) -> set[str]:
+    return {s.revision for s in ScriptDirectory.from_config(config).walk_revisions()}
+
+
+def _complete_legacy_columns(conn: Connection) -> None:
+    """Add the columns a store made by an early release lacks, so it is the baseline."""
+    inspector = sa.inspect(conn)
+    for table, columns in _LEGACY_COLUMNS.items():
+        have = {c["name"] for c in inspector.get_columns(table)}
+        for column, kind in columns.items():
+            if column not in have:
+                conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+
+
+
+
+def insert(conn: Connection, table: sa.Table) -> Any:
+    """INSERT for conn's backend, with its `on_conflict_do_update` (both dialects spell it
+    alike: `excluded` is the row that was refused)."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    if conn.dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)
+
+
+class Aggregate:
+    """What each aggregate of the store (nodes, tokens, catalog, replicas, keys) works on:
+    the database and the clock its rows are stamped with."""
+
+    db: Database
+    clock: Any

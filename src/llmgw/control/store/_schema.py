@@ -1,0 +1,91 @@
+"""The store's tables, once, for both backends (SQLite and PostgreSQL).
+
+This is the schema at the newest migration (migrations/versions/): a migration that changes
+it changes this too, and tests/control/store/test_migrations.py holds the two equal.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+# Times are unix seconds (float): REAL in SQLite, double precision in PostgreSQL.
+Time = sa.Double
+
+nodes = sa.Table(
+    "nodes", metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("inventory", sa.Text, nullable=False),
+    sa.Column("first_seen", Time, nullable=False),
+    sa.Column("last_seen", Time, nullable=False),
+    sa.Column("serial", sa.Text, nullable=False, server_default=""),
+    # Counts changes of the inventory text, so readers fetch and parse only what changed.
+    sa.Column("inv_version", sa.Integer, nullable=False, server_default="0"),
+)
+
+models = sa.Table(
+    "models", metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("created", Time, nullable=False),
+)
+
+replicas = sa.Table(
+    "replicas", metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("node", sa.Text, nullable=False),
+    sa.Column("profile", sa.Text, nullable=False),
+    sa.Column("state", sa.Text, nullable=False),
+    sa.Column("err", sa.Text, nullable=False, server_default=""),
+    sa.Column("endpoint", sa.Text, nullable=False, server_default=""),
+    sa.Column("api_key", sa.Text, nullable=False, server_default=""),
+    sa.Column("updated", Time, nullable=False),
+    # The GPUs the scheduler assigned (NVML UUIDs, a JSON list).
+    sa.Column("gpus", sa.Text, nullable=False, server_default="[]"),
+    sa.Index("replicas_by_model", "model"),
+    sa.Index("replicas_by_node", "node"),
+)
+
+certs = sa.Table(
+    "certs", metadata,
+    sa.Column("serial", sa.Text, primary_key=True),
+    sa.Column("node", sa.Text, nullable=False),
+    sa.Column("not_after", Time, nullable=False),
+    sa.Column("revoked", Time),
+    sa.Index("certs_by_node", "node"),
+)
+
+tokens = sa.Table(
+    "tokens", metadata,
+    sa.Column("hash", sa.Text, primary_key=True),
+    sa.Column("created", Time, nullable=False),
+    sa.Column("expires", Time, nullable=False),
+    sa.Column("used", Time),
+    sa.Column("used_by", sa.Text, nullable=False, server_default=""),
+)
+
+keys = sa.Table(
+    "keys", metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("prefix", sa.Text, nullable=False),
+    sa.Column("hash", sa.Text, nullable=False, unique=True),
+    sa.Column("models", sa.Text, nullable=False, server_default="[]"),
+    sa.Column("rpm", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("tpm", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("expires", Time),
+    sa.Column("created", Time, nullable=False),
+    sa.Column("revoked", Time),
+    sa.Column("last_used", Time),
+    sa.Column("requests", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    # A name is one live key's; a revoked key keeps its row (and usage), and its name is free.
+    sa.Index("keys_live_name", "name", unique=True,
+             sqlite_where=sa.text("revoked IS NULL"),
+             postgresql_where=sa.text("revoked IS NULL")),
+)
+
+TABLES = (nodes, models, replicas, certs, tokens, keys)

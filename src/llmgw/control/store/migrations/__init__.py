@@ -1,0 +1,1 @@
+"""Alembic revisions of the store's schema, applied by the control plane at start."""

@@ -1,0 +1,85 @@
+"""Replicas: what the scheduler placed where, and what their nodes report of them."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+
+import sqlalchemy as sa
+from sqlalchemy.engine import RowMapping
+
+from llmgw.contract import ReplicaState
+from llmgw.contract.catalog import SPEC_DEFAULTS
+from llmgw.contract.records import (
+    REPLICA,
+    REPLICA_UPDATE,
+    ModelSpec,
+    ReplicaRecord,
+    checked,
+)
+
+from ._db import Aggregate, insert
+from ._schema import replicas
+
+_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint", "api_key", "gpus")
+_UPDATABLE = frozenset(_FIELDS) - {"id", "model"}
+
+
+class ReplicaStore(Aggregate):
+    def put_replica(self, replica: ReplicaRecord) -> None:
+        """Insert or replace a replica; RecordError (nothing stored) for an unknown state,
+        a wrong type or an unknown key."""
+        replica = checked(REPLICA, replica, f"replica {replica.get('id', '(no id)')!r}")
+        values = replica_columns({f: replica.get(f, "") for f in _FIELDS})
+        values["updated"] = self.clock()
+        with self.db.tx() as conn:
+            row = insert(conn, replicas).values(**values)
+            conn.execute(row.on_conflict_do_update(
+                index_elements=[replicas.c.id],
+                set_={k: row.excluded[k] for k in values if k != "id"}))
+
+    def replicas(self, model: str | None = None) -> list[ReplicaRecord]:
+        """Replicas (with their api_key: callers decide what leaves the process); a row
+        that is not a valid record raises RecordError naming it."""
+        query = sa.select(replicas).order_by(replicas.c.model, replicas.c.id)
+        if model is not None:
+            query = query.where(replicas.c.model == model)
+        return [checked(REPLICA, replica_row(r), f"stored replica {r['id']!r}")
+                for r in self.db.read(query)]
+
+    def update_replica(self, replica_id: str, **fields: str | list[str]) -> None:
+        if not fields or set(fields) - _UPDATABLE:
+            raise ValueError(f"replica fields to update must be among {sorted(_UPDATABLE)}")
+        checked(REPLICA_UPDATE, fields, f"update of replica {replica_id!r}")
+        with self.db.tx() as conn:
+            conn.execute(replicas.update().where(replicas.c.id == replica_id).values(
+                **replica_columns(fields), updated=self.clock()))
+
+    def prune_stopped(self, older_than_s: float) -> int:
+        """Forget replicas stopped more than older_than_s ago; returns how many."""
+        with self.db.tx() as conn:
+            done = conn.execute(replicas.delete().where(
+                replicas.c.state == ReplicaState.STOPPED,
+                replicas.c.updated < self.clock() - older_than_s))
+        return done.rowcount
+
+
+def replica_columns(fields: Mapping[str, object]) -> dict[str, object]:
+    """A record's fields as the replicas table holds them: gpus as JSON text."""
+    return {k: json.dumps(v or []) if k == "gpus" else v for k, v in fields.items()}
+
+
+def replica_row(row: RowMapping) -> ReplicaRecord:
+    """A replicas row as a record, not checked (its gpus column is JSON text)."""
+    return {"id": row["id"], "model": row["model"], "node": row["node"],
+            "profile": row["profile"], "state": row["state"], "err": row["err"],
+            "endpoint": row["endpoint"], "api_key": row["api_key"],
+            "gpus": json.loads(row["gpus"] or "[]"), "updated": row["updated"]}
+
+
+def stored_spec(text: str) -> ModelSpec:
+    """A stored catalog model, with what a row stored before a field existed lacks (its
+    digest, size, geometry) as the catalog's defaults: readers never hedge."""
+    spec: ModelSpec = {**copy.deepcopy(SPEC_DEFAULTS), **json.loads(text)}  # type: ignore[typeddict-item]
+    return spec

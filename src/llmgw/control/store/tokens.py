@@ -1,0 +1,35 @@
+"""Join tokens: kept by their hash, each spent once, before it expires."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from ._db import Aggregate
+from ._schema import tokens
+
+
+class TokenStore(Aggregate):
+    def add_token(self, token_hash: str, ttl_s: float) -> float:
+        """Store a join token by its hash; returns when it expires."""
+        now = self.clock()
+        with self.db.tx() as conn:
+            conn.execute(tokens.insert().values(hash=token_hash, created=now,
+                                                expires=now + ttl_s))
+        return now + ttl_s
+
+    def use_token(self, token_hash: str, node_id: str) -> str:
+        """Spend a token: 'ok', or why not ('unknown', 'used by NODE', 'expired'). The row
+        is locked while it is read, so two control planes never spend one token twice."""
+        now = self.clock()
+        with self.db.tx() as conn:
+            row = conn.execute(sa.select(tokens).where(tokens.c.hash == token_hash)
+                               .with_for_update()).mappings().first()
+            if row is None:
+                return "unknown"
+            if row["used"] is not None:
+                return f"used by {row['used_by']}"
+            if row["expires"] <= now:
+                return "expired"
+            conn.execute(tokens.update().where(tokens.c.hash == token_hash)
+                         .values(used=now, used_by=node_id))
+        return "ok"

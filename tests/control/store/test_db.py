@@ -1,0 +1,70 @@
+"""Opening a store: where it is, SQLite's reads beside a writer and its checkpoints, and
+PostgreSQL reconnected to by itself after a restart."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from llmgw.control.store import Store, StoreError, redacted, store_url
+from tests.postgres import PostgresServer
+
+
+def test_a_path_is_sqlite_and_a_postgresql_url_goes_through_psycopg() -> None:
+    assert store_url("/var/lib/llmgw/control.db").get_backend_name() == "sqlite"
+    assert store_url("sqlite:////x/control.db").database == "/x/control.db"
+    url = store_url("postgresql://llmgw:s3cret@db:5432/llmgw")
+    assert (url.drivername, url.host, url.database) == ("postgresql+psycopg", "db", "llmgw")
+    assert "s3cret" not in redacted("postgresql://llmgw:s3cret@db:5432/llmgw")
+
+
+@pytest.mark.parametrize("where", ["mysql://db/llmgw", "sqlite://", "http://x"])
+def test_a_store_llmgw_cannot_keep_is_refused_naming_what_it_can(where: str) -> None:
+    with pytest.raises(ValueError, match="SQLite .* or PostgreSQL"):
+        store_url(where)
+
+
+def test_reads_do_not_wait_for_a_writer(tmp_path: Path) -> None:
+    """A reader on another thread reads while a write transaction is open (WAL, no lock)."""
+    store = Store(tmp_path / "db")
+    store.record_heartbeat("n1", {})
+    read: list[int] = []
+    with store.db.tx() as conn:
+        conn.exec_driver_sql("UPDATE nodes SET last_seen = 0")
+        t = threading.Thread(target=lambda: read.append(len(store.nodes())))
+        t.start()
+        t.join(timeout=5)
+    assert read == [1]
+    store.close()
+
+
+def test_the_log_is_checkpointed_off_the_writer(tmp_path: Path) -> None:
+    """Commits never checkpoint (a heartbeat must not wait for a sync); checkpoint() does."""
+    store = Store(tmp_path / "db")
+    for i in range(2000):
+        store.record_heartbeat(f"n{i}", {"pad": "x" * 500})
+    wal = tmp_path / "db-wal"
+    grown = wal.stat().st_size
+    assert grown > 1000 * 4096, "past the default threshold, no commit checkpointed"
+    store.checkpoint()
+    again = Store(tmp_path / "db")
+    assert len(again.nodes()) == 2000
+    again.close()
+    store.close()
+
+
+def test_postgresql_is_reconnected_to_after_a_restart(postgres_server: PostgresServer) -> None:
+    store = Store(postgres_server.create_database())
+    store.record_heartbeat("n1", {})
+    postgres_server.stop()
+    try:
+        with pytest.raises(StoreError):
+            store.nodes()
+    finally:
+        postgres_server.start()
+    assert [n["id"] for n in store.nodes()] == ["n1"], "the pool's dead connections replaced"
+    store.record_heartbeat("n2", {})
+    assert len(store.nodes()) == 2
+    store.close()
