@@ -1,12 +1,13 @@
-"""Day-2 commands: `llmgw status`, `models`, `logs`, `keys`, each through the admin API."""
+"""Day-2 commands: `llmgw status`, `models`, `logs`, `keys`, each through the admin API;
+`backup`, `restore` and `store migrate`, on the control plane's own files."""
 
 from __future__ import annotations
 
 import argparse
 
-from llmgw.commands import keys, logs, models, status
+from llmgw.commands import backup, keys, logs, models, status
 
 
 def add_day2(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    for module in (status, models, logs, keys):
+    for module in (status, models, logs, keys, backup):
         module.add_parser(sub)

@@ -153,6 +153,24 @@ class Database:
         with self._reader.connect() as conn:
             return conn.execute(statement).mappings().all()
 
+    @contextmanager
+    def snapshot(self) -> Iterator[Connection]:
+        """A read-only view of the whole store at one moment, for as long as the block
+        runs (a backup, a move to another backend): SQLite's deferred transaction holds its
+        WAL snapshot; PostgreSQL's REPEATABLE READ holds one too. Writers go on beside it."""
+        if self.backend == "sqlite":
+            with self._reader.connect() as conn:
+                conn.exec_driver_sql("BEGIN")
+                try:
+                    yield conn
+                finally:
+                    conn.exec_driver_sql("ROLLBACK")
+        else:
+            with self._writer.connect().execution_options(
+                    isolation_level="REPEATABLE READ", postgresql_readonly=True) as conn:
+                with conn.begin():
+                    yield conn
+
     def checkpoint(self) -> None:
         """Copy SQLite's write-ahead log into the database, beside the writer (PASSIVE);
         nothing for PostgreSQL."""

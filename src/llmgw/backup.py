@@ -1,0 +1,285 @@
+"""`llmgw backup` and `llmgw restore`: a control plane's authority in one file.
+
+A backup holds what no other machine of the fleet has: the cluster CA and its key, the
+control plane's server certificate and key (nodes pin the CA and dial its address), the
+admin credential (the token and its hash), the owner's gateway key, server.yaml, and a
+consistent copy of the store (every table read from one snapshot: control/store/copy.py).
+It is a gzipped tar, 0600, optionally encrypted with a passphrase (scrypt, then AES-256-GCM:
+a changed byte or a wrong passphrase fails whole, never restores half).
+
+Restore brings a new machine (or a new state dir) up as that control plane: the files put
+back with their modes, server.yaml's paths moved to this layout, the store written into an
+empty one of either backend and compared with the backup's digests; then `pytest
+provision/` starts the services, finding everything kept.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import socket
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
+
+from llmgw import __version__
+from llmgw._files import atomic_write
+from llmgw.config import ConfigError, ServerConfig, load_server, parse
+from llmgw.errors import Error
+from llmgw.layout import Layout
+
+ENCRYPTED = b"LLMGW-BACKUP-AES256GCM-1\n"
+_SALT, _NONCE = 16, 12
+# The files of a backup: their name in it, the Layout path they come from and go to, their
+# mode, and whether a control plane has it whatever its options.
+FILES = (
+    ("ca.pem", "ca_cert", 0o644, True),
+    ("ca-key.pem", "ca_key", 0o600, True),
+    ("server.pem", "server_cert", 0o644, True),
+    ("server-key.pem", "server_key", 0o600, True),
+    ("server.yaml", "server_yaml", 0o644, True),
+    ("admin-token", "admin_token", 0o600, False),
+    ("admin-token.sha256", "admin_token_hash", 0o644, False),
+    ("gateway-key", "gateway_key", 0o600, False),
+)
+
+
+class BackupError(Error):
+    """A backup that cannot be made, read or restored; says what and what to do."""
+
+
+@dataclass(frozen=True)
+class Backup:
+    """A backup as read: what it says of itself, its files, and the store's rows."""
+
+    manifest: dict[str, Any]
+    files: dict[str, bytes]
+    store: dict[str, Any] = field(repr=False)
+
+
+def read_passphrase(path: str | None) -> bytes | None:
+    """The passphrase in a file (its last newline dropped), or None without one."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_bytes().rstrip(b"\r\n")
+    except OSError as e:
+        raise BackupError(f"cannot read the passphrase file: {e}") from None
+    if not text:
+        raise BackupError(f"the passphrase file {path} is empty; write the passphrase in it")
+    return text
+
+
+# --- making one ---
+
+def make(layout: Layout, out: Path, passphrase: bytes | None = None) -> dict[str, Any]:
+    """Write this host's backup to out (0600; never over an existing file); its manifest."""
+    from llmgw.control.store import SchemaError, Store, StoreError
+    from llmgw.control.store import copy as store_copy
+
+    if out.exists():
+        raise BackupError(f"{out} exists; a backup is never written over a file: name "
+                          "another, or move that one away")
+    try:
+        config = load_server(layout.server_yaml)
+    except ConfigError as e:
+        raise BackupError(f"no control plane to back up here: {e}; pass the --mode and "
+                          "--state-dir of a provisioned host") from None
+    missing = [str(getattr(layout, attr)) for _, attr, _, needed in FILES
+               if needed and not getattr(layout, attr).is_file()]
+    if missing:
+        raise BackupError(f"this control plane lacks {', '.join(missing)}; `pytest "
+                          "provision/` makes them, or this is not the machine it was")
+    try:
+        store = Store(config.store_at(), migrate=False)
+    except (SchemaError, StoreError) as e:
+        raise BackupError(f"cannot read the store: {e}") from None
+    try:
+        rows = store_copy.read(store)
+    except StoreError as e:
+        raise BackupError(f"cannot read the store {store.path}: {e}") from None
+    finally:
+        store.close()
+    files = {name: getattr(layout, attr).read_bytes() for name, attr, _, _ in FILES
+             if getattr(layout, attr).is_file()}
+    manifest = {
+        "llmgw": __version__, "created": time.time(), "host": socket.gethostname(),
+        "mode": layout.mode, "root": str(layout.root or ""),
+        "backend": store.backend, "revision": rows.revision,
+        "counts": rows.counts(), "digests": rows.digests(), "files": sorted(files),
+    }
+    archive = _tar({"manifest.json": _json(manifest),
+                    "store.json": _json({"revision": rows.revision, "rows": rows.rows}),
+                    **{f"files/{name}": data for name, data in files.items()}})
+    atomic_write(out, _seal(archive, passphrase) if passphrase else archive, mode=0o600)
+    return manifest
+
+
+def _json(data: Any) -> bytes:
+    return json.dumps(data, indent=1, sort_keys=True).encode()
+
+
+def _tar(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o600, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def _key(passphrase: bytes, salt: bytes) -> bytes:
+    return Scrypt(salt=salt, length=32, n=2**15, r=8, p=1).derive(passphrase)
+
+
+def _seal(data: bytes, passphrase: bytes) -> bytes:
+    salt, nonce = os.urandom(_SALT), os.urandom(_NONCE)
+    return ENCRYPTED + salt + nonce + AESGCM(_key(passphrase, salt)).encrypt(
+        nonce, data, ENCRYPTED)
+
+
+# --- reading one ---
+
+def load(path: Path, passphrase: bytes | None = None) -> Backup:
+    """A backup read whole and checked (its store's rows against the manifest's digests)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BackupError(f"cannot read the backup: {e}") from None
+    if data.startswith(ENCRYPTED):
+        if passphrase is None:
+            raise BackupError(f"{path} is encrypted: give its passphrase with "
+                              "--passphrase-file FILE")
+        head = len(ENCRYPTED)
+        salt, nonce = data[head:head + _SALT], data[head + _SALT:head + _SALT + _NONCE]
+        try:
+            data = AESGCM(_key(passphrase, salt)).decrypt(
+                nonce, data[head + _SALT + _NONCE:], ENCRYPTED)
+        except InvalidTag:
+            raise BackupError(f"the passphrase does not open {path}, or the file was changed "
+                              "since it was made; check the passphrase file") from None
+    elif passphrase is not None:
+        raise BackupError(f"{path} is not encrypted, yet a passphrase was given: leave "
+                          "--passphrase-file out, or check that this is the backup you meant")
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            members = {m.name: _member(tar, m) for m in tar.getmembers() if m.isfile()}
+        manifest = json.loads(members["manifest.json"])
+        store = json.loads(members["store.json"])
+    except (tarfile.TarError, KeyError, ValueError, OSError) as e:
+        raise BackupError(f"{path} is not an llmgw backup, or is damaged ({e}); "
+                          "`llmgw backup --out FILE` makes one") from None
+    files = {name.removeprefix("files/"): body for name, body in members.items()
+             if name.startswith("files/")}
+    backup = Backup(manifest, files, store)
+    _verify(path, backup)
+    return backup
+
+
+def _member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    found = tar.extractfile(member)
+    assert found is not None
+    return found.read()
+
+
+def _verify(path: Path, backup: Backup) -> None:
+    from llmgw.control.store.copy import Copy
+
+    rows = Copy(backup.store.get("revision", ""), backup.store.get("rows", {}))
+    if rows.digests() != backup.manifest.get("digests"):
+        raise BackupError(f"{path}: the store's rows do not match the digests the backup "
+                          "was made with; the file was changed or damaged: use another copy")
+    lacking = [name for name, _, _, needed in FILES if needed and name not in backup.files]
+    if lacking:
+        raise BackupError(f"{path} lacks {', '.join(lacking)}: it cannot make a control "
+                          "plane; use a backup made by `llmgw backup`")
+
+
+# --- restoring one ---
+
+def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
+    """Make layout's machine the control plane backup was of; the lines to print. Refused,
+    with nothing written, where this machine already has a cluster CA or a server.yaml."""
+    from llmgw.control.store import SchemaError, Store, StoreError
+    from llmgw.control.store.copy import Copy, CopyError, compare, read, write
+
+    mode = backup.manifest.get("mode")
+    if mode != layout.mode:
+        raise BackupError(f"the backup is of a {mode}-mode host; restore it in {mode} mode "
+                          f"(--mode {mode}), not {layout.mode}")
+    present = [str(p) for p in (layout.ca_cert, layout.ca_key, layout.server_yaml) if p.exists()]
+    if present:
+        raise BackupError(f"this machine already has {', '.join(present)}: restore makes a "
+                          "machine the control plane it was, and never writes over one; "
+                          "restore into a new --state-dir, or remove these first")
+    text = _moved(backup.files["server.yaml"].decode(), backup.manifest.get("root", ""),
+                  layout)
+    if store_url:
+        text = _with_store(text, store_url)
+    config = load_server_text(text, layout.server_yaml)
+    rows = Copy(backup.store["revision"], backup.store["rows"])
+    try:
+        store = Store(config.store_at())
+    except (SchemaError, StoreError) as e:
+        raise BackupError(f"cannot open the store to restore into: {e}") from None
+    try:
+        write(store, rows)
+        differences = compare(rows, read(store))
+    except CopyError as e:
+        raise BackupError(str(e)) from None
+    except StoreError as e:
+        raise BackupError(f"cannot write the store {store.path}: {e}") from None
+    finally:
+        store.close()
+    if differences:
+        raise BackupError(f"the restored store differs from the backup: {'; '.join(differences)}")
+    for name, attr, file_mode, _ in FILES:
+        if name in backup.files:
+            body = text.encode() if name == "server.yaml" else backup.files[name]
+            atomic_write(getattr(layout, attr), body, mode=file_mode)
+    counts = backup.manifest.get("counts", {})
+    made = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(backup.manifest.get("created", 0)))
+    return [
+        f"restored the control plane backed up on {backup.manifest.get('host')} at {made}: "
+        f"{counts.get('nodes', 0)} nodes, {counts.get('models', 0)} models, "
+        f"{counts.get('keys', 0)} keys in {store.path}",
+        f"its CA, certificates, admin credential and server.yaml are in {layout.etc}",
+        "next: `pytest provision/"
+        + (f" --state-dir {layout.root}" if layout.root else "")
+        + "` starts it (add --no-node, --no-mirror, --no-starter as on the first host); "
+          "nodes reconnect by themselves",
+    ]
+
+
+def _moved(text: str, old_root: str, layout: Layout) -> str:
+    """server.yaml with a local-mode host's paths moved from its old state dir to this."""
+    if not old_root or layout.root is None or old_root == str(layout.root):
+        return text
+    return re.sub(re.escape(old_root) + r"(?=[/'\"\s]|$)", str(layout.root), text,
+                  flags=re.MULTILINE)
+
+
+def _with_store(text: str, url: str) -> str:
+    """server.yaml with its top-level `store:` set to url."""
+    line = f"store: {json.dumps(url)}"
+    if re.search(r"^store:.*$", text, flags=re.MULTILINE):
+        return re.sub(r"^store:.*$", line, text, count=1, flags=re.MULTILINE)
+    return text.rstrip("\n") + "\n" + line + "\n"
+
+
+def load_server_text(text: str, where: Path) -> ServerConfig:
+    """server.yaml's text as the configuration it is (a ConfigError as a BackupError)."""
+    try:
+        return parse(ServerConfig, yaml.safe_load(text), f"the backup's server.yaml (as {where})")
+    except (ConfigError, yaml.YAMLError) as e:
+        raise BackupError(f"{e}; the backup cannot be restored as it is") from None

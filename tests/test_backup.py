@@ -1,0 +1,145 @@
+"""llmgw.backup: a control plane's authority in one file (0600, optionally encrypted), read
+back whole or refused, restored into a new state dir of either store backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmgw import backup, config, pki
+from llmgw.control.store import Store
+from llmgw.layout import Layout
+
+KEY = {"id": "k1", "name": "ci", "prefix": "sk-llmgw-abcd", "hash": "h1", "rpm": 0, "tpm": 0,
+       "expires": None, "models": []}
+
+
+def _control_plane(root: Path, store: str = "") -> Layout:
+    """A local-mode control plane's files, as provision leaves them, and a store with a
+    node, a model and a key."""
+    layout = Layout.for_mode("local", root)
+    layout.pki.mkdir(parents=True)
+    ca = pki.create_ca()
+    ca.write(layout.pki, "ca")
+    pki.issue_server(ca, ["127.0.0.1"]).write(layout.pki, "server")
+    server = config.ServerConfig(
+        state_dir=str(layout.server_state), store=store,
+        tls=config.TLSFiles(ca=str(layout.ca_cert), cert=str(layout.server_cert),
+                            key=str(layout.server_key)))
+    layout.server_yaml.write_text(config.render(server, "# server.yaml\n"))
+    layout.admin_token.write_text("admin-secret\n")
+    layout.admin_token.chmod(0o600)
+    s = Store(server.store_at())
+    s.record_heartbeat("n2", {"cpus": 2}, serial="S1")
+    s.add_cert("S1", "n2", 2e9)
+    s.add_model({"name": "m", "source": "http://x/m.gguf"})
+    s.add_key(KEY)
+    s.close()
+    return layout
+
+
+def test_a_backup_is_0600_and_restores_into_a_new_state_dir_with_its_paths_moved(
+        tmp_path: Path) -> None:
+    old = _control_plane(tmp_path / "a")
+    out = tmp_path / "cp.backup"
+    manifest = backup.make(old, out)
+    assert out.stat().st_mode & 0o777 == 0o600
+    assert manifest["counts"]["nodes"] == 1 and manifest["counts"]["keys"] == 1
+    assert b"admin-secret" in __import__("gzip").decompress(out.read_bytes()), \
+        "control: unencrypted, the token is in the file"
+
+    new = Layout.for_mode("local", tmp_path / "b")
+    lines = backup.restore(backup.load(out), new)
+    assert "1 nodes, 1 models, 1 keys" in lines[0] and "--state-dir" in lines[-1]
+    restored = config.load_server(new.server_yaml)
+    assert restored.state_dir == str(new.server_state), "the paths moved to the new dir"
+    assert str(tmp_path / "a") not in new.server_yaml.read_text()
+    assert new.ca_key.read_bytes() == old.ca_key.read_bytes()
+    assert new.ca_key.stat().st_mode & 0o777 == 0o600
+    assert new.admin_token.stat().st_mode & 0o777 == 0o600
+    store = Store(restored.store_at())
+    assert [n["id"] for n in store.nodes()] == ["n2"] and store.node_known("n2")
+    assert [k["name"] for k in store.keys()] == ["ci"]
+    store.close()
+
+
+def test_an_encrypted_backup_needs_its_passphrase_and_a_changed_byte_fails_whole(
+        tmp_path: Path) -> None:
+    layout = _control_plane(tmp_path / "a")
+    out = tmp_path / "cp.backup"
+    backup.make(layout, out, b"correct horse")
+    data = out.read_bytes()
+    assert data.startswith(backup.ENCRYPTED) and b"admin-secret" not in data
+    assert backup.load(out, b"correct horse").manifest["counts"]["models"] == 1
+    with pytest.raises(backup.BackupError, match="is encrypted: give its passphrase"):
+        backup.load(out)
+    with pytest.raises(backup.BackupError, match="passphrase does not open"):
+        backup.load(out, b"wrong")
+    changed = bytearray(data)
+    changed[-10] ^= 1
+    out.write_bytes(bytes(changed))
+    with pytest.raises(backup.BackupError, match="or the file was changed"):
+        backup.load(out, b"correct horse")
+
+
+def test_a_backup_is_never_written_over_a_file_nor_restored_over_a_control_plane(
+        tmp_path: Path) -> None:
+    layout = _control_plane(tmp_path / "a")
+    out = tmp_path / "cp.backup"
+    out.write_text("keep me")
+    with pytest.raises(backup.BackupError, match="never written over a file"):
+        backup.make(layout, out)
+    assert out.read_text() == "keep me"
+    out.unlink()
+    backup.make(layout, out)
+    with pytest.raises(backup.BackupError, match="already has .*ca.pem"):
+        backup.restore(backup.load(out), layout)
+    with pytest.raises(backup.BackupError, match="local-mode host; restore it in local"):
+        backup.restore(backup.load(out), Layout.for_mode("system"))
+
+
+def test_a_damaged_store_copy_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    import gzip
+    import io
+    import tarfile
+
+    layout = _control_plane(tmp_path / "a")
+    out = tmp_path / "cp.backup"
+    backup.make(layout, out)
+    members = {}
+    with tarfile.open(out, "r:gz") as tar:
+        for m in tar.getmembers():
+            members[m.name] = tar.extractfile(m).read()  # type: ignore[union-attr]
+    members["store.json"] = members["store.json"].replace(b'"ci"', b'"cj"')
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, body in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    out.write_bytes(gzip.compress(buf.getvalue()))
+    new = Layout.for_mode("local", tmp_path / "b")
+    with pytest.raises(backup.BackupError, match="do not match the digests"):
+        backup.restore(backup.load(out), new)
+    assert not new.etc.exists(), "nothing written"
+
+
+def test_a_sqlite_host_restores_onto_postgresql(tmp_path: Path, postgres_url: str) -> None:
+    layout = _control_plane(tmp_path / "a")
+    out = tmp_path / "cp.backup"
+    backup.make(layout, out)
+    new = Layout.for_mode("local", tmp_path / "b")
+    backup.restore(backup.load(out), new, store_url=postgres_url)
+    restored = config.load_server(new.server_yaml)
+    assert restored.store == postgres_url
+    assert yaml.safe_load(new.server_yaml.read_text())["store"] == postgres_url
+    store = Store(postgres_url)
+    assert store.backend == "postgresql" and [m["name"] for m in store.models()] == ["m"]
+    assert store.revoked_serials() == [] and store.node_known("n2")
+    store.close()
+    # And a second restore into the same, now full, database is refused.
+    with pytest.raises(backup.BackupError, match="already holds"):
+        backup.restore(backup.load(out), Layout.for_mode("local", tmp_path / "c"),
+                       store_url=postgres_url)
