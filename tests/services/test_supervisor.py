@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.services import ServiceSpec
+from llmgw.services import Action, Command, ServiceSpec
 from llmgw.services._supervisor import _STOP_MARGIN_S, Supervisor
 
 
@@ -114,3 +114,29 @@ def test_reload_signals_the_running_program_instead_of_restarting_it(
         time.sleep(0.05)
     assert seen.read_text() == "hh"
     assert supervisor.pid("hupper") == pid
+
+
+def _shown(actions: list[Action]) -> list[str]:
+    return [" ".join(a.argv[3:]) if isinstance(a, Command) else f"{type(a).__name__} {a.path}"
+            for a in actions]
+
+
+def test_the_plan_is_what_ensure_does_and_nothing_once_done(supervisor: Supervisor) -> None:
+    """A fresh root: supervisord's conf, its folders, supervisord, the program's conf, then
+    supervisorctl's update and start; none of it made by planning. After ensure the plan
+    is empty; a changed program plans its file and update only (negative control)."""
+    spec = _sleeper("sleeper", 300)
+    conf, program = supervisor.conf, supervisor.definition_path("sleeper")
+    ctl = f"-c {conf}"
+    plan = supervisor.plan_ensure(spec)
+    assert _shown(plan) == [
+        f"WriteText {conf}", f"MakeDir {supervisor.logs}", f"MakeDir {supervisor.programs}",
+        f"{ctl}", f"WriteText {program}", f"{ctl} update sleeper", f"{ctl} start sleeper"]
+    assert plan[3] == Command((sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)))
+    assert not supervisor.root.exists(), "a plan wrote"
+    assert supervisor.ensure(spec) and supervisor.is_running("sleeper")
+    assert supervisor.plan_ensure(spec) == []
+    assert _shown(supervisor.plan_ensure(_sleeper("sleeper", 301))) == [
+        f"WriteText {program}", f"{ctl} update sleeper"]
+    assert _shown(supervisor.plan_reload("sleeper")) == [f"{ctl} signal HUP sleeper"]
+    assert _shown(supervisor.plan_restart("sleeper")) == [f"{ctl} restart sleeper"]

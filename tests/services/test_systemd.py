@@ -5,10 +5,11 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from llmgw.services import ServiceSpec
+from llmgw.services import Action, Command, ServiceSpec, WriteText
 from llmgw.services._systemd import Systemd, render_socket, render_unit
 
 SPEC = ServiceSpec(
@@ -123,3 +124,56 @@ def test_a_socket_units_own_state_counts_too(tmp_path, monkeypatch) -> None:
     _systemctl_says(tmp_path, monkeypatch,
                     **{"llmgw-test": "enabled", "llmgw-test.socket": "disabled"})
     assert Systemd(tmp_path).not_enabled(spec) == "llmgw-test.socket is disabled under systemd"
+
+
+def _systemctl_logs(tmp_path, monkeypatch, active: bool) -> Path:  # type: ignore[no-untyped-def]
+    """A stand-in systemctl on PATH that writes each command that changes something to a
+    log, one line each, and answers is-active with active."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "systemctl.log"
+    script = bin_dir / "systemctl"
+    script.write_text(f'#!/bin/sh\n[ "$1" = is-active ] && exit {0 if active else 3}\n'
+                      f'echo "systemctl $*" >> {log}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    return log
+
+
+def _commands(actions: list[Action]) -> list[str]:
+    return [" ".join(a.argv) for a in actions if isinstance(a, Command)]
+
+
+def test_ensure_runs_exactly_the_commands_its_plan_lists(tmp_path, monkeypatch) -> None:
+    """A new unit: the plan is the unit file, daemon-reload and enable --now; ensure writes
+    that file and runs those commands, no others. Planned again: only enable --now."""
+    log = _systemctl_logs(tmp_path, monkeypatch, active=False)
+    systemd = Systemd(unit_dir=tmp_path / "units")
+    plan = systemd.plan_ensure(SPEC)
+    assert plan[0] == WriteText(tmp_path / "units" / "llmgw-test.service", render_unit(SPEC))
+    assert _commands(plan) == ["systemctl daemon-reload", "systemctl enable --now llmgw-test"]
+    assert not (tmp_path / "units").exists(), "a plan wrote"
+    assert systemd.ensure(SPEC)
+    assert log.read_text().splitlines() == _commands(plan)
+    assert _commands(systemd.plan_ensure(SPEC)) == ["systemctl enable --now llmgw-test"]
+    assert [a for a in systemd.plan_ensure(SPEC) if isinstance(a, WriteText)] == []
+
+
+def test_a_changed_unit_of_a_running_service_plans_its_restart(tmp_path, monkeypatch) -> None:
+    """Negative control of the above: the unit edited, the service running, the plan keeps
+    the old unit as .bak and restarts it; behind a socket, the socket is bound again."""
+    log = _systemctl_logs(tmp_path, monkeypatch, active=True)
+    systemd = Systemd(unit_dir=tmp_path)
+    systemd.write_unit(SOCKETED)
+    (tmp_path / "llmgw-test.service").write_text("edited\n")
+    plan = systemd.plan_ensure(SOCKETED)
+    assert plan[0] == WriteText(tmp_path / "llmgw-test.service", render_unit(SOCKETED),
+                                backup=True)
+    assert _commands(plan) == [
+        "systemctl daemon-reload", "systemctl enable --now llmgw-test.socket",
+        "systemctl enable --now llmgw-test", "systemctl stop llmgw-test",
+        "systemctl restart llmgw-test.socket", "systemctl start llmgw-test"]
+    systemd.ensure(SOCKETED)
+    assert log.read_text().splitlines() == _commands(plan)
+    assert (tmp_path / "llmgw-test.service.bak").read_text() == "edited\n"
+    assert _commands(systemd.plan_restart("llmgw-test")) == ["systemctl restart llmgw-test"]
