@@ -378,3 +378,21 @@ def checked(adapter: TypeAdapter[T], value: Any, what: str) -> T:
         return adapter.validate_python(value)
     except ValidationError as e:
         raise RecordError(explain(e, what)) from None
+
+
+class ControlPlane(TypedDict):
+    """A control plane sharing the store, as it last beat its row (unix seconds)."""
+
+    id: str
+    agent_url: str
+    admin_url: str
+    started: float
+    last_seen: float
+
+
+class ControlPlaneView(ControlPlane):
+    """A control plane as GET /api/v1/control-planes shows it: scheduling is true for the
+    one holding the scheduler lease unexpired, epoch that lease's epoch (0 for the others)."""
+
+    scheduling: bool
+    epoch: int

@@ -3,7 +3,8 @@ specific GPUs where a GPU profile fits, and move a replica onto a better profile
 GPU engine became ready) by starting the new one before stopping the old.
 
 `plan` is pure (catalog, nodes, replicas in; changes out) so it is tested without
-processes; `Scheduler` applies a plan to the store.
+processes; `Scheduler` applies a plan to the store, in one transaction fenced by the
+scheduler lease when several control planes share the store.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from llmgw.contract.records import (
     ReplicaRecord,
 )
 from llmgw.control.nodes import node_view
-from llmgw.control.store import Store
+from llmgw.control.store import Lease, Store
 
 log = logging.getLogger("llmgw.scheduler")
 
@@ -348,23 +349,19 @@ class Scheduler:
         self.store = store
         self.node_timeout_s = node_timeout_s
 
-    def tick(self) -> Plan:
+    def tick(self, lease: Lease | None = None) -> Plan:
+        """Plan from what the store holds now and write the plan in one transaction: with a
+        lease, only while it is still this holder's under its epoch (else LeaseLost, and
+        nothing is written); without one, unfenced (the only control plane, a test)."""
         now = self.store.clock()
         hearing = self.store.hearing
         nodes = [node_view(n, now, self.node_timeout_s, hearing) for n in self.store.nodes()]
         p = plan(self.store.models(), nodes, self.store.replicas())
+        self.store.apply_plan(p, lease, keep_stopped_s=KEEP_STOPPED_S)
         for rid, why in p.stop.items():
             log.info("stopping replica %s: %s", rid, why)
-            self.store.update_replica(rid, state=ReplicaState.STOPPED, err=why)
         for r in p.add:
             log.info("replica %s of %s: %s", r["id"], r["model"],
                      f"on {r['node']} ({r['profile']})" if r["node"] else f"waiting: {r['err']}")
-            self.store.put_replica(r)
-        for rid, (node, profile, gpus) in p.place.items():
-            self.store.update_replica(rid, node=node, profile=profile, gpus=gpus,
-                                      state=ReplicaState.PENDING, err="")
-        for rid, why in p.waiting.items():
-            self.store.update_replica(rid, err=why)
-        self.store.prune_stopped(KEEP_STOPPED_S)
         self.store.checkpoint()
         return p

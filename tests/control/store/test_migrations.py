@@ -12,9 +12,14 @@ import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 
 from llmgw.control.store import SchemaError, Store
+from llmgw.control.store._db import _alembic_config
 from llmgw.control.store._schema import metadata
+
+# The newest revision: what a store opened by this code is at.
+HEAD = ScriptDirectory.from_config(_alembic_config()).get_current_head()
 
 
 def test_the_newest_revision_makes_the_schema_the_code_reads(store_at: str) -> None:
@@ -28,7 +33,7 @@ def test_the_newest_revision_makes_the_schema_the_code_reads(store_at: str) -> N
         extra = sa.MetaData()
         for table in metadata.tables.values():
             table.to_metadata(extra)
-        sa.Table("leases", extra, sa.Column("id", sa.Text, primary_key=True))
+        sa.Table("elections", extra, sa.Column("id", sa.Text, primary_key=True))
         assert [d[0] for d in compare_metadata(context, extra)] == ["add_table"]
     engine.dispose()
 
@@ -36,7 +41,7 @@ def test_the_newest_revision_makes_the_schema_the_code_reads(store_at: str) -> N
 def test_opening_twice_migrates_once_and_keeps_the_rows(store_at: str) -> None:
     first = Store(store_at)
     first.record_heartbeat("n1", {})
-    assert first.db.revision() == "0001"
+    assert first.db.revision() == HEAD
     first.close()
     again = Store(store_at)
     assert [n["id"] for n in again.nodes()] == ["n1"]
@@ -77,7 +82,7 @@ def test_a_store_from_before_revisions_is_stamped_at_the_baseline_with_its_rows(
     with pytest.raises(SchemaError, match="no llmgw schema yet"):
         Store(tmp_path / "db", migrate=False)  # the gateway never stamps or migrates
     store = Store(tmp_path / "db")
-    assert store.db.revision() == "0001"
+    assert store.db.revision() == HEAD, "stamped at the baseline, then migrated on"
     assert store.node("n1") == {"id": "n1", "inventory": inventory, "first_seen": 1,
                                 "last_seen": 2, "serial": ""}
     assert store.replicas() == [{"id": "r1", "model": "m", "node": "n1", "profile": "cpu",
@@ -141,3 +146,29 @@ def test_the_gateway_refuses_an_older_schema_and_names_who_migrates(store_at: st
     with pytest.raises(SchemaError, match="has no llmgw schema yet: the control plane makes "
                                           "it when it starts"):
         Store(store_at, migrate=False)
+
+
+def test_revision_0002_adds_the_control_plane_tables_to_a_baseline_store(
+        store_at: str) -> None:
+    """Revision 0002 adds control_planes and leases to a store at 0001, its rows kept, and
+    the store opens on to the newest. (Its control: at 0001 the tables are not there.)"""
+    from alembic import command
+
+    from llmgw.control.store import store_url
+
+    engine = sa.create_engine(store_url(store_at))
+    config = _alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0001")
+        conn.execute(sa.text("INSERT INTO nodes (id, inventory, first_seen, last_seen) "
+                             "VALUES ('n1', '{}', 1, 2)"))
+        assert not sa.inspect(conn).has_table("leases")
+        command.upgrade(config, "0002")
+        assert {"leases", "control_planes"} <= set(sa.inspect(conn).get_table_names())
+    engine.dispose()
+    again = Store(store_at)
+    assert again.db.revision() == HEAD
+    assert [n["id"] for n in again.nodes()] == ["n1"]
+    assert again.acquire_lease("cp-a", 10) is not None and again.control_planes() == []
+    again.close()

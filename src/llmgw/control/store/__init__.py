@@ -1,8 +1,10 @@
 """The control plane's state: nodes and certificates, join tokens, the catalog, replicas,
-gateway keys and their usage, in SQLite (a file, the embedded default) or PostgreSQL
-(`store: postgresql://…` in server.yaml), through SQLAlchemy Core.
+gateway keys and their usage, the control planes sharing it and which one schedules, in
+SQLite (a file, the embedded default) or PostgreSQL (`store: postgresql://…` in
+server.yaml), through SQLAlchemy Core.
 
-One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py); _db.py
+One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py,
+control_planes.py); _db.py
 opens the store and brings its schema to this code's revision (migrations/, Alembic).
 """
 
@@ -16,15 +18,17 @@ from llmgw.control.nodes import Hearing
 
 from ._db import Database, SchemaError, StoreError, redacted, store_url
 from .catalog import CatalogStore
+from .control_planes import SCHEDULER, ControlPlaneStore, Lease, LeaseLost
 from .keys import KeyStore
 from .nodes import NodeStore
 from .replicas import ReplicaStore
 from .tokens import TokenStore
 
-__all__ = ["SchemaError", "Store", "StoreError", "redacted", "store_url"]
+__all__ = ["SCHEDULER", "Lease", "LeaseLost", "SchemaError", "Store", "StoreError",
+           "redacted", "store_url"]
 
 
-class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore):
+class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, ControlPlaneStore):
     """The store, shared by the API threads of one process.
 
     where: a SQLite file's path, or a URL (`sqlite:///PATH`, `postgresql://…`).

@@ -88,4 +88,25 @@ keys = sa.Table(
              postgresql_where=sa.text("revoked IS NULL")),
 )
 
-TABLES = (nodes, models, replicas, certs, tokens, keys)
+# Each control plane sharing this store, upserted every second by itself.
+control_planes = sa.Table(
+    "control_planes", metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("agent_url", sa.Text, nullable=False, server_default=""),
+    sa.Column("admin_url", sa.Text, nullable=False, server_default=""),
+    sa.Column("started", Time, nullable=False),
+    sa.Column("last_seen", Time, nullable=False),
+)
+
+# Who does what only one control plane may do at a time ("scheduler"): until expires, and
+# under an epoch that grows each time the lease is taken anew, which every fenced write
+# checks in its own transaction.
+leases = sa.Table(
+    "leases", metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("holder", sa.Text, nullable=False, server_default=""),
+    sa.Column("epoch", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("expires", Time, nullable=False, server_default="0"),
+)
+
+TABLES = (nodes, models, replicas, certs, tokens, keys, control_planes, leases)

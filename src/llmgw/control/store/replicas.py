@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping
+from typing import Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import RowMapping
@@ -21,9 +22,20 @@ from llmgw.contract.records import (
 
 from ._db import Aggregate, insert
 from ._schema import replicas
+from .control_planes import Lease, fence
 
 _FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint", "api_key", "gpus")
 _UPDATABLE = frozenset(_FIELDS) - {"id", "model"}
+
+
+class PlanChanges(Protocol):
+    """What a scheduler's plan changes (scheduler.Plan): replicas to add, to stop (id →
+    why), to place (id → node, profile, GPUs) and still waiting (id → why)."""
+
+    add: list[ReplicaRecord]
+    stop: dict[str, str]
+    place: dict[str, tuple[str, str, list[str]]]
+    waiting: dict[str, str]
 
 
 class ReplicaStore(Aggregate):
@@ -55,6 +67,40 @@ class ReplicaStore(Aggregate):
         with self.db.tx() as conn:
             conn.execute(replicas.update().where(replicas.c.id == replica_id).values(
                 **replica_columns(fields), updated=self.clock()))
+
+    def apply_plan(self, plan: PlanChanges, lease: Lease | None,
+                   keep_stopped_s: float | None = None) -> None:
+        """Write a whole plan in one transaction, fenced: with a lease, the transaction
+        first checks (the lease row locked) that it is still this holder's under this
+        epoch, unexpired, else raises LeaseLost and writes nothing; None writes unfenced
+        (one control plane, a test). With keep_stopped_s, replicas stopped longer ago are
+        forgotten in the same transaction. RecordError (nothing written) for a bad record."""
+        added = [replica_columns({f: r.get(f, "") for f in _FIELDS})
+                 for r in (checked(REPLICA, r, f"replica {r.get('id', '(no id)')!r}")
+                           for r in plan.add)]
+        with self.db.tx() as conn:
+            now = self.clock()
+            if lease is not None:
+                fence(conn, lease, now)
+            by_id = replicas.update().where(replicas.c.id == sa.bindparam("rid"))
+            for rid, why in plan.stop.items():
+                conn.execute(by_id.values(state=ReplicaState.STOPPED, err=why, updated=now),
+                             {"rid": rid})
+            for values in added:
+                row = insert(conn, replicas).values(**values, updated=now)
+                conn.execute(row.on_conflict_do_update(
+                    index_elements=[replicas.c.id],
+                    set_={k: row.excluded[k] for k in [*values, "updated"] if k != "id"}))
+            for rid, (node, profile, gpus) in plan.place.items():
+                conn.execute(by_id.values(node=node, profile=profile, gpus=json.dumps(gpus),
+                                          state=ReplicaState.PENDING, err="", updated=now),
+                             {"rid": rid})
+            for rid, why in plan.waiting.items():
+                conn.execute(by_id.values(err=why, updated=now), {"rid": rid})
+            if keep_stopped_s is not None:
+                conn.execute(replicas.delete().where(
+                    replicas.c.state == ReplicaState.STOPPED,
+                    replicas.c.updated < now - keep_stopped_s))
 
     def prune_stopped(self, older_than_s: float) -> int:
         """Forget replicas stopped more than older_than_s ago; returns how many."""
