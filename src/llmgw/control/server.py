@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import resource
+import socket
 import time
 from pathlib import Path
 
@@ -15,9 +16,10 @@ from llmgw._serving import on_stop_signals, quiet_server
 from llmgw.config import ServerConfig, connect_host, parse_listen
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.control.leadership import Identity, Leadership, control_plane_id
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.scheduler import Scheduler
-from llmgw.control.store import Store
+from llmgw.control.store import LeaseLost, Store, StoreError
 
 log = logging.getLogger("llmgw.server")
 
@@ -39,12 +41,21 @@ def tune_gc() -> None:
     gc.set_threshold(100_000, 50, 1_000)
 
 
-async def _schedule(scheduler: Scheduler, stopping: asyncio.Event) -> None:
-    """Reconcile replicas with the catalog and the nodes every second until stopped."""
+async def _schedule(scheduler: Scheduler, leadership: Leadership,
+                    stopping: asyncio.Event) -> None:
+    """Every second until stopped: beat this control plane's row, take or renew the
+    scheduler lease, and while holding it reconcile replicas with the catalog and the
+    nodes, each plan fenced by the lease's epoch."""
     last_gc = time.monotonic()
     while not stopping.is_set():
         try:
-            await asyncio.to_thread(scheduler.tick)
+            lease = await asyncio.to_thread(leadership.step)
+            if lease is not None:
+                await asyncio.to_thread(scheduler.tick, lease)
+        except LeaseLost as e:
+            leadership.lost(e)
+        except StoreError as e:
+            leadership.unreachable(e)
         except Exception:  # one bad tick must not take the control plane down
             log.exception("scheduling failed; trying again in a second")
         if time.monotonic() - last_gc > GC_EVERY_S:
@@ -84,6 +95,19 @@ def agent_api_server(config: ServerConfig, store: Store,
                           limits=config.agent_http.limits())
 
 
+def identity(config: ServerConfig) -> Identity:
+    """This control plane as its row shows it: its id (kept in state_dir) and the URLs
+    others reach it at (a wildcard listen address as this host's name)."""
+    def url(scheme: str, listen: str) -> str:
+        host, port = parse_listen(listen)
+        if host in ("0.0.0.0", "::", ""):
+            return f"{scheme}://{socket.gethostname()}:{port}"
+        return f"{scheme}://{connect_host(listen)}"
+
+    return Identity(control_plane_id(config.state_dir), url("https", config.agent_listen),
+                    url("http", config.admin_listen), time.time())
+
+
 def _raise_open_files() -> None:
     """Take the whole hard limit of open files: every node holds a connection open."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -108,6 +132,7 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
                            on_node_removed=agent_api.revoke, drift=agent_api.api.drift)
     servers = [quiet_server(admin, config.admin_listen)]
     scheduler = Scheduler(store, config.node_timeout_s)
+    leadership = Leadership(store, identity(config))
     stopping = asyncio.Event()
 
     def stop() -> None:
@@ -117,11 +142,13 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
 
     on_stop_signals(log, stop)
     agent_api.start()
-    log.info("control plane: admin %s, agent API %s (mTLS), state %s",
-             config.admin_listen, config.agent_listen, config.state_dir)
+    log.info("control plane %s: admin %s, agent API %s (mTLS), state %s",
+             leadership.me.id, config.admin_listen, config.agent_listen, config.state_dir)
     try:
-        await asyncio.gather(*(s.serve() for s in servers), _schedule(scheduler, stopping))
+        await asyncio.gather(*(s.serve() for s in servers),
+                             _schedule(scheduler, leadership, stopping))
     finally:
+        leadership.release()
         agent_api.stop()
         store.close()
         log.info("control plane stopped")
