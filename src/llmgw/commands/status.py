@@ -1,5 +1,6 @@
 """`llmgw status`: nodes with their engines and GPUs, replicas with model, node, state and
-uptime, as a table like `ollama ps`, or JSON."""
+uptime, each host's drift, and the control planes sharing the store with the one that
+schedules, as tables like `ollama ps`, or JSON."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import time
 from llmgw.commands import _admin
 from llmgw.commands._table import ago, table
 from llmgw.contract import ReplicaState
-from llmgw.contract.records import Gpu, HostDrift, NodeView, PublicReplica
+from llmgw.contract.records import ControlPlaneView, Gpu, HostDrift, NodeView, PublicReplica
+from llmgw.control.client import AdminClient, NotFound
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,19 +26,30 @@ def run(args: argparse.Namespace) -> int:
     with _admin.admin(args) as client:
         try:
             nodes, replicas, drift = client.nodes(), client.replicas(), client.drift()
+            planes = _control_planes(client)
         except _admin.Error as e:
             if getattr(e, "status", 0) is None:
                 raise _admin.unreachable(client, e) from None
             raise
     if args.json:
-        print(json.dumps({"nodes": nodes, "replicas": replicas, "drift": drift}, indent=2))
+        print(json.dumps({"nodes": nodes, "replicas": replicas, "drift": drift,
+                          "control_planes": planes}, indent=2))
     else:
-        print(render(nodes, replicas, time.time(), drift))
+        print(render(nodes, replicas, time.time(), drift, planes))
     return 0
 
 
+def _control_planes(client: AdminClient) -> list[ControlPlaneView] | None:
+    """The control planes, or None from one older than the listing (404)."""
+    try:
+        return client.control_planes()
+    except NotFound:
+        return None
+
+
 def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
-           drift: list[HostDrift] | None = None) -> str:
+           drift: list[HostDrift] | None = None,
+           control_planes: list[ControlPlaneView] | None = None) -> str:
     node_rows = [[n["id"], n["state"], ",".join(n["engines"]) or "-", _gpus(n["gpus"]),
                   ago(now - n["last_seen"])] for n in nodes]
     replica_rows = [[r["id"], r["model"], r["node"] or "-", r["state"], _uptime(r, now),
@@ -50,7 +63,21 @@ def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
         table(["REPLICA", "MODEL", "NODE", "STATE", "UPTIME", "ERROR"], replica_rows,
               "no replicas"),
         *(["", render_drift(drift, now)] if drift is not None else []),
+        *(["", render_control_planes(control_planes, now)] if control_planes is not None
+          else []),
     ])
+
+
+def render_control_planes(planes: list[ControlPlaneView], now: float) -> str:
+    """One row a control plane sharing the store; SCHEDULES says which one does."""
+    rows = [[p["id"], f"yes (epoch {p['epoch']})" if p["scheduling"] else "-",
+             p["admin_url"], p["agent_url"], ago(now - p["last_seen"])] for p in planes]
+    listed = table(["CONTROL PLANE", "SCHEDULES", "ADMIN", "AGENT API", "LAST SEEN"], rows,
+                   "no control plane has beaten its row in the store yet")
+    if rows and not any(p["scheduling"] for p in planes):
+        listed += ("\n!! no control plane holds the scheduler lease: nothing schedules "
+                   "until one takes it (within seconds of a holder's stop)")
+    return listed
 
 
 def render_drift(drift: list[HostDrift], now: float) -> str:

@@ -19,6 +19,7 @@ from llmgw.admin_token import RequireAdminToken
 from llmgw.contract.catalog import Model
 from llmgw.contract.explain import problems
 from llmgw.contract.records import (
+    ControlPlaneView,
     JoinToken,
     ModelSpec,
     NewKey,
@@ -32,6 +33,7 @@ from llmgw.contract.records import (
 from llmgw.control import keys
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import read_file_facts
+from llmgw.control.client import CONTROL_PLANES
 from llmgw.control.drift import DriftBoard, add_drift_routes
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
@@ -59,6 +61,20 @@ def replica_log(store: Store, rid: str, n: int) -> ReplicaLog:
                             f"{rid}: it has not started an engine for it yet, or the log was "
                             "removed with the replica")
     return {"replica": rid, "node": replica["node"], "lines": logs[rid][-n:] if n > 0 else []}
+
+
+def control_plane_views(store: Store) -> list[ControlPlaneView]:
+    """Every control plane sharing the store; scheduling (with the lease's epoch) for the
+    one holding the scheduler lease unexpired, if any."""
+    lease = store.lease()
+    if lease is not None and lease.expires <= store.clock():
+        lease = None
+    views: list[ControlPlaneView] = []
+    for cp in store.control_planes():
+        holds = lease is not None and lease.holder == cp["id"]
+        views.append({**cp, "scheduling": holds,
+                      "epoch": lease.epoch if lease is not None and holds else 0})
+    return views
 
 
 class TokenRequest(BaseModel):
@@ -149,6 +165,11 @@ def make_admin_app(
         """Every node by id; with limit, a page of nodes after the id `after`."""
         now = store.clock()
         return [node_view(n, now, node_timeout_s, store.hearing) for n in store.nodes(limit, after)]
+
+    @app.get(CONTROL_PLANES)
+    def control_planes() -> list[ControlPlaneView]:
+        """The control planes sharing the store, and which one schedules."""
+        return control_plane_views(store)
 
     @app.delete("/api/v1/nodes/{node_id}")
     def remove_node(node_id: str) -> NodeRemoval:

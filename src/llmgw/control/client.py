@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from llmgw._jsonclient import JSONClient
 from llmgw.contract import AdminPaths
 from llmgw.contract.records import (
+    ControlPlaneView,
     DriftReport,
     HostDrift,
     JoinToken,
@@ -19,6 +20,9 @@ from llmgw.contract.records import (
     ReplicaLog,
 )
 from llmgw.errors import APIError
+
+# The admin API's listing of control planes (beside AdminPaths, which contract/ keeps).
+CONTROL_PLANES = "/api/v1/control-planes"
 
 
 class ControlPlaneError(APIError):
@@ -86,6 +90,11 @@ class AdminClient(JSONClient):
         """A host's last round of checks: {checked, promises, failing: [{promise, since,
         message}]}."""
         return self._call("PUT", AdminPaths.drift(host), json=report)
+
+    def control_planes(self) -> list[ControlPlaneView]:
+        """The control planes sharing the store; `scheduling` marks the one that schedules.
+        NotFound from a control plane older than the listing."""
+        return self._call("GET", CONTROL_PLANES)
 
     def drift(self) -> list[HostDrift]:
         """Every host's last round of checks, as `llmgw check --serve` reported it."""
