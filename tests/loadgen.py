@@ -33,13 +33,14 @@ def until(what: str, ok: Callable[[], bool], log: Callable[[], str],
 
 @dataclass
 class Load:
-    """CLIENTS keep-alive clients calling the gateway back to back, every other request a
+    """`clients` (CLIENTS) keep-alive clients calling the gateway back to back, every other request a
     stream; bounded in count (PER_CLIENT each) and time (LOAD_LIMIT_S)."""
 
     url: str
     body: dict[str, object] = field(default_factory=lambda: dict(CHAT))
     # The gateway key sent as the bearer token ("" for an open gateway).
     key: str = ""
+    clients: int = CLIENTS
     done: int = 0
     answered: int = 0
     failures: list[str] = field(default_factory=list)
@@ -49,7 +50,7 @@ class Load:
 
     def __enter__(self) -> Load:
         self.threads = [threading.Thread(target=self._client, args=(i,)) for i in
-                        range(CLIENTS)]
+                        range(self.clients)]
         for t in self.threads:
             t.start()
         return self

@@ -81,7 +81,7 @@ def test_the_join_paths_are_the_ones_a_client_without_a_certificate_reaches() ->
     from llmgw.control.agent_api import _ANONYMOUS_PATHS
 
     assert {path for _, path in _ANONYMOUS_PATHS} == {
-        AgentPaths.JOIN, AgentPaths.JOIN_CA, AgentPaths.CRL}
+        AgentPaths.JOIN, AgentPaths.JOIN_CA, AgentPaths.JOIN_CONTROL_PLANE, AgentPaths.CRL}
 
 
 def untyped_dicts(root: Path) -> int:

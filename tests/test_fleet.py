@@ -8,7 +8,7 @@ import pytest
 
 from llmgw import pki
 from llmgw.config import ConfigError, ServerConfig, TLSFiles
-from llmgw.fleet import advertised_host, join_line, parse_ttl
+from llmgw.fleet import advertised_host, agent_url, join_line, parse_ttl
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("15m", 900), ("1h", 3600),
@@ -47,3 +47,13 @@ def test_without_advertise_the_certificate_names_a_reachable_address(tmp_path: P
 def test_an_ipv6_host_is_bracketed(tmp_path: Path) -> None:
     config = _config(tmp_path, ["fd00::2"], advertise="fd00::2")
     assert "--join https://[fd00::2]:7443 " in join_line(config, "t")
+
+
+def test_the_agent_url_is_the_advertised_host_and_the_agent_port(tmp_path: Path) -> None:
+    """What the join line names, and what a heartbeat answer names this control plane by."""
+    config = _config(tmp_path, ["cp.example"], advertise="cp.example")
+    assert agent_url(config) == "https://cp.example:7443"
+    config = config.model_copy(update={"agent_listen": "0.0.0.0:9443"})
+    assert agent_url(config) == "https://cp.example:9443"
+    assert agent_url(_config(tmp_path, ["fd00::2"], advertise="fd00::2")) == (
+        "https://[fd00::2]:7443")

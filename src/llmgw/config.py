@@ -223,6 +223,10 @@ class AgentConfig(_Section):
     labels: Annotated[dict[StrictStr, StrictStr], BeforeValidator(_labels)] = Field(
         default_factory=dict)
     heartbeat_s: float = Field(default=5.0, gt=0)
+    # How long a call to the control plane may take, connecting and answering, before the
+    # agent moves to the next control plane it knows: well under the node timeout (30 s),
+    # since a frozen control plane still accepts TCP connections and never answers.
+    failover_timeout_s: float = Field(default=5.0, gt=0)
     # Renew the node's certificate (a CSR over mTLS) when it expires within this many days.
     renew_before_days: float = Field(default=30.0, gt=0)
     engine: EngineConfig = Field(default_factory=EngineConfig)

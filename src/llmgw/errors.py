@@ -11,7 +11,8 @@ Error
  ├── agent._cuda.ToolchainError (no CUDA toolchain can be had; CudaBuild makes it a BuildError)
  ├── agent.engine.EngineUnavailable
  ├── agent.client.AgentAPIError
- │    └── agent.client.NodeRemoved (the control plane revoked this node's certificate)
+ │    ├── agent.client.NodeRemoved (the control plane revoked this node's certificate)
+ │    └── agent.client.Unreachable (no answer in time: another control plane may give one)
  ├── agent.join.JoinError
  ├── waiting.WaitTimeout (also an AssertionError)
  └── APIError (an llmgw API did not answer, or refused)

@@ -8,7 +8,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-from llmgw import pki
+from llmgw import control_plane_join, pki
 from llmgw.clients import admin_client
 from llmgw.config import ConfigError, ServerConfig, load_server, parse_listen
 from llmgw.layout import Layout
@@ -41,13 +41,19 @@ def advertised_host(config: ServerConfig) -> str:
     return socket.gethostname()
 
 
-def join_line(config: ServerConfig, token: str) -> str:
-    """Exactly what the new machine runs."""
+def agent_url(config: ServerConfig) -> str:
+    """The URL nodes reach this control plane's agent API at: https://HOST:PORT, HOST the
+    advertised name (advertised_host), PORT agent_listen's."""
     host = advertised_host(config)
     _, port = parse_listen(config.agent_listen)
     where = f"[{host}]" if ":" in host else host
+    return f"https://{where}:{port}"
+
+
+def join_line(config: ServerConfig, token: str) -> str:
+    """Exactly what the new machine runs."""
     ca_hash = pki.ca_hash(pki.load_cert(config.tls.ca))
-    return (f"pytest provision/ --join https://{where}:{port} --token {token} "
+    return (f"pytest provision/ --join {agent_url(config)} --token {token} "
             f"--ca-hash {ca_hash}")
 
 
@@ -58,12 +64,22 @@ class Token:
     line: str
 
 
-def create_token(layout: Layout, ttl_s: float) -> Token:
-    """A single-use join token from this machine's control plane, and its join line."""
-    with admin_client(layout) as client:
-        made = client.create_token(ttl_s)
+def create_token(layout: Layout, ttl_s: float, control_plane: bool = False) -> Token:
+    """A single-use join token from this machine's control plane, and its join line; with
+    control_plane, one that makes the new machine another control plane of this fleet (its
+    certificate key in the line only: control_plane_join)."""
     config = load_server(layout.server_yaml)
-    return Token(made["token"], made["expires"], join_line(config, made["token"]))
+    bundle = key = ""
+    if control_plane:
+        control_plane_join.shareable(config)
+        key = control_plane_join.new_certificate_key()
+        bundle = control_plane_join.seal(layout, config, key)
+    with admin_client(layout) as client:
+        made = client.create_token(ttl_s, bundle)
+    line = join_line(config, made["token"])
+    if control_plane:
+        line += f" --control-plane --certificate-key {key}"
+    return Token(made["token"], made["expires"], line)
 
 
 def remove_node(layout: Layout, node_id: str) -> list[str]:

@@ -251,11 +251,14 @@ def _to_admin_api(layout: Any, host: str) -> Callable[[DriftReport], object]:
 
 def _to_agent_api(layout: Any) -> Callable[[DriftReport], object]:
     from llmgw.agent.client import AgentClient
+    from llmgw.agent.control_planes import current_server
     from llmgw.config import load_agent
 
     def send(body: DriftReport) -> object:
         agent = load_agent(layout.agent_yaml)
-        client = AgentClient(agent.server, agent.tls, timeout=10.0)
+        # The control plane the agent last reached: the one that answers its heartbeats.
+        server = current_server(agent.server, agent.state_dir)
+        client = AgentClient(server, agent.tls, timeout=10.0)
         try:
             return client.report_drift(body)
         finally:

@@ -160,3 +160,30 @@ def test_a_replica_report_the_agent_may_not_make_is_422_naming_it_not_dropped(
     ok = {"id": "r1", "state": "downloading"}
     assert _heartbeat(cp, cp.client_cert("node-a"), {"cpus": 4, "replicas": [ok]}).status_code \
         == 200
+
+
+def test_the_heartbeat_answer_names_every_live_control_plane(live_control_plane) -> None:
+    """control_planes is asked at each heartbeat: a control plane that joins or leaves the
+    fleet is in, or out of, the next answer."""
+    cp = live_control_plane
+    planes = [cp.url, "https://cp-2.example:7443"]
+    cp.server.api.control_planes = lambda: list(planes)
+    r = _heartbeat(cp, cp.client_cert("node-a"), {})
+    assert r.status_code == 200 and r.json()["control_planes"] == planes
+    planes.pop()
+    assert _heartbeat(cp, cp.client_cert("node-a"), {}).json()["control_planes"] == [cp.url]
+
+
+def test_without_a_list_the_answer_names_this_control_plane_alone(tmp_path) -> None:
+    from llmgw.control.agent_api import AgentAPI
+    from llmgw.control.store import Store
+
+    store = Store(tmp_path / "db")
+    try:
+        alone = AgentAPI(store, agent_url="https://cp.example:7443").heartbeat("n1", {})
+        # Negative control: knowing no URL of its own, it names none, and agents keep theirs.
+        unnamed = AgentAPI(store).heartbeat("n1", {})
+    finally:
+        store.close()
+    assert alone["control_planes"] == ["https://cp.example:7443"]
+    assert "control_planes" not in unnamed

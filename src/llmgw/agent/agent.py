@@ -13,7 +13,8 @@ from pathlib import Path
 
 from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
-from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved
+from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved, Unreachable
+from llmgw.agent.control_planes import ControlPlanes
 from llmgw.agent.cuda_engine import CudaEngine
 from llmgw.agent.engine import LlamaCpp
 from llmgw.agent.join import needs_renewal, renewal_request
@@ -21,7 +22,7 @@ from llmgw.agent.replicas import ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
 from llmgw.contract import CUDA_ENGINE, EngineState
-from llmgw.contract.records import Heartbeat
+from llmgw.contract.records import Heartbeat, HeartbeatAnswer
 
 log = logging.getLogger("llmgw.agent")
 
@@ -63,7 +64,9 @@ class Agent:
     ) -> None:
         self.config = config
         self.discovery = discover()
-        self.client = client or AgentClient(config.server, config.tls)
+        self.control_planes = ControlPlanes(config.server, config.state_dir)
+        self.client = client or AgentClient(self.control_planes.current, config.tls,
+                                            timeout=config.failover_timeout_s)
         self.engine = engine or LlamaCpp(config.engine, state_dir=Path(config.state_dir))
         self.cuda = cuda or CudaEngine(config.engine, self.discovery, cpu=self.engine)
         self.workload: Workload = workload or NoReplicas()
@@ -125,7 +128,7 @@ class Agent:
         try:
             if self.registered:
                 self.renew_if_due()
-            answer = self.client.heartbeat(self.inventory())
+            answer = self._heartbeat(self.inventory())
         except NodeRemoved as e:
             self.removed = str(e)
             log.error("%s; stopping this node's engines", e)
@@ -138,14 +141,37 @@ class Agent:
                             backoff_s(self.config.heartbeat_s, 99, lambda: 1.0))
             return backoff_s(self.config.heartbeat_s, self.failures)
         if self.failures:
-            log.info("the control plane at %s answers again", self.config.server)
+            log.info("the control plane at %s answers again", self.control_planes.current)
         elif not self.registered:
-            log.info("registered with %s as %s", self.config.server, answer.get("node_id"))
+            log.info("registered with %s as %s", self.control_planes.current,
+                     answer.get("node_id"))
         self.registered = True
         self.failures = 0
+        self.control_planes.learn(answer)
         self.workload.reconcile(list(answer.get("replicas") or []))
         self.cuda.retry_if_cache_changed()
         return self.config.heartbeat_s
+
+    def _heartbeat(self, inventory: Heartbeat) -> HeartbeatAnswer:
+        """Send inventory to the current control plane; when it does not answer, to the
+        next one at once, each known one tried once, and stay with the one that answers.
+        Unreachable when none did."""
+        for _ in range(len(self.control_planes.urls) - 1):
+            try:
+                return self.client.heartbeat(inventory)
+            except Unreachable as e:
+                self._move(e)
+        return self.client.heartbeat(inventory)
+
+    def _move(self, why: Unreachable) -> None:
+        """Move the client to the next control plane, in one line naming both and why (at
+        debug level while every one is away: the backoff line said so already)."""
+        was = self.control_planes.current
+        to = self.control_planes.next_after(was)
+        log.log(logging.DEBUG if self.failures else logging.WARNING,
+                "moving from the control plane at %s to %s: %s", was, to, why)
+        self.client.move_to(to)
+        self.control_planes.use(to)
 
     def _pause(self, stop: threading.Event, delay_s: float) -> None:
         """Wait delay_s, or less when the engine changes state: a node that just became
@@ -220,9 +246,9 @@ def run_agent(config: AgentConfig) -> None:
     agent = Agent(config)
     agent.workload = replica_supervisor(agent)
     log.info(
-        "agent %s: control plane %s, %d GPU(s), engine cache %s, engine.cuda: %s",
-        config.node_id, config.server, len(agent.discovery.gpus), agent.engine.cache_dir,
-        config.engine.cuda,
+        "agent %s: control plane %s (of %s), %d GPU(s), engine cache %s, engine.cuda: %s",
+        config.node_id, agent.control_planes.current, ", ".join(agent.control_planes.urls),
+        len(agent.discovery.gpus), agent.engine.cache_dir, config.engine.cuda,
     )
     agent.run(stop)
     log.info("agent stopped")

@@ -26,6 +26,11 @@ class NodeRemoved(AgentAPIError):
     """The control plane revoked this node's certificate: it was removed from the cluster."""
 
 
+class Unreachable(AgentAPIError):
+    """No answer came: the connection was refused or failed, or the deadline (connecting
+    and reading) passed; another control plane of the fleet may answer."""
+
+
 # Longer than any heartbeat interval: the connection is kept from beat to beat, not made
 # again each time (a TLS handshake per beat is what capped the node count).
 KEEPALIVE_S = 120.0
@@ -71,6 +76,13 @@ class AgentClient:
 
     def close(self) -> None:
         self._http.close()
+
+    def move_to(self, server: str) -> None:
+        """Send to the control plane at server from now on: a new connection, whose TLS
+        checks that server's certificate names server's host, signed by the same CA."""
+        self._http.close()
+        self.server = server.rstrip("/")
+        self._http = self._client()
 
     def heartbeat(self, inventory: Heartbeat) -> HeartbeatAnswer:
         """Send the inventory; the answer holds node_id (from the certificate) and replicas."""
@@ -129,6 +141,11 @@ class AgentClient:
     def _send_or_raise(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
             return self._send(method, path, **kw)
+        except httpx.TimeoutException as e:
+            # A revoked certificate is refused in the handshake, never left unanswered: no
+            # second wait for the revocation list of a control plane that does not answer.
+            raise Unreachable(f"the control plane at {self.server} did not answer within "
+                              f"{self._timeout:g}s ({type(e).__name__})") from e
         except httpx.HTTPError as e:
             if _REVOKED in str(e).upper().replace(" ", "_") or self._revoked():
                 raise NodeRemoved(
@@ -136,7 +153,7 @@ class AgentClient:
                     "revoked: the node was removed (llmgw node rm). Join it again with a new "
                     "token to serve"
                 ) from e
-            raise AgentAPIError(
+            raise Unreachable(
                 f"the control plane at {self.server} did not answer: {e or type(e).__name__}"
             ) from e
 

@@ -42,7 +42,7 @@ def join(
     """Join the control plane at url (https://HOST:7443) as node_id; write the key (0600),
     the signed certificate and the pinned CA."""
     url = url.rstrip("/")
-    ca_pem = _pinned_ca(url, ca_hash, timeout)
+    ca_pem = pinned_ca(url, ca_hash, timeout)
     key = pki.new_key()
     body = {"token": token, "node_id": node_id, "csr": pki.make_csr(key, node_id).decode()}
     verify = ssl.create_default_context(cadata=ca_pem)
@@ -58,7 +58,7 @@ def join(
     return Joined(node_id, Path(cert_path), Path(ca_path), str(answer.get("mirror") or ""))
 
 
-def _pinned_ca(url: str, expected: str, timeout: float) -> str:
+def pinned_ca(url: str, expected: str, timeout: float) -> str:
     """The control plane's CA, fetched without trusting anyone, kept only if its hash is
     the one pinned."""
     # Not verified on purpose: nothing is trusted yet; the hash below is the trust.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class AgentPaths:
-    """The agent API's paths; only the three join paths serve a client without a
+    """The agent API's paths; only the join paths serve a client without a
     certificate."""
 
     HEARTBEAT = "/api/v1/agent/heartbeat"
@@ -14,6 +14,8 @@ class AgentPaths:
     DRIFT = "/api/v1/agent/drift"
     JOIN = "/api/v1/join"
     JOIN_CA = "/api/v1/join/ca"
+    # Another control plane's join: its token's sealed bundle (`token create --control-plane`).
+    JOIN_CONTROL_PLANE = "/api/v1/join/control-plane"
     # Public, as any CA's revocation list is: a node refused at the handshake reads it to
     # learn why (asyncio drops the TLS alert that would have said so).
     CRL = "/api/v1/join/crl"

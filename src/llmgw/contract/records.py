@@ -249,11 +249,16 @@ class Assignment(TypedDict):
 
 
 class HeartbeatAnswer(TypedDict):
-    """The agent API's answer to a heartbeat; `mirror` only when the control plane has one."""
+    """The agent API's answer to a heartbeat; `mirror` only when the control plane has one.
+
+    control_planes: the agent API URLs (https://HOST:PORT) of every live control plane of
+    the fleet, this one included; the agent moves to another when its own stops answering.
+    An older control plane sends none, and the agent keeps the list it had."""
 
     node_id: str
     replicas: list[Assignment]
     mirror: NotRequired[str]
+    control_planes: NotRequired[list[str]]
 
 
 class JoinToken(TypedDict):

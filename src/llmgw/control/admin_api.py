@@ -37,7 +37,7 @@ from llmgw.control.client import CONTROL_PLANES
 from llmgw.control.drift import DriftBoard, add_drift_routes
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
-from llmgw.control.store import Store
+from llmgw.control.store import Store, StoreError
 
 log = logging.getLogger("llmgw.admin_api")
 
@@ -79,6 +79,9 @@ def control_plane_views(store: Store) -> list[ControlPlaneView]:
 
 class TokenRequest(BaseModel):
     ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
+    # A control-plane token's sealed bundle (llmgw.control_plane_join.seal): kept with the
+    # token's hash, handed to whoever spends it; this process cannot open it.
+    bundle: str = Field("", max_length=1 << 20)
 
 
 class KeyRequest(BaseModel):
@@ -141,6 +144,16 @@ def make_admin_app(
         return JSONResponse(status_code=422, content={
             "detail": f"{request.method} {request.url.path} refused: "
                       f"{problems(e.errors(), within='body')}"})
+
+    @app.exception_handler(StoreError)
+    async def store_away(request: Request, e: StoreError) -> JSONResponse:
+        """The store cannot be reached (PostgreSQL restarting, a split): 503, never a
+        refusal of the caller's credential, and nothing half-done (one transaction)."""
+        return JSONResponse(status_code=503, headers={"Retry-After": "5"}, content={
+            "detail": f"{request.method} {request.url.path}: "
+                      f"{store.reachable() or f'the store failed ({e})'}; nothing was "
+                      "changed; the control plane reconnects by itself, so try again once "
+                      "the database answers"})
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
     scraper = httpx.AsyncClient()
     add_drift_routes(app, drift or DriftBoard())
@@ -155,8 +168,13 @@ def make_admin_app(
         """The tail of a replica's engine log, as its node sent it with its last heartbeat."""
         return replica_log(store, rid, n)
 
-    @app.get("/healthz")
-    def health() -> dict[str, str]:
+    @app.get("/healthz", response_model=None)
+    def health() -> dict[str, str] | JSONResponse:
+        """200 while the control plane can read its store; 503 saying why when not."""
+        away = store.reachable()
+        if away:
+            return JSONResponse(status_code=503, content={"status": "unavailable",
+                                                          "detail": away})
         return {"status": "ok"}
 
     @app.get("/api/v1/nodes")
@@ -183,7 +201,7 @@ def make_admin_app(
     def create_token(request: TokenRequest) -> JoinToken:
         """A single-use join token; only its hash is kept."""
         token = f"{secrets.token_hex(3)}.{secrets.token_hex(16)}"
-        expires = store.add_token(join_token_hash(token), request.ttl_s)
+        expires = store.add_token(join_token_hash(token), request.ttl_s, request.bundle)
         return {"token": token, "expires": expires}
 
     @app.post("/api/v1/keys", status_code=201)

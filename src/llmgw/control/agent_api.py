@@ -43,7 +43,7 @@ from llmgw.control.store import Store
 log = logging.getLogger("llmgw.agent_api")
 
 _ANONYMOUS_PATHS = {("GET", AgentPaths.JOIN_CA), ("POST", AgentPaths.JOIN),
-                    ("GET", AgentPaths.CRL)}
+                    ("POST", AgentPaths.JOIN_CONTROL_PLANE), ("GET", AgentPaths.CRL)}
 
 
 
@@ -76,14 +76,22 @@ class AgentAPI:
 
     ca is the cluster authority with its key, for signing joins and renewals; without it
     the control plane cannot admit nodes and says so.
+
+    control_planes: the agent API URLs of every live control plane of the fleet, asked at
+    each heartbeat and put in its answer; None stands for this one alone, at agent_url
+    (fleet.agent_url of its server.yaml). With neither, answers carry no list, and agents
+    keep the one they have.
     """
 
     def __init__(self, store: Store, ca: pki.KeyPair | None = None, *,
-                 node_timeout_s: float = 30.0, mirror_url: str = "") -> None:
+                 node_timeout_s: float = 30.0, mirror_url: str = "",
+                 control_planes: Callable[[], list[str]] | None = None,
+                 agent_url: str = "") -> None:
         self.store = store
         self.ca = ca
         self.node_timeout_s = node_timeout_s
         self.mirror_url = mirror_url
+        self.control_planes = control_planes or (lambda: [agent_url] if agent_url else [])
         self.revoked = set(store.revoked_serials())
         # Hosts' drift; the admin API shows the same board (server.py hands it over).
         self.drift = DriftBoard()
@@ -116,6 +124,7 @@ class AgentAPI:
             ("GET", AgentPaths.JOIN_CA): self._ca,
             ("GET", AgentPaths.CRL): self._crl,
             ("POST", AgentPaths.JOIN): self._join,
+            ("POST", AgentPaths.JOIN_CONTROL_PLANE): self._join_control_plane,
         }
         action = routes.get(route)
         if action is None:
@@ -157,6 +166,9 @@ class AgentAPI:
         answer: HeartbeatAnswer = {"node_id": node_id, "replicas": _assignments(rows)}
         if self.mirror_url:
             answer["mirror"] = self.mirror_url
+        planes = self.control_planes()
+        if planes:
+            answer["control_planes"] = list(planes)
         return answer
 
     def _self(self, request: Request) -> Reply:
@@ -208,6 +220,21 @@ class AgentAPI:
                                          "plane for a new one"})
         log.info("node %s joined from %s", node_id, request.peer.addr)
         return self._sign(str(body["csr"]).encode(), node_id)
+
+    def _join_control_plane(self, request: Request) -> Reply:
+        """A control-plane token's sealed bundle, once: this process cannot open it (the
+        certificate key is only in the join line), so it hands out nothing it could read."""
+        body = request.json()
+        token, who = str(body.get("token", "")), str(body.get("name", "")) or request.peer.addr
+        if not token:
+            return Reply(422, {"detail": "a control-plane join needs its token"})
+        spent, bundle = self.store.use_control_plane_token(token_hash(token), who)
+        if spent != "ok":
+            return Reply(403, {"detail": f"the join token is {spent}; run `llmgw token create "
+                                         "--control-plane` on a control plane of the fleet "
+                                         "for a new one"})
+        log.info("control plane %s joined from %s", who, request.peer.addr)
+        return Reply(200, {"bundle": bundle})
 
     def _sign(self, csr: bytes, node_id: str) -> Reply:
         if self.ca is None:

@@ -53,9 +53,10 @@ class AdminClient(JSONClient):
         """Drain the node's replicas and refuse its certificate from now on."""
         return self._call("DELETE", AdminPaths.node(node_id))
 
-    def create_token(self, ttl_s: float) -> JoinToken:
-        """A single-use join token: {token, expires}."""
-        return self._call("POST", AdminPaths.TOKENS, json={"ttl_s": ttl_s})
+    def create_token(self, ttl_s: float, bundle: str = "") -> JoinToken:
+        """A single-use join token: {token, expires}; with a sealed bundle, one that makes
+        another control plane."""
+        return self._call("POST", AdminPaths.TOKENS, json={"ttl_s": ttl_s, "bundle": bundle})
 
     def node(self, node_id: str) -> NodeView | None:
         return next((n for n in self.nodes() if n["id"] == node_id), None)

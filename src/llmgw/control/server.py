@@ -9,6 +9,7 @@ import logging
 import resource
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from llmgw import pki
@@ -88,11 +89,35 @@ def agent_api_server(config: ServerConfig, store: Store,
     host, port = parse_listen(config.agent_listen)
     tls = (config.tls.ca, config.tls.cert, config.tls.key)
     api = AgentAPI(store, _ca(config), node_timeout_s=config.node_timeout_s,
-                   mirror_url=config.mirror.url)
+                   mirror_url=config.mirror.url,
+                   control_planes=_live_control_planes(store, config))
     if metrics is not None:
         api.heartbeat_timer = metrics.heartbeats.seconds.time
     return AgentAPIServer(host, port, mtls_context(*tls), api, tls=tls,
                           limits=config.agent_http.limits())
+
+
+def _live_control_planes(store: Store, config: ServerConfig) -> Callable[[], list[str]]:
+    """The agent API URLs of the control planes that beat within the node timeout, this
+    one first, for heartbeat answers: read at most once a second (every node asks)."""
+    own = identity(config).agent_url
+    cached: list[tuple[float, list[str]]] = []
+
+    def live() -> list[str]:
+        now = time.monotonic()
+        if cached and now - cached[0][0] < 1.0:
+            return cached[0][1]
+        try:
+            seen = store.control_planes()
+        except StoreError:
+            return cached[0][1] if cached else [own]
+        fresh = store.clock() - config.node_timeout_s
+        urls = [own, *(cp["agent_url"] for cp in seen
+                       if cp["last_seen"] >= fresh and cp["agent_url"] != own)]
+        cached[:] = [(now, urls)]
+        return urls
+
+    return live
 
 
 def identity(config: ServerConfig) -> Identity:

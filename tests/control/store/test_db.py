@@ -55,16 +55,37 @@ def test_the_log_is_checkpointed_off_the_writer(tmp_path: Path) -> None:
     store.close()
 
 
-def test_postgresql_is_reconnected_to_after_a_restart(postgres_server: PostgresServer) -> None:
-    store = Store(postgres_server.create_database())
+def test_postgresql_is_reconnected_to_after_a_restart_and_nodes_are_heard_from_then(
+        postgres_server: PostgresServer) -> None:
+    """While the server is away no node can beat: once it answers, silence is counted from
+    then (as after a restart of the control plane), not from the last beat."""
+    now = [1000.0]
+    store = Store(postgres_server.create_database(), clock=lambda: now[0])
     store.record_heartbeat("n1", {})
+    assert store.reachable() == ""
     postgres_server.stop()
     try:
         with pytest.raises(StoreError):
             store.nodes()
+        assert "cannot be reached" in store.reachable()
+        assert store.db.unreachable_since is not None
+        now[0] = 1100.0
     finally:
         postgres_server.start()
     assert [n["id"] for n in store.nodes()] == ["n1"], "the pool's dead connections replaced"
+    assert (store.hearing.since, store.hearing.last_before) == (1100.0, 1000.0)
+    assert store.db.unreachable_since is None
     store.record_heartbeat("n2", {})
     assert len(store.nodes()) == 2
+    store.close()
+
+
+def test_an_unreachable_store_is_not_an_outage_until_it_fails(
+        postgres_server: PostgresServer) -> None:
+    """The negative control: without an outage, hearing stays as the store opened it."""
+    store = Store(postgres_server.create_database(), clock=lambda: 5.0)
+    store.record_heartbeat("n1", {})
+    before = store.hearing
+    store.nodes()
+    assert store.hearing is before
     store.close()

@@ -39,3 +39,13 @@ def test_two_processes_spending_one_token_at_once_spend_it_once(open_store: Open
     for t in threads:
         t.join(timeout=30)
     assert sorted(a.split(" by ")[0] for a in answers) == ["ok", "used", "used", "used"]
+
+
+def test_a_control_plane_token_hands_its_sealed_bundle_over_once(open_store: OpenStore) -> None:
+    store = open_store()
+    store.add_token("cp", 60, bundle="c2VhbGVk")
+    store.add_token("node", 60)
+    assert store.use_control_plane_token("node", "cp2") == ("not for a control plane", "")
+    assert store.use_token("node", "n2") == "ok", "control: a node's token stayed unspent"
+    assert store.use_control_plane_token("cp", "cp2") == ("ok", "c2VhbGVk")
+    assert store.use_control_plane_token("cp", "cp3") == ("used by cp2", "")

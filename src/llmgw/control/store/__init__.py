@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+
 from llmgw.control.nodes import Hearing
 
 from ._db import Database, SchemaError, StoreError, redacted, store_url
@@ -44,9 +46,23 @@ class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, Control
         self.clock = clock
         self._inventories = {}
         # This process starts hearing now; node_view keeps a restart from silencing nodes.
+        self.hearing = self._hearing_from_now()
+        # Nor does an outage of the store: no node could beat while it was away.
+        self.db.on_reachable = lambda down_s: setattr(self, "hearing",
+                                                      self._hearing_from_now())
+
+    def _hearing_from_now(self) -> Hearing:
         last = self.last_heard()
-        self.hearing = Hearing(since=clock(), last_before=float("-inf") if last is None
-                               else last)
+        return Hearing(since=self.clock(), last_before=float("-inf") if last is None
+                       else last)
+
+    def reachable(self) -> str:
+        """'' when the store answers a query now, else why not (for readiness)."""
+        try:
+            self.db.read(sa.select(sa.literal(1)))
+        except StoreError as e:
+            return f"the store {self.path} cannot be reached: {_first_line(e)}"
+        return ""
 
     @property
     def path(self) -> str:
@@ -64,3 +80,8 @@ class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, Control
 
     def close(self) -> None:
         self.db.close()
+
+
+def _first_line(e: StoreError) -> str:
+    found = getattr(e, "orig", None) or e
+    return (str(found).strip().splitlines() or [type(found).__name__])[0]

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -100,10 +101,20 @@ class Database:
         else:
             engine = sa.create_engine(
                 self.url, pool_pre_ping=True, pool_size=4, max_overflow=12,
-                connect_args={"connect_timeout": max(1, round(busy_timeout_s))})
+                connect_args={
+                    "connect_timeout": max(1, round(busy_timeout_s)),
+                    # A server cut off mid-query (a split) is given up on in seconds, not
+                    # after TCP's minutes; no statement of ours runs longer than this.
+                    "tcp_user_timeout": 5000, "keepalives": 1, "keepalives_idle": 5,
+                    "keepalives_interval": 2, "keepalives_count": 2,
+                    "options": "-c statement_timeout=10000"})
             self._writer = engine
             self._reader = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._lock = threading.RLock()
+        # Since when (monotonic) the database server could not be reached, and whom to tell
+        # when it can again (the store resets its hearing: nodes could not beat meanwhile).
+        self.unreachable_since: float | None = None
+        self.on_reachable: Callable[[float], None] | None = None
         try:
             if migrate:
                 self._migrate()
@@ -143,14 +154,39 @@ class Database:
         return writer, reader
 
     @contextmanager
+    def _watched(self) -> Iterator[None]:
+        """Notes when a PostgreSQL server stops and starts answering (SQLite's errors are
+        this machine's: a lock, a full disk)."""
+        try:
+            yield
+        except (sa.exc.OperationalError, sa.exc.InterfaceError) as e:
+            if self.backend == "postgresql" and self.unreachable_since is None:
+                self.unreachable_since = time.monotonic()
+                log.warning("the store %s cannot be reached (%s); going on from memory "
+                            "where possible and trying again", self.where,
+                            str(e.orig or e).strip().splitlines()[0])
+            raise
+        else:
+            if self.unreachable_since is not None:
+                down_s = time.monotonic() - self.unreachable_since
+                self.unreachable_since = None
+                log.info("the store %s answers again, after %.1f s", self.where, down_s)
+                if self.on_reachable:
+                    try:
+                        self.on_reachable(down_s)
+                    except StoreError as e:  # away again: the next answer tells it again
+                        self.unreachable_since = time.monotonic()
+                        log.warning("the store %s went away again: %s", self.where, e)
+
+    @contextmanager
     def tx(self) -> Iterator[Connection]:
         """One write transaction, committed when the block ends, rolled back on an error."""
-        with self._lock, self._writer.begin() as conn:
+        with self._watched(), self._lock, self._writer.begin() as conn:
             yield conn
 
     def read(self, statement: sa.Executable) -> Sequence[RowMapping]:
         """One statement outside any transaction: a snapshot, no write lock."""
-        with self._reader.connect() as conn:
+        with self._watched(), self._reader.connect() as conn:
             return conn.execute(statement).mappings().all()
 
     @contextmanager

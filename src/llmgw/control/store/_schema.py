@@ -64,6 +64,8 @@ tokens = sa.Table(
     sa.Column("expires", Time, nullable=False),
     sa.Column("used", Time),
     sa.Column("used_by", sa.Text, nullable=False, server_default=""),
+    # A control-plane token's sealed bundle (base64; only its certificate key opens it).
+    sa.Column("bundle", sa.Text, nullable=False, server_default=""),
 )
 
 keys = sa.Table(

@@ -1,0 +1,65 @@
+"""llmgw.control_plane_join: the fleet's shared secrets sealed with a certificate key the
+store never sees, handed out once for a control-plane token over the agent API (a real
+one, TLS with a CA made now), and opened only with that key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmgw import config, control_plane_join, pki
+from llmgw.agent.join import JoinError
+from llmgw.layout import Layout
+
+
+def _fleet(root: Path) -> tuple[Layout, config.ServerConfig]:
+    layout = Layout.for_mode("local", root)
+    layout.pki.mkdir(parents=True)
+    pki.create_ca().write(layout.pki, "ca")
+    layout.admin_token.write_text("admin-secret\n")
+    server = config.ServerConfig(state_dir=str(layout.server_state),
+                                 store="postgresql://llmgw@db:5432/llmgw", gateway_keys="required")
+    return layout, server
+
+
+def test_a_bundle_opens_only_with_its_key_and_carries_the_shared_settings(tmp_path) -> None:
+    layout, server = _fleet(tmp_path / "a")
+    key = control_plane_join.new_certificate_key()
+    sealed = control_plane_join.seal(layout, server, key)
+    assert "admin-secret" not in sealed and "BEGIN" not in sealed
+    bundle = control_plane_join.unseal(sealed, key)
+    assert bundle.files["ca-key.pem"] == layout.ca_key.read_bytes()
+    assert bundle.server["store"] == "postgresql://llmgw@db:5432/llmgw"
+    assert "admin_listen" not in bundle.server, "each machine's own listeners stay its own"
+    with pytest.raises(control_plane_join.ControlPlaneJoinError, match="does not open"):
+        control_plane_join.unseal(sealed, control_plane_join.new_certificate_key())
+    with pytest.raises(control_plane_join.ControlPlaneJoinError, match="64 hex digits"):
+        control_plane_join.unseal(sealed, "not-a-key")
+    new = Layout.for_mode("local", tmp_path / "b")
+    control_plane_join.write(bundle, new)
+    assert new.ca_key.stat().st_mode & 0o777 == 0o600
+    assert control_plane_join.settings(new)["gateway_keys"] == "required"
+
+
+def test_a_fleet_on_its_own_sqlite_is_refused_a_second_control_plane(tmp_path) -> None:
+    _, server = _fleet(tmp_path / "a")
+    control_plane_join.shareable(server)  # the control: a shared store is accepted
+    with pytest.raises(control_plane_join.ControlPlaneJoinError, match="move it to PostgreSQL"):
+        control_plane_join.shareable(server.model_copy(update={"store": ""}))
+
+
+def test_the_agent_api_hands_a_control_plane_token_its_bundle_once(live_control_plane) -> None:
+    from llmgw.control.agent_api import token_hash
+
+    cp = live_control_plane
+    url = f"https://127.0.0.1:{cp.agent_port}"
+    cp.store.add_token(token_hash("cp.token"), 600, bundle="c2VhbGVk")
+    cp.store.add_token(token_hash("node.token"), 600)
+    with pytest.raises(JoinError, match="not for a control plane"):
+        control_plane_join.fetch(url, "node.token", cp.ca_hash, "cp2")
+    assert control_plane_join.fetch(url, "cp.token", cp.ca_hash, "cp2") == "c2VhbGVk"
+    with pytest.raises(JoinError, match="used by cp2"):
+        control_plane_join.fetch(url, "cp.token", cp.ca_hash, "cp3")
+    with pytest.raises(JoinError, match="this is not the control plane"):
+        control_plane_join.fetch(url, "cp.token", "sha256:" + "0" * 64, "cp3")
