@@ -14,7 +14,9 @@ from tests.hosts import ThrowawayHost
 
 FOUNDATION_ONLY = ("--no-mirror", "--no-node", "--no-starter")
 # Live process state and logs change by themselves; everything else is the harness's.
-VOLATILE = ("logs", "supervisor.sock", "supervisord.pid", "control.db-wal", "control.db-shm")
+# The store: each control plane beats its row and renews the scheduler lease every second.
+VOLATILE = ("logs", "supervisor.sock", "supervisord.pid", "control.db", "control.db-wal",
+            "control.db-shm")
 
 
 def snapshot(root: Path) -> dict[str, tuple[bytes, int, int]]:
