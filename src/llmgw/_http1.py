@@ -895,7 +895,9 @@ class _Connection(asyncio.Protocol):
 def _tls_extension(ssl_object: ssl.SSLObject) -> dict[str, Any]:
     """The scope's "tls" extension as asgiref's TLS spec names it (client_cert_name the
     subject as an RFC 4514 name), plus the verified client certificate's commonName and
-    serial (upper-case hex, as getpeercert() writes it): "" for none."""
+    serial (upper-case hex of the integer, no leading zero, as pki.serial_hex writes it):
+    "" for none. getpeercert() writes the serial's bytes, so one serial in eight (its
+    first nibble 0) would otherwise be spelled with a leading zero and match nothing."""
     cert = ssl_object.getpeercert() or {}  # {} unless the certificate was verified
     # ssl types every value of the dict as any of its shapes: keep the (name, value) pairs.
     subject = [pair for rdn in cert.get("subject", ()) if isinstance(rdn, tuple)
@@ -914,8 +916,13 @@ def _tls_extension(ssl_object: ssl.SSLObject) -> dict[str, Any]:
         "cipher_suite": None,
         "cipher_name": cipher[0] if cipher else None,
         "client_cert_common_name": dict(subject).get("commonName", ""),
-        "client_cert_serial": str(cert.get("serialNumber", "")),
+        "client_cert_serial": _serial(str(cert.get("serialNumber", ""))),
     }
+
+
+def _serial(written: str) -> str:
+    """A serial as getpeercert() writes it (hex bytes), as its integer's hex."""
+    return format(int(written, 16), "X") if written else ""
 
 
 class _Refusal(Exception):

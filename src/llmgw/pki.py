@@ -266,7 +266,8 @@ def sign_csr(ca: KeyPair, csr_pem: bytes, common_name: str,
 
 
 def serial_hex(cert: x509.Certificate) -> str:
-    """The serial as Python's ssl module writes it in getpeercert(): upper-case hex."""
+    """A serial as llmgw writes it everywhere (the store, the HTTP core's tls extension,
+    revocation): upper-case hex of the integer, no leading zero."""
     return format(cert.serial_number, "X")
 
 
