@@ -16,25 +16,28 @@ PER_CLIENT = 3000  # a bound on the load; the load stops when the test says so, 
 LOAD_LIMIT_S = 60.0
 
 
-def until(what: str, ok: Callable[[], bool], log: Callable[[], str],
-          timeout_s: float = 30.0) -> None:
+def until(what: str, ok: Callable[[], object], log: Callable[[], str] = lambda: "",
+          timeout_s: float = 30.0, interval_s: float = 0.1,
+          catching: tuple[type[Exception], ...] = (httpx.HTTPError,)) -> None:
+    """Until ok() is true; a wait that runs out says what it waited for, the last error
+    ok() raised (of those caught) and log()."""
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
         try:
             if ok():
                 return
-        except httpx.HTTPError as e:
+        except catching as e:
             last = repr(e)
-        time.sleep(0.1)
+        time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last seen: "
                          f"{last}; the gateway's log: {log()}")
 
 
 @dataclass
 class Load:
-    """`clients` (CLIENTS) keep-alive clients calling the gateway back to back, every other request a
-    stream; bounded in count (PER_CLIENT each) and time (LOAD_LIMIT_S)."""
+    """`clients` (CLIENTS) keep-alive clients calling the gateway back to back, every
+    other request a stream; bounded in count (PER_CLIENT each) and time (LOAD_LIMIT_S)."""
 
     url: str
     body: dict[str, object] = field(default_factory=lambda: dict(CHAT))

@@ -29,7 +29,7 @@ import yaml
 
 from llmgw.netaddr import free_port
 from tests.hosts import ThrowawayHost
-from tests.loadgen import Load
+from tests.loadgen import Load, until
 from tests.postgres import PostgresServer
 
 # Two minutes of 8 clients, two control planes and an engine: run on demand
@@ -92,16 +92,7 @@ class ControlPlaneProcess:
 
 def _until(what: str, ok: Callable[[], object], log: Callable[[], str] = lambda: "",
            timeout_s: float = 120) -> None:
-    deadline, last = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
-        try:
-            if ok():
-                return
-        except Exception as e:  # noqa: BLE001 - the last error is what the failure shows
-            last = repr(e)
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last: {last}; "
-                         f"log: {log()}")
+    until(what, ok, log, timeout_s, interval_s=0.2, catching=(Exception,))
 
 
 @dataclass

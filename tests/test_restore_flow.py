@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from tests.hosts import ThrowawayHost
+from tests.loadgen import until
 from tests.test_join_flow import token_create
 
 pytestmark = pytest.mark.slow
@@ -32,15 +33,7 @@ def _llmgw(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _until(what: str, ok: Callable[[], object], timeout_s: float = 180) -> None:
-    deadline, last = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
-        try:
-            if ok():
-                return
-        except Exception as e:  # noqa: BLE001 - the last error is what the failure shows
-            last = repr(e)
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last: {last}")
+    until(what, ok, timeout_s=timeout_s, interval_s=1.0, catching=(Exception,))
 
 
 def _ask(host: ThrowawayHost, key: str) -> str:

@@ -211,7 +211,7 @@ def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
     """Make layout's machine the control plane backup was of; the lines to print. Refused,
     with nothing written, where this machine already has a cluster CA or a server.yaml."""
     from llmgw.control.store import SchemaError, Store, StoreError
-    from llmgw.control.store.copy import Copy, CopyError, compare, read, write
+    from llmgw.control.store.copy import Copy, CopyError, write_verified
 
     mode = backup.manifest.get("mode")
     if mode != layout.mode:
@@ -222,10 +222,10 @@ def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
         raise BackupError(f"this machine already has {', '.join(present)}: restore makes a "
                           "machine the control plane it was, and never writes over one; "
                           "restore into a new --state-dir, or remove these first")
-    text = _moved(backup.files["server.yaml"].decode(), backup.manifest.get("root", ""),
+    text = moved(backup.files["server.yaml"].decode(), backup.manifest.get("root", ""),
                   layout)
     if store_url:
-        text = _with_store(text, store_url)
+        text = with_store(text, store_url)
     config = load_server_text(text, layout.server_yaml)
     rows = Copy(backup.store["revision"], backup.store["rows"])
     try:
@@ -233,16 +233,13 @@ def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
     except (SchemaError, StoreError) as e:
         raise BackupError(f"cannot open the store to restore into: {e}") from None
     try:
-        write(store, rows)
-        differences = compare(rows, read(store))
+        write_verified(store, rows)
     except CopyError as e:
         raise BackupError(str(e)) from None
     except StoreError as e:
         raise BackupError(f"cannot write the store {store.path}: {e}") from None
     finally:
         store.close()
-    if differences:
-        raise BackupError(f"the restored store differs from the backup: {'; '.join(differences)}")
     for name, attr, file_mode, _ in FILES:
         if name in backup.files:
             body = text.encode() if name == "server.yaml" else backup.files[name]
@@ -261,7 +258,7 @@ def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
     ]
 
 
-def _moved(text: str, old_root: str, layout: Layout) -> str:
+def moved(text: str, old_root: str, layout: Layout) -> str:
     """server.yaml with a local-mode host's paths moved from its old state dir to this."""
     if not old_root or layout.root is None or old_root == str(layout.root):
         return text
@@ -269,7 +266,7 @@ def _moved(text: str, old_root: str, layout: Layout) -> str:
                   flags=re.MULTILINE)
 
 
-def _with_store(text: str, url: str) -> str:
+def with_store(text: str, url: str) -> str:
     """server.yaml with its top-level `store:` set to url."""
     line = f"store: {json.dumps(url)}"
     if re.search(r"^store:.*$", text, flags=re.MULTILINE):

@@ -26,7 +26,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from llmgw._files import atomic_write
-from llmgw.agent.join import JoinError, pinned_ca
+from llmgw.agent.join import JoinError, pinned_ca, refusal
 from llmgw.config import ServerConfig
 from llmgw.contract import AgentPaths
 from llmgw.errors import Error
@@ -121,12 +121,8 @@ def fetch(url: str, token: str, ca_hash: str, who: str, *, timeout: float = 10.0
     except httpx.HTTPError as e:
         raise JoinError(f"the control plane at {url} did not answer: {e}") from e
     if answer.status_code != 200:
-        try:
-            detail = answer.json().get("detail", answer.text)
-        except ValueError:
-            detail = answer.text[:300]
         raise JoinError(f"the control plane refused the control-plane join "
-                        f"({answer.status_code}): {detail}")
+                        f"({answer.status_code}): {refusal(answer)}")
     return str(answer.json()["bundle"])
 
 

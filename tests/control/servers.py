@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from llmgw._http1 import Http1Server
@@ -174,3 +175,19 @@ def raw_server(handle: Callable[[socket.socket], None]) -> Iterator[str]:
 def refused_endpoint() -> str:
     """A loopback endpoint nothing listens on: connecting to it is refused."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+def admin_test_client(store: Any, root: Path) -> Any:
+    """The admin API on store, in process (FastAPI's TestClient), sending the admin token
+    made under root/etc."""
+    from fastapi.testclient import TestClient
+
+    from llmgw import admin_token
+    from llmgw.control.admin_api import make_admin_app
+
+    token_path = root / "etc" / admin_token.TOKEN_FILE
+    admin_token.ensure(token_path)
+    app = make_admin_app(store, node_timeout_s=30.0,
+                         token_hash=admin_token.hash_path_for(token_path))
+    return TestClient(app, headers={
+        "Authorization": f"Bearer {admin_token.read_token(token_path)}"})

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fastapi.testclient import TestClient
-
 from llmgw import admin_token
 from llmgw.commands.status import render
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.store import Store
 from tests.cli.test_day2 import llmgw, write_server_yaml
-from tests.control.servers import serve_asgi
+from tests.control.servers import admin_test_client, serve_asgi
 
 
 class Clock:
@@ -33,13 +31,7 @@ def _two_planes(tmp_path: Path) -> tuple[Store, Clock]:
     return store, clock
 
 
-def _client(store: Store, tmp_path: Path) -> TestClient:
-    token_path = tmp_path / "etc" / admin_token.TOKEN_FILE
-    admin_token.ensure(token_path)
-    app = make_admin_app(store, node_timeout_s=30.0,
-                         token_hash=admin_token.hash_path_for(token_path))
-    return TestClient(app, headers={
-        "Authorization": f"Bearer {admin_token.read_token(token_path)}"})
+_client = admin_test_client
 
 
 def test_the_lease_holder_is_listed_as_scheduling_with_its_epoch(tmp_path: Path) -> None:

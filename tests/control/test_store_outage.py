@@ -12,10 +12,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from llmgw import admin_token
-from llmgw.control.admin_api import make_admin_app
 from llmgw.control.store import Store
-from tests.control.servers import scripted_upstream
+from tests.control.servers import admin_test_client, scripted_upstream
 from tests.control.test_gateway import MODEL, json_answer, ready
 from tests.control.test_gateway_keys import chat, client, gateway, key
 from tests.postgres import PostgresServer
@@ -29,18 +27,9 @@ def pg_store(postgres_server: PostgresServer) -> Iterator[Store]:
     store.close()
 
 
-def _admin(store: Store, tmp_path: Path) -> TestClient:
-    token_path = tmp_path / "etc" / admin_token.TOKEN_FILE
-    admin_token.ensure(token_path)
-    app = make_admin_app(store, node_timeout_s=30.0,
-                         token_hash=admin_token.hash_path_for(token_path))
-    return TestClient(app, headers={
-        "Authorization": f"Bearer {admin_token.read_token(token_path)}"})
-
-
 def test_admin_writes_are_503_while_postgresql_is_away_and_answer_once_it_is_back(
         pg_store: Store, postgres_server: PostgresServer, tmp_path: Path) -> None:
-    admin = _admin(pg_store, tmp_path)
+    admin = admin_test_client(pg_store, tmp_path)
     assert admin.get("/healthz").status_code == 200
     assert admin.post("/api/v1/keys", json={"name": "before"}).status_code == 201
     postgres_server.stop()

@@ -91,13 +91,17 @@ def _post(http: httpx.Client, url: str, body: dict[str, str]) -> dict[str, str]:
     except httpx.HTTPError as e:
         raise JoinError(f"the join at {url} failed: {e or type(e).__name__}") from e
     if response.status_code != 200:
-        try:
-            detail = response.json().get("detail", response.text)
-        except ValueError:
-            detail = response.text[:300]
         raise JoinError(f"the control plane refused the join ({response.status_code}): "
-                        f"{detail}")
+                        f"{refusal(response)}")
     return response.json()
+
+
+def refusal(response: httpx.Response) -> str:
+    """What a refusing control plane said: its JSON `detail`, else the start of its body."""
+    try:
+        return str(response.json().get("detail", response.text))
+    except ValueError:
+        return response.text[:300]
 
 
 def needs_renewal(cert_path: str | Path, before_days: float) -> bool:

@@ -71,7 +71,7 @@ def _restore(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     from llmgw.control.store import SchemaError, Store, StoreError, store_url
-    from llmgw.control.store.copy import CopyError, compare, read, write
+    from llmgw.control.store.copy import CopyError, read, write_verified
 
     layout = _layout(args)
     try:
@@ -96,22 +96,18 @@ def _migrate(args: argparse.Namespace) -> int:
         raise Error(f"cannot open the stores: {e}") from None
     try:
         copied = read(source)
-        write(target, copied)
-        differences = compare(copied, read(target))
+        write_verified(target, copied)
     except CopyError as e:
-        raise Error(str(e)) from None
+        raise Error(f"{e}; server.yaml still names the old store") from None
     except StoreError as e:
         raise Error(f"the move failed, nothing changed in server.yaml: {e}") from None
     finally:
         source.close()
         target.close()
-    if differences:
-        raise Error(f"the copy in {target.path} differs: {'; '.join(differences)}; "
-                    "server.yaml still names the old store")
     old = layout.server_yaml.with_name(f"server.yaml.before-store-migrate-{int(time.time())}")
     text = layout.server_yaml.read_text()
     atomic_write(old, text, mode=0o644)
-    atomic_write(layout.server_yaml, backup._with_store(text, args.to), mode=0o644)
+    atomic_write(layout.server_yaml, backup.with_store(text, args.to), mode=0o644)
     counts = copied.counts()
     print(f"moved {sum(counts.values())} rows from {source.path} to {target.path}: "
           + ", ".join(f"{name} {n}" for name, n in counts.items()))

@@ -80,6 +80,14 @@ def write(store: Store, copy: Copy) -> None:
                 conn.execute(table.insert(), rows[start:start + 1000])
 
 
+def write_verified(store: Store, copy: Copy) -> None:
+    """write, then read the store back and compare: CopyError naming what differs."""
+    write(store, copy)
+    differences = compare(copy, read(store))
+    if differences:
+        raise CopyError(f"the copy written to {store.path} differs: {'; '.join(differences)}")
+
+
 def digest(rows: Sequence[Mapping[str, Any]]) -> str:
     """sha256 of rows as canonical JSON (keys sorted, floats as Python writes them): the
     same rows give the same digest whichever backend they were read from."""
