@@ -104,9 +104,15 @@ def _token_create(args: argparse.Namespace) -> int:
     from llmgw.fleet import create_token, parse_ttl
     from llmgw.layout import Layout
 
-    made = create_token(Layout.for_mode(args.mode, args.state_dir), parse_ttl(args.ttl))
+    made = create_token(Layout.for_mode(args.mode, args.state_dir), parse_ttl(args.ttl),
+                        control_plane=args.control_plane)
     expires = dt.datetime.fromtimestamp(made.expires, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    print(f"a single-use join token, valid until {expires}; on the new machine run:")
+    if args.control_plane:
+        print(f"a single-use control-plane token, valid until {expires}. Its certificate key "
+              "opens the fleet's CA key and admin credential and is shown only here: send the "
+              "line as you would a password. On the new machine run:")
+    else:
+        print(f"a single-use join token, valid until {expires}; on the new machine run:")
     print(made.line)
     return 0
 
@@ -207,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     token_sub = token.add_subparsers(dest="token_command", required=True)
     create = token_sub.add_parser("create", help="a single-use join token and the join line")
     create.add_argument("--ttl", default="1h", help="how long it is valid (90s, 15m, 1h, 2d)")
+    create.add_argument("--control-plane", action="store_true",
+                        help="a token that makes the new machine another control plane of "
+                             "this fleet (the store must be PostgreSQL); the line carries a "
+                             "certificate key, printed only there")
     _host_options(create)
     create.set_defaults(run=_token_create)
 

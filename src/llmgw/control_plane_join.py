@@ -140,9 +140,14 @@ def write(bundle: Bundle, layout: Layout) -> list[str]:
 
 
 def settings(layout: Layout) -> dict[str, Any]:
-    """The fleet's shared server.yaml settings a control-plane join left ({} without)."""
+    """The fleet's shared server.yaml settings a control-plane join left (write())."""
     path = layout.etc / SETTINGS_FILE
-    if not path.exists():
-        return {}
-    found: dict[str, Any] = json.loads(path.read_text())
+    try:
+        found: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ControlPlaneJoinError(
+            f"the fleet's settings are not in {path} ({e}); they come with the fleet's CA "
+            "when this machine first fetches it: make a new token with `llmgw token create "
+            "--control-plane` on a control plane of the fleet and run again with its line"
+        ) from None
     return {k: v for k, v in found.items() if k in SHARED}
