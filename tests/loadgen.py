@@ -20,7 +20,7 @@ def until(what: str, ok: Callable[[], object], log: Callable[[], str] = lambda: 
           timeout_s: float = 30.0, interval_s: float = 0.1,
           catching: tuple[type[Exception], ...] = (httpx.HTTPError,)) -> None:
     """Until ok() is true; a wait that runs out says what it waited for, the last error
-    ok() raised (of those caught) and log()."""
+    ok() raised (of those caught) and what log() says then (a log's end, a state)."""
     deadline = time.monotonic() + timeout_s
     last = ""
     while time.monotonic() < deadline:
@@ -31,7 +31,7 @@ def until(what: str, ok: Callable[[], object], log: Callable[[], str] = lambda: 
             last = repr(e)
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last seen: "
-                         f"{last}; the gateway's log: {log()}")
+                         f"{last or '(no error)'}; then: {log()}")
 
 
 @dataclass
@@ -44,6 +44,9 @@ class Load:
     # The gateway key sent as the bearer token ("" for an open gateway).
     key: str = ""
     clients: int = CLIENTS
+    # The bounds of each client: requests, and seconds from the start.
+    per_client: int = PER_CLIENT
+    limit_s: float = LOAD_LIMIT_S
     done: int = 0
     answered: int = 0
     failures: list[str] = field(default_factory=list)
@@ -61,13 +64,13 @@ class Load:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         for t in self.threads:
-            t.join(LOAD_LIMIT_S)
+            t.join(self.limit_s)
 
     def _client(self, i: int) -> None:
-        deadline = time.monotonic() + LOAD_LIMIT_S
+        deadline = time.monotonic() + self.limit_s
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         with httpx.Client(base_url=self.url, timeout=30, headers=headers) as client:
-            for n in range(PER_CLIENT):
+            for n in range(self.per_client):
                 if self.stop.is_set() or time.monotonic() > deadline:
                     return
                 failure = one_request(client, self.body, stream=(i + n) % 2 == 1)
@@ -83,7 +86,13 @@ class Load:
         """Until `more` further requests were answered in full."""
         count = self.answered + more
         until(f"{count} whole answers under load", lambda: self.answered >= count,
-              lambda: "", 60)
+              lambda: self._state(), 60)
+
+    def _state(self) -> str:
+        running = sum(t.is_alive() for t in self.threads)
+        return (f"{running} of {self.clients} clients still running (each stops after "
+                f"{self.per_client} requests or {self.limit_s:g} s); {self.done} done, "
+                f"last failures: {self.failures[-3:]}")
 
 
 def one_request(client: httpx.Client, body: dict[str, object], stream: bool) -> str:
