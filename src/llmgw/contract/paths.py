@@ -33,6 +33,7 @@ class AdminPaths:
     REPLICAS = "/api/v1/replicas"
     KEYS = "/api/v1/keys"
     DRIFT = "/api/v1/drift"
+    CONTROL_PLANES = "/api/v1/control-planes"
 
     @staticmethod
     def node(node_id: str) -> str:

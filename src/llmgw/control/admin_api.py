@@ -33,7 +33,6 @@ from llmgw.contract.records import (
 from llmgw.control import keys
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import read_file_facts
-from llmgw.control.client import CONTROL_PLANES
 from llmgw.control.drift import DriftBoard, add_drift_routes
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
@@ -184,7 +183,7 @@ def make_admin_app(
         now = store.clock()
         return [node_view(n, now, node_timeout_s, store.hearing) for n in store.nodes(limit, after)]
 
-    @app.get(CONTROL_PLANES)
+    @app.get("/api/v1/control-planes")
     def control_planes() -> list[ControlPlaneView]:
         """The control planes sharing the store, and which one schedules."""
         return control_plane_views(store)

@@ -21,9 +21,6 @@ from llmgw.contract.records import (
 )
 from llmgw.errors import APIError
 
-# The admin API's listing of control planes (beside AdminPaths, which contract/ keeps).
-CONTROL_PLANES = "/api/v1/control-planes"
-
 
 class ControlPlaneError(APIError):
     """The admin API could not be reached or answered with an error."""
@@ -95,7 +92,7 @@ class AdminClient(JSONClient):
     def control_planes(self) -> list[ControlPlaneView]:
         """The control planes sharing the store; `scheduling` marks the one that schedules.
         NotFound from a control plane older than the listing."""
-        return self._call("GET", CONTROL_PLANES)
+        return self._call("GET", AdminPaths.CONTROL_PLANES)
 
     def drift(self) -> list[HostDrift]:
         """Every host's last round of checks, as `llmgw check --serve` reported it."""

@@ -42,6 +42,23 @@ def test_each_control_plane_beats_its_row_and_keeps_its_start(open_store: OpenSt
     assert store.control_planes()[0]["started"] == 1004.0, "a restart gives its start again"
 
 
+def test_a_control_plane_silent_for_a_day_is_forgotten_by_the_next_beat(
+        open_store: OpenStore) -> None:
+    """Its row goes at another's beat; the control, one silent for less, is kept."""
+    from llmgw.control.store.control_planes import FORGET_AFTER_S
+
+    clock = Clock()
+    store = open_store(clock=clock)
+    store.beat_control_plane("cp-gone", "https://g:7443", "http://g:9090")
+    clock.now += FORGET_AFTER_S - 60
+    store.beat_control_plane("cp-quiet", "https://q:7443", "http://q:9090")
+    store.beat_control_plane("cp-a", "https://a:7443", "http://a:9090")
+    assert [cp["id"] for cp in store.control_planes()] == ["cp-a", "cp-gone", "cp-quiet"]
+    clock.now += 61
+    store.beat_control_plane("cp-a", "https://a:7443", "http://a:9090")
+    assert [cp["id"] for cp in store.control_planes()] == ["cp-a", "cp-quiet"]
+
+
 def test_the_lease_is_one_holders_until_it_expires_then_the_next_takers_epoch(
         open_store: OpenStore) -> None:
     clock = Clock()

@@ -15,6 +15,9 @@ from ._db import Aggregate, insert
 from ._schema import control_planes, leases
 
 SCHEDULER = "scheduler"
+# A control plane not heard from for a day is gone (a machine replaced, a state dir
+# rebuilt under a new id): its row is forgotten by the next beat of another.
+FORGET_AFTER_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class ControlPlaneStore(Aggregate):
     def beat_control_plane(self, cp_id: str, agent_url: str, admin_url: str,
                            started: float | None = None) -> None:
         """Upsert this control plane's row: last_seen now; started as given (the process's
-        start), else kept from the row, else now."""
+        start), else kept from the row, else now. Rows silent for FORGET_AFTER_S go."""
         now = self.clock()
         with self.db.tx() as conn:
             row = insert(conn, control_planes).values(
@@ -49,6 +52,8 @@ class ControlPlaneStore(Aggregate):
                 update["started"] = row.excluded.started
             conn.execute(row.on_conflict_do_update(index_elements=[control_planes.c.id],
                                                    set_=update))
+            conn.execute(control_planes.delete().where(
+                control_planes.c.last_seen < now - FORGET_AFTER_S))
 
     def control_planes(self) -> list[ControlPlane]:
         """Every control plane that ever beat here, by id."""
