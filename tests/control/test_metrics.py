@@ -108,3 +108,21 @@ def test_the_gateways_plain_counts_expose_as_prometheus_client_metrics_would() -
     assert ours.get_sample_value("llmgw_gateway_tokens_total",
                                  {"model": "m", "kind": "completion", "key": "k"}) == 8
     assert ours.get_sample_value("llmgw_gateway_requests_in_flight") == 1
+
+
+def test_which_control_plane_schedules_is_exported_until_its_lease_lapses(tmp_path) -> None:
+    """The lease's holder is 1 under its epoch, another sharing the store 0; the control,
+    the same lease expired, is no control plane scheduling (epoch 0)."""
+    now = [1000.0]
+    store = Store(tmp_path / "db", clock=lambda: now[0])
+    store.beat_control_plane("cp-a", "https://a:7443", "http://a:9090")
+    store.beat_control_plane("cp-b", "https://b:7443", "http://b:9090")
+    assert store.acquire_lease("cp-a", 10.0) is not None
+    text = generate_latest(ControlPlaneMetrics(store, 30.0).registry).decode()
+    assert 'llmgw_control_plane_scheduling{control_plane="cp-a"} 1.0' in text
+    assert 'llmgw_control_plane_scheduling{control_plane="cp-b"} 0.0' in text
+    assert "llmgw_scheduler_epoch 1.0" in text
+    now[0] += 11
+    text = generate_latest(ControlPlaneMetrics(store, 30.0).registry).decode()
+    assert 'llmgw_control_plane_scheduling{control_plane="cp-a"} 0.0' in text
+    assert "llmgw_scheduler_epoch 0.0" in text

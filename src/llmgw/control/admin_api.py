@@ -34,6 +34,7 @@ from llmgw.control import keys
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import read_file_facts
 from llmgw.control.drift import DriftBoard, add_drift_routes
+from llmgw.control.leadership import control_plane_views
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store, StoreError
@@ -60,20 +61,6 @@ def replica_log(store: Store, rid: str, n: int) -> ReplicaLog:
                             f"{rid}: it has not started an engine for it yet, or the log was "
                             "removed with the replica")
     return {"replica": rid, "node": replica["node"], "lines": logs[rid][-n:] if n > 0 else []}
-
-
-def control_plane_views(store: Store) -> list[ControlPlaneView]:
-    """Every control plane sharing the store; scheduling (with the lease's epoch) for the
-    one holding the scheduler lease unexpired, if any."""
-    lease = store.lease()
-    if lease is not None and lease.expires <= store.clock():
-        lease = None
-    views: list[ControlPlaneView] = []
-    for cp in store.control_planes():
-        holds = lease is not None and lease.holder == cp["id"]
-        views.append({**cp, "scheduling": holds,
-                      "epoch": lease.epoch if lease is not None and holds else 0})
-    return views
 
 
 class TokenRequest(BaseModel):

@@ -10,6 +10,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmgw.contract.records import ControlPlaneView
 from llmgw.control.store import Lease, LeaseLost, Store, StoreError
 
 log = logging.getLogger("llmgw.server")
@@ -112,6 +113,20 @@ class Leadership:
         if kind != self._said:
             log.log(logging.WARNING if kind in ("store", "lost") else logging.INFO, line)
             self._said = kind
+
+
+def control_plane_views(store: Store) -> list[ControlPlaneView]:
+    """Every control plane sharing the store; scheduling (with the lease's epoch) for the
+    one holding the scheduler lease unexpired, if any."""
+    lease = store.lease()
+    if lease is not None and lease.expires <= store.clock():
+        lease = None
+    views: list[ControlPlaneView] = []
+    for cp in store.control_planes():
+        holds = lease is not None and lease.holder == cp["id"]
+        views.append({**cp, "scheduling": holds,
+                      "epoch": lease.epoch if lease is not None and holds else 0})
+    return views
 
 
 def _first_line(e: BaseException) -> str:

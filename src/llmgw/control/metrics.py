@@ -21,6 +21,7 @@ from prometheus_client.utils import floatToGoString
 
 from llmgw.contract import NodeState, ReplicaState
 from llmgw.contract.records import NodeRecord, ReplicaRecord
+from llmgw.control.leadership import control_plane_views
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 
@@ -116,6 +117,19 @@ class StateCollector:
         yield age
         yield self._replicas()
         yield self._changes(nodes)
+        yield from self._control_planes()
+
+    def _control_planes(self) -> Iterator[GaugeMetricFamily]:
+        scheduling = GaugeMetricFamily(
+            "llmgw_control_plane_scheduling", "1 for the control plane holding the scheduler "
+            "lease unexpired, 0 for every other sharing the store", labels=["control_plane"])
+        epoch = 0
+        for cp in control_plane_views(self.store):
+            scheduling.add_metric([cp["id"]], int(cp["scheduling"]))
+            epoch = max(epoch, cp["epoch"])
+        yield scheduling
+        yield GaugeMetricFamily("llmgw_scheduler_epoch", "The scheduler lease's epoch while "
+                                "one holds it (0: no control plane schedules)", value=epoch)
 
     def _replicas(self) -> GaugeMetricFamily:
         family = GaugeMetricFamily("llmgw_replicas", "Replicas by model and state",
