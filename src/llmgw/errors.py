@@ -14,6 +14,16 @@ Error
  │    ├── agent.client.NodeRemoved (the control plane revoked this node's certificate)
  │    └── agent.client.Unreachable (no answer in time: another control plane may give one)
  ├── agent.join.JoinError
+ ├── control_plane_join.ControlPlaneJoinError (a bundle that does not open, a fleet on SQLite)
+ ├── control.store.LeaseLost (a fenced write found the scheduler lease another's)
+ ├── control.store._db.SchemaError (the store's schema is not the one this code reads)
+ ├── control.store.copy.CopyError (a copy of a store that does not read back the same)
+ ├── backup.BackupError
+ ├── ggufmeta.GGUFError
+ ├── control.balancer.Saturated (every replica's queue is full)
+ ├── control._upstream.UpstreamError (a replica failed once the request was sent)
+ │    └── control._upstream.ConnectFailed (it never reached the engine: try another)
+ ├── commands._admin.Unreachable (no control plane answers the CLI)
  ├── waiting.WaitTimeout (also an AssertionError)
  └── APIError (an llmgw API did not answer, or refused)
       ├── control.client.ControlPlaneError
@@ -21,7 +31,8 @@ Error
       └── mirror.MirrorError
            ├── mirror.MirrorNotFound
            ├── mirror.SourceError
-           └── mirror.Forbidden
+           ├── mirror.Forbidden
+           └── mirror._downloads.Conflict
 """
 
 from __future__ import annotations
