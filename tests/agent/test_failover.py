@@ -3,14 +3,17 @@ them across a restart, and moves to the next when its own stops answering in tim
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 
 from llmgw import pki
@@ -20,10 +23,11 @@ from llmgw.agent.control_planes import FILE, ControlPlanes, current_server
 from llmgw.agent.engine import LlamaCpp, Status
 from llmgw.agent.gpus import Discovery
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
-from llmgw.contract import CPU_ENGINE, EngineState, NodeState
+from llmgw.contract import CPU_ENGINE, AgentPaths, EngineState, NodeState
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
+from tests.postgres import PostgresServer
 
 # Short enough for a test; the node timeout below is three of them, so that a node left
 # unheard for longer than one move takes turns not_ready (the real ones: 5 s and 30 s).
@@ -76,10 +80,10 @@ class Fleet:
         return node_view(store.node("node-a"), store.clock(), NODE_TIMEOUT_S)["state"]
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    """Function: two control planes on one store (loopback, certificates made here), both
-    answering control_planes with Fleet.planes (set once their ports are known)."""
+@contextlib.contextmanager
+def serving(tmp_path: Path, stores: list[Store]) -> Iterator[Fleet]:
+    """A control plane's agent API on each of stores (loopback, certificates made here),
+    every one answering control_planes with Fleet.planes (set once their ports are known)."""
     ca = pki.create_ca()
     ca.write(tmp_path, "ca")
     pki.issue_server(ca, ["127.0.0.1"]).write(tmp_path, "server")
@@ -87,7 +91,6 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     tls = TLSFiles(ca=str(tmp_path / "ca.pem"), cert=str(cert), key=str(key))
     ctx = (str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
            str(tmp_path / "server-key.pem"))
-    stores = [Store(tmp_path / "control.db"), Store(tmp_path / "control.db")]
     made = Fleet(tmp_path, tls, [], stores)
     for store in stores:
         api = AgentAPI(store, control_planes=lambda: list(made.planes))
@@ -105,6 +108,14 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
             sock.close()
         for store in stores:
             store.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """Function: two control planes on one store (a SQLite file)."""
+    with serving(tmp_path, [Store(tmp_path / "control.db"), Store(tmp_path / "control.db")]) \
+            as made:
+        yield made
 
 
 def _moves(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -168,6 +179,39 @@ def test_a_refused_control_plane_is_left_at_once(
     [line] = _moves(caplog)
     assert fleet.url(0) in line and fleet.url(1) in line and "did not answer" in line
     agent.client.close()
+
+
+def test_a_control_plane_cut_off_from_its_store_answers_503_and_is_left(
+        tmp_path: Path, postgres_server: PostgresServer,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Its PostgreSQL stopped, a control plane still answers, but each heartbeat 503
+    (Retry-After, nothing recorded): the agent moves to one whose store answers. The
+    control: while its store answers, the agent stays with it."""
+    stores = [Store(postgres_server.create_database()), Store(tmp_path / "control.db")]
+    with serving(tmp_path, stores) as fleet:
+        agent = fleet.agent(fleet.url(0))
+        agent.beat()
+        agent.beat()
+        assert agent.failures == 0 and agent.client.server == fleet.url(0)
+        caplog.set_level(logging.INFO, logger="llmgw.agent")
+        postgres_server.stop()
+        try:
+            node = ssl.create_default_context(cafile=fleet.tls.ca)
+            node.load_cert_chain(fleet.tls.cert, fleet.tls.key)
+            with httpx.Client(verify=node, timeout=30) as raw:
+                answer = raw.post(f"{fleet.url(0)}{AgentPaths.HEARTBEAT}", json={})
+            assert answer.status_code == 503, answer.text
+            assert answer.headers["retry-after"] == "5"
+            assert "cannot be reached" in answer.json()["detail"]
+            assert "not recorded" in answer.json()["detail"]
+            agent.beat()
+            assert agent.failures == 0 and agent.client.server == fleet.url(1)
+            [line] = _moves(caplog)
+            assert "cannot serve now (503)" in line and "cannot be reached" in line, line
+            assert stores[1].node("node-a") is not None, "heard by the one it moved to"
+        finally:
+            postgres_server.start()
+        agent.client.close()
 
 
 def test_every_control_plane_away_is_one_failure_and_logged_once(

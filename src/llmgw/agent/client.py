@@ -12,6 +12,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import pki
 from llmgw._files import atomic_write
+from llmgw.agent.join import refusal
 from llmgw.config import TLSFiles
 from llmgw.contract import AgentPaths
 from llmgw.contract.records import DriftReport, Heartbeat, HeartbeatAnswer, HostDrift, NodeView
@@ -160,6 +161,9 @@ class AgentClient:
     def _body(self, response: httpx.Response) -> Any:
         """The answer's JSON object (the caller's annotation names its shape), or
         AgentAPIError saying what came instead."""
+        if response.status_code == 503:  # it answers but cannot serve (its store is away)
+            raise Unreachable(f"the control plane at {self.server} cannot serve now (503): "
+                              f"{refusal(response)}")
         if response.status_code != 200:
             raise AgentAPIError(
                 f"the control plane at {self.server} answered {response.status_code}: "

@@ -90,6 +90,8 @@ class Reply:
     status: int
     body: Any
     close: bool = False
+    # Retry-After, in seconds (0: none): a 503 says when to try again.
+    retry_after: int = 0
 
 
 Handler = Callable[[Request], Reply]
@@ -309,6 +311,8 @@ async def _send(send: Send, reply: Reply) -> None:
     headers = [(b"content-type", b"application/json")]
     if reply.close:
         headers.append((b"connection", b"close"))
+    if reply.retry_after:
+        headers.append((b"retry-after", str(reply.retry_after).encode()))
     # The head and body in one write (the core joins them): two small writes would wait
     # out Nagle and delayed ACKs.
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})

@@ -38,7 +38,7 @@ from llmgw.control.drift import DriftBoard, Report
 from llmgw.control.engine_args import engine_args
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import needed_engine
-from llmgw.control.store import Store
+from llmgw.control.store import Store, StoreError
 
 log = logging.getLogger("llmgw.agent_api")
 
@@ -153,6 +153,14 @@ class AgentAPI:
             # An agent's body is untrusted: refused whole, naming each bad key; nothing stored.
             return Reply(422, {"detail": f"{e}; fix the agent (or upgrade it to match "
                                          "this control plane)"})
+        except StoreError as e:
+            # Cut off from the store: a 503 the agent takes as a reason to try another
+            # control plane. Silence is counted from the store's return (Hearing), so no
+            # node is lost for the outage.
+            why = self.store.reachable() or f"the store failed ({e})"
+            return Reply(503, {"detail": f"{why}; this heartbeat was not recorded and no "
+                                         "node is counted lost for it: send it to another "
+                                         "control plane, or here again"}, retry_after=5)
 
     def heartbeat(self, node_id: str, body: Mapping[str, object],
                   serial: str = "") -> HeartbeatAnswer:
