@@ -3,6 +3,7 @@ counting what was not answered in full: for the tests of restarts that must lose
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -106,6 +107,11 @@ def one_request(client: httpx.Client, body: dict[str, object], stream: bool) -> 
             text = "".join(r.iter_text())
         if r.status_code != 200:
             return f"stream {r.status_code}: {text[:200]}"
-        return "" if "data: [DONE]" in text else f"a stream ended without [DONE]: {text[-200:]}"
+        if "data: [DONE]" in text:
+            return ""
+        last = text.rstrip().rpartition("data: ")[2]
+        if last.startswith('{"error"'):  # the gateway's word for a replica that broke off
+            return f"a stream broke off: {json.loads(last)['error']['message']}"
+        return f"a stream ended without [DONE]: {text[-200:]}"
     except httpx.HTTPError as e:
         return f"{type(e).__name__}: {e}"

@@ -2,7 +2,8 @@
 --control-plane` and its line), a node serving two replicas and the gateway under 8
 clients: the scheduling control plane killed (SIGKILL) and one engine killed meanwhile,
 then in a second round the new scheduler frozen (SIGSTOP) for 30 s and let go on. Every
-request is answered in full (but those the killed engine had taken: 502, never resent),
+request is answered in full (but those the killed engine had taken: a 502, or an error
+event ending a stream, never resent),
 the node never turns not_ready, the killed engine comes back, the other control plane
 schedules (within 15 s: held as the bench, LLMGW_FAULTS=1), and the frozen one, woken,
 writes nothing under its old epoch.

@@ -304,6 +304,47 @@ def test_the_read_timeout_from_server_yaml_ends_a_silent_replica_with_502(store)
     assert "no answer within 0.5 s (upstream_read_timeout_s" in r.json()["error"]["message"]
 
 
+def breaks_off_after_one_event(hang_up: bool) -> Callable[[socket.socket], None]:
+    """A replica that streams one event and then hangs up (hang_up), or ends the stream
+    as an engine does (the control)."""
+    event = b'data: {"model":"/models/tiny.gguf","choices":[{"delta":{"content":"x"}}]}\n\n'
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n" +
+                         f"{len(event):x}\r\n".encode() + event + b"\r\n")
+            if not hang_up:
+                done = b"data: [DONE]\n\n"
+                conn.sendall(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
+                conn.recv(65536)
+
+    return answer
+
+
+@pytest.mark.parametrize("hang_up", [True, False])
+def test_a_stream_the_replica_breaks_off_ends_with_an_error_event(store, hang_up) -> None:
+    """The status went out with the first byte, so a replica that dies mid-stream is said
+    in the stream: an error event in OpenAI's shape (its SDK raises it) naming the replica
+    and that nothing was resent, never a silent end. Control: a stream the replica ends
+    has its [DONE] and no error."""
+    with raw_server(breaks_off_after_one_event(hang_up)) as endpoint:
+        ready(store, "r1", endpoint)
+        with gateway(store) as gw:
+            r = gw.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and json.loads(events[0])["model"] == "tiny", r.text
+    if not hang_up:
+        assert events[1:] == ["[DONE]"], r.text
+        return
+    assert len(events) == 2 and "[DONE]" not in r.text, r.text
+    error = json.loads(events[1])["error"]
+    assert error["code"] == "replica_failed", error
+    assert "replica r1 of tiny failed while answering" in error["message"], error
+    assert "not retried" in error["message"], error
+
+
 @contextmanager
 def closes_after_each_answer() -> Iterator[tuple[str, list[bytes]]]:
     """A replica that answers the first request of each connection with keep-alive headers

@@ -4,13 +4,11 @@ model renamed at the byte level (`_wire`) and every other byte as the engine sen
 from __future__ import annotations
 
 import asyncio
-import logging
+from collections.abc import Callable
 
 from llmgw._asgi import Receive, Send
 from llmgw.control import _wire
 from llmgw.control._upstream import Response, UpstreamError
-
-log = logging.getLogger("llmgw.gateway")
 
 
 def kept(headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
@@ -28,11 +26,12 @@ def whole_answer(status: int, headers: dict[bytes, bytes], data: bytes, member: 
     return data, _wire.usage(data)
 
 
-async def relay_events(response: Response, send: Send, member: bytes,
-                        receive: Receive) -> tuple[int, int] | None:
+async def relay_events(response: Response, send: Send, member: bytes, receive: Receive,
+                       broke: Callable[[UpstreamError], bytes]) -> tuple[int, int] | None:
     """Relay an event stream event by event, each with the model renamed, bytes otherwise
     as the engine sent them. A client that leaves stops the generation: the gateway hangs
-    up on the replica."""
+    up on the replica. A replica that breaks off ends the stream with an error event,
+    broke's body (OpenAI's shape: its clients raise it), never with silence."""
     try:
         await send({"type": "http.response.start", "status": response.status,
                     "headers": kept(response.headers)})
@@ -53,9 +52,9 @@ async def relay_events(response: Response, send: Send, member: bytes,
                 await send({"type": "http.response.body", "more_body": True,
                             "body": _wire.rename_model(event, member)})
     except UpstreamError as e:
-        # The status is sent; the client sees the stream end without its [DONE].
+        # The status is sent: what is left to say is an event, after any whole one.
         if not watcher.done():
-            log.warning("a stream broke off: %s", e)
+            buffer = b"data: " + broke(e) + b"\n\n"
     finally:
         watcher.remove_done_callback(hang_up)
         watcher.cancel()

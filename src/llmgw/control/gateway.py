@@ -225,7 +225,9 @@ class Gateway:
             response = await self._send_to_replica(ex)
             ex.status = response.status
             if ex.stream and response.status == 200:
-                ex.usage = await relay_events(response, send, ex.member, receive)
+                source = response.source
+                ex.usage = await relay_events(response, send, ex.member, receive,
+                                              lambda e: ex.broke(source, e).body())
             else:
                 try:
                     data = await response.read()
