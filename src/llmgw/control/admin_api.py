@@ -137,9 +137,8 @@ def make_admin_app(
         refusal of the caller's credential, and nothing half-done (one transaction)."""
         return JSONResponse(status_code=503, headers={"Retry-After": "5"}, content={
             "detail": f"{request.method} {request.url.path}: "
-                      f"{store.reachable() or f'the store failed ({e})'}; nothing was "
-                      "changed; the control plane reconnects by itself, so try again once "
-                      "the database answers"})
+                      f"{store.why(e)}; nothing was changed; the control plane reconnects "
+                      "by itself, so try again once the database answers"})
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
     scraper = httpx.AsyncClient()
     add_drift_routes(app, drift or DriftBoard())

@@ -157,10 +157,10 @@ class AgentAPI:
             # Cut off from the store: a 503 the agent takes as a reason to try another
             # control plane. Silence is counted from the store's return (Hearing), so no
             # node is lost for the outage.
-            why = self.store.reachable() or f"the store failed ({e})"
-            return Reply(503, {"detail": f"{why}; this heartbeat was not recorded and no "
-                                         "node is counted lost for it: send it to another "
-                                         "control plane, or here again"}, retry_after=5)
+            return Reply(503, {"detail": f"{self.store.why(e)}; this heartbeat was not "
+                                         "recorded and no node is counted lost for it: send "
+                                         "it to another control plane, or here again"},
+                         retry_after=5)
 
     def heartbeat(self, node_id: str, body: Mapping[str, object],
                   serial: str = "") -> HeartbeatAnswer:

@@ -225,9 +225,8 @@ class Gateway:
             response = await self._send_to_replica(ex)
             ex.status = response.status
             if ex.stream and response.status == 200:
-                source = response.source
                 ex.usage = await relay_events(response, send, ex.member, receive,
-                                              lambda e: ex.broke(source, e).body())
+                                              lambda e: ex.broke(response.source, e).body())
             else:
                 try:
                     data = await response.read()

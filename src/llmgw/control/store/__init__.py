@@ -61,8 +61,15 @@ class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, Control
         try:
             self.db.read(sa.select(sa.literal(1)))
         except StoreError as e:
-            return f"the store {self.path} cannot be reached: {_first_line(e)}"
+            return self.why(e)
         return ""
+
+    def why(self, e: StoreError) -> str:
+        """What a failed read or write says, for an answer that refuses because of it: from
+        the error itself, so a store already away is not asked again to phrase it."""
+        if isinstance(e, (sa.exc.OperationalError, sa.exc.InterfaceError)):
+            return f"the store {self.path} cannot be reached: {_first_line(e)}"
+        return f"the store {self.path} failed: {_first_line(e)}"
 
     @property
     def path(self) -> str:
