@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.control.scheduler import GIB, kv_cache_bytes, need, place, plan
+from llmgw.control.scheduler import GIB, context_tokens, held_back, kv_cache_bytes, place, plan
 from tests.control.test_scheduler import PIN, model, node, replica
 
 H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "class": "h100-80gb",
@@ -87,19 +87,22 @@ def test_kv_cache_is_two_by_layers_tokens_kv_heads_head_width_in_f16() -> None:
 
 def test_the_context_is_the_profiles_else_the_files() -> None:
     m = sized(model(gpu="h100-80gb"), 4.0)
-    assert need(m, m["profiles"][0]).tokens == 32768
+    assert context_tokens(m, m["profiles"][0]) == 32768
     m["profiles"][0]["args"] = []
-    assert need(m, m["profiles"][0]).tokens == QWEN7["context_length"]
+    assert context_tokens(m, m["profiles"][0]) == QWEN7["context_length"]
 
 
 def test_a_model_that_does_not_fit_the_free_memory_says_what_it_needs() -> None:
-    """qwen at 32768 tokens: 1.75 GiB of KV cache beside 4 GiB of weights."""
-    small = node("n1", gpus=[gpu("GPU-aaaa", free_mb=int(3.2 * 1024))])
+    """qwen, one slot of 32768 tokens: 1.75 GiB of KV cache (2 x 28 x 32768 x 512 x 2 B),
+    4 GiB of weights, 1 GiB margin and a compute buffer of 512 x (32 x 3584 + 2 x 32768) B
+    (88 MiB, no vocabulary known): 6.8 GiB, more than the 3.2 GiB free."""
+    small = node("n1", gpus=[gpu("GPU-aaaa", free_mb=int(3.2 * 1024), memory_used_mb=78_000)])
     m = sized(model("qwen", gpu="h100-80gb"), 4.0)
     m["profiles"] = m["profiles"][:1]
     why = place(m, [small], [], {"qwen": m}).why
-    assert ("node n1's GPU GPU-aaaa has 3.2 GiB free; qwen needs 5.8 GiB: 4.0 GiB weights + "
-            "1.8 GiB KV cache for 32768 tokens") in why
+    assert ("node n1's GPU GPU-aaaa has 3.2 GiB free, 76.2 GiB used by other processes; "
+            "qwen needs 6.8 GiB: 4.0 GiB weights + 0.1 GiB compute + 1.8 GiB KV cache for "
+            "32768 tokens + 1.0 GiB margin") in why
     # Negative controls: a card with room takes it; so does a shorter context.
     roomy = node("n1", gpus=[gpu("GPU-aaaa", free_mb=8 * 1024)])
     assert place(m, [roomy], [], {"qwen": m}).gpus == ["GPU-aaaa"]
@@ -114,6 +117,18 @@ def test_a_full_card_is_passed_over_for_one_that_fits() -> None:
     assert p.add[0]["gpus"] == ["GPU-room"]
 
 
+def test_a_card_that_stopped_answering_gets_nothing_and_is_named() -> None:
+    """A card whose heartbeat entry carries NVML's error is left out; the others serve."""
+    m = sized(model("qwen", gpu="h100-80gb"), 4.0)
+    cards = [gpu("GPU-lost", error="GPU is lost"), gpu("GPU-ok")]
+    assert plan([m], [node("a", gpus=cards)], []).add[0]["gpus"] == ["GPU-ok"]
+    only_lost = {**m, "profiles": m["profiles"][:1]}
+    why = place(only_lost, [node("a", gpus=cards[:1])], [], {"qwen": only_lost}).why
+    assert "GPU-lost stopped answering NVML (GPU is lost)" in why
+    # Negative control: the same card answering takes the replica.
+    assert plan([m], [node("a", gpus=[gpu("GPU-lost")])], []).add[0]["gpus"] == ["GPU-lost"]
+
+
 def test_free_memory_nvml_could_not_read_counts_as_the_cards_total() -> None:
     m = sized(model("qwen", gpu="h100-80gb"), 4.0)
     unread = gpu("GPU-aaaa", free_mb=0, unknown=["memory_free_mb"])
@@ -121,6 +136,36 @@ def test_free_memory_nvml_could_not_read_counts_as_the_cards_total() -> None:
     # Negative control: a card NVML says is full is not taken.
     full = gpu("GPU-aaaa", free_mb=0)
     assert plan([m], [node("a", gpus=[full])], []).add[0]["profile"] == "cpu"
+
+
+def test_a_cards_own_replica_never_pushes_itself_off() -> None:
+    """A card whose free memory is low because llmgw's own replica fills it: that memory is
+    the replica's, so nothing moves, stops or is added; a second model does not go there
+    (the card is taken, and says by whom)."""
+    m = sized(model("qwen", gpu="h100-80gb"), 4.0)
+    full_of_itself = node("a", gpus=[gpu("GPU-aaaa", free_mb=900, memory_used_mb=80_600)])
+    mine = replica("r", "a", model="qwen", profile="gpu-h100-80gb", gpus=["GPU-aaaa"])
+    p = plan([m], [full_of_itself], [mine])
+    assert not (p.add or p.stop or p.place)
+    assert held_back(mine, {"qwen": m}, [full_of_itself], [mine]) == ""
+    other = {**sized(model("other", gpu="h100-80gb"), 4.0)}
+    other["profiles"] = other["profiles"][:1]
+    why = place(other, [full_of_itself], [mine], {"qwen": m, "other": other}).why
+    assert "GPU-aaaa is taken by replica r of qwen" in why
+
+
+def test_why_a_replica_is_on_cpu_names_the_card_and_free_versus_needed() -> None:
+    m = sized(model("qwen", gpu="h100-80gb"), 4.0)
+    on_cpu = replica("r", "a", model="qwen", profile="cpu")
+    busy = node("a", gpus=[gpu("GPU-aaaa", free_mb=2048)])
+    why = held_back(on_cpu, {"qwen": m}, [busy], [on_cpu])
+    assert why.startswith("gpu-h100-80gb: node a's GPU GPU-aaaa has 2.0 GiB free; "
+                          "qwen needs 6.8 GiB"), why
+    not_ready = node("a", gpus=[gpu("GPU-aaaa")], engines=("llamacpp",))
+    assert "a's GPU engine (llamacpp-cuda) is not ready" in held_back(
+        on_cpu, {"qwen": m}, [not_ready], [on_cpu])
+    # Negative control: with room on the card there is nothing to explain (the move is due).
+    assert held_back(on_cpu, {"qwen": m}, [node("a", gpus=[gpu("GPU-aaaa")])], [on_cpu]) == ""
 
 
 def test_a_model_of_unknown_size_is_placed_by_min_memory_only() -> None:

@@ -156,7 +156,8 @@ class ProfileSpec(TypedDict):
 class Geometry(TypedDict, total=False):
     """What a model's KV cache takes, from its GGUF header (`<arch>.` keys): layers, the
     context it was trained for, attention heads (and key/value heads), the embedding width,
-    and the key and value widths of a head where the file says them."""
+    the key and value widths of a head where the file says them, and the vocabulary (the
+    compute buffer holds a batch's logits)."""
 
     block_count: int
     context_length: int
@@ -165,6 +166,7 @@ class Geometry(TypedDict, total=False):
     embedding_length: int
     key_length: int
     value_length: int
+    vocab_size: int
 
 
 class ModelSpec(TypedDict):

@@ -13,6 +13,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
+from llmgw import kv_sizing
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, LIVE_REPLICA_STATES, NodeState, ReplicaState
 from llmgw.contract.records import (
     Geometry,
@@ -29,8 +30,8 @@ log = logging.getLogger("llmgw.scheduler")
 
 # How long a stopped replica stays listed, so a person can still see why it stopped.
 KEEP_STOPPED_S = 3600.0
-MIB = 1 << 20
-GIB = 1 << 30
+MIB = kv_sizing.MIB
+GIB = kv_sizing.GIB
 
 
 @dataclass
@@ -66,66 +67,31 @@ def needed_engine(profile: ProfileSpec) -> str:
 
 
 # --- what a model takes on a GPU ---
-
-# Bytes per KV-cache element by llama.cpp's cache type (-ctk / -ctv); a quantized block of
-# 32 values carries its scale(s) beside them.
-_CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
-                     "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
-_CTX_FLAGS = ("-c", "--ctx-size")
-
-
-def _arg(args: list[str], names: tuple[str, ...]) -> str:
-    """The value of the last of names in args ('' when absent)."""
-    found = ""
-    for i, word in enumerate(args[:-1]):
-        if word in names:
-            found = args[i + 1]
-    return found
+# One formula, llmgw.kv_sizing's: the agent sizes a GPU replica's slots by it, and a card
+# fits a model when it gives the model at least one slot.
 
 
 def context_tokens(model: ModelSpec, profile: ProfileSpec) -> int:
     """The context a replica of profile holds: its -c, else what the file was trained for
     (llama-server's default), else the catalog's context_length."""
-    given = _arg(profile["args"], _CTX_FLAGS)
+    given = kv_sizing.arg_value(profile["args"], kv_sizing.CTX_FLAGS)
     if given.isdigit() and int(given) > 0:
         return int(given)
     return model["geometry"].get("context_length") or model["context_length"]
 
 
 def kv_cache_bytes(geometry: Geometry, n_ctx: int, args: list[str] | None = None) -> int:
-    """2 (K and V) x layers x tokens x KV heads x head width x bytes per element: what
-    llama.cpp allocates for the cache; 0 when the geometry is unknown."""
-    layers, heads = geometry.get("block_count", 0), geometry.get("head_count", 0)
-    if not (layers and heads):
-        return 0
-    kv_heads = geometry.get("head_count_kv") or heads
-    key = geometry.get("key_length") or geometry.get("embedding_length", 0) // heads
-    value = geometry.get("value_length") or key
-    k_bytes = _CACHE_TYPE_BYTES.get(_arg(args or [], ("-ctk", "--cache-type-k")), 2.0)
-    v_bytes = _CACHE_TYPE_BYTES.get(_arg(args or [], ("-ctv", "--cache-type-v")), 2.0)
-    return int(layers * n_ctx * kv_heads * (key * k_bytes + value * v_bytes))
+    """What llama.cpp allocates for n_ctx tokens of cache (kv_sizing.kv_bytes_per_token);
+    0 when the geometry is unknown."""
+    return int(kv_sizing.kv_bytes_per_token(geometry, args) * n_ctx)
 
 
-@dataclass(frozen=True)
-class Need:
-    """What one replica of a model takes on its GPU: weights and KV cache (bytes)."""
-
-    weights: int
-    kv: int
-    tokens: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv
-
-    def known(self) -> bool:
-        return self.weights > 0
-
-
-def need(model: ModelSpec, profile: ProfileSpec) -> Need:
-    tokens = context_tokens(model, profile)
-    return Need(model["size_bytes"], kv_cache_bytes(model["geometry"], tokens, profile["args"]),
-                tokens)
+def need(model: ModelSpec, profile: ProfileSpec, free: int) -> kv_sizing.Sizing | None:
+    """How a replica of profile is sized on a card with `free` bytes (kv_sizing.size);
+    None when the model's size or geometry is unknown (it is placed by min_memory_gb)."""
+    if not model["size_bytes"]:
+        return None
+    return kv_sizing.size(model["geometry"], model["size_bytes"], free, profile["args"])
 
 
 def _gib(n: float) -> str:
@@ -133,12 +99,16 @@ def _gib(n: float) -> str:
 
 
 def _free_bytes(gpu: Gpu) -> int:
-    """What NVML reported free on the card (its total where NVML could not say, or from an
-    agent that does not report free memory)."""
+    """What NVML reported free on the card at the node's last heartbeat (its total where
+    NVML could not say, or from an agent that does not report free memory)."""
     free_mb = gpu.get("memory_free_mb")
     if free_mb is None or "memory_free_mb" in (gpu.get("unknown") or []):
         free_mb = gpu.get("memory_mb", 0)
     return int(free_mb * MIB)
+
+
+def _card_name(gpu: Gpu) -> str:
+    return str(gpu.get("uuid") or gpu.get("index", "?"))
 
 
 # --- where a profile can run ---
@@ -152,6 +122,8 @@ class _Used:
     uuids: set[str] = field(default_factory=set)
     by_class: dict[str, int] = field(default_factory=dict)
     memory_mb: float = 0.0
+    # Which replica holds each card (uuid -> "replica r-1 of m"): its memory is its own.
+    holders: dict[str, str] = field(default_factory=dict)
 
 
 def _why_not(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
@@ -173,33 +145,49 @@ def _why_not(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
 
 
 def _free_cards(profile: ProfileSpec, node: NodeView, used: _Used) -> list[Gpu]:
-    """The node's cards of the profile's class that no live replica holds, in order (a
-    MIG instance is a card of its own: one process each)."""
+    """The node's cards of the profile's class that answer NVML and that no live replica
+    holds, in order (a MIG instance is a card of its own: one process each)."""
     cards = [g for g in node["gpus"] if g.get("class") == profile["gpu_class"]
-             and g.get("uuid") not in used.uuids]
+             and g.get("uuid") not in used.uuids and not g.get("error")]
     return cards[used.by_class.get(profile["gpu_class"], 0):]
+
+
+def _no_free_card(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
+    """Why no card of the profile's class is free on node: each one taken (by which
+    replica) or lost (NVML's words), or none there."""
+    mine = [g for g in node["gpus"] if g.get("class") == profile["gpu_class"]]
+    if not mine:
+        return f"{node['id']} has no {profile['gpu_class']} GPU"
+    states = [f"{_card_name(g)} stopped answering NVML ({g['error']})" if g.get("error")
+              else f"{_card_name(g)} is taken by {used.holders.get(str(g.get('uuid')), 'a replica')}"
+              for g in mine]
+    return f"{node['id']} has no free {profile['gpu_class']} GPU: {'; '.join(states)}"
 
 
 def _gpus_for(model: ModelSpec, profile: ProfileSpec, node: NodeView,
               used: _Used) -> tuple[list[str], str]:
-    """(the UUIDs of one free card the model fits on, '') or ([], why none)."""
+    """(the UUIDs of one free card the model fits on, '') or ([], why none). A card fits
+    when, by its free memory at the node's last heartbeat, the model gets at least one
+    slot there (kv_sizing)."""
     cards = _free_cards(profile, node, used)
     if not cards:
-        return [], f"{node['id']} has no free {profile['gpu_class']} GPU"
+        return [], _no_free_card(profile, node, used)
     if any(g.get("memory_mb", 0) < profile["min_memory_gb"] * 1024 for g in cards):
         cards = [g for g in cards if g.get("memory_mb", 0) >= profile["min_memory_gb"] * 1024]
         if not cards:
             return [], (f"{node['id']}'s {profile['gpu_class']} has under "
                         f"{profile['min_memory_gb']} GB")
-    wanted = need(model, profile)
-    fits = [g for g in cards if not wanted.known() or _free_bytes(g) >= wanted.total]
+    sizings = [(g, need(model, profile, _free_bytes(g))) for g in cards]
+    fits = [g for g, sizing in sizings if sizing is None or sizing.fits()]
     if fits:
         return [str(fits[0].get("uuid", ""))], ""
-    roomiest = max(cards, key=_free_bytes)
-    return [], (f"node {node['id']}'s GPU {roomiest.get('uuid', roomiest.get('index'))} has "
-                f"{_gib(_free_bytes(roomiest))} free; {model['name']} needs "
-                f"{_gib(wanted.total)}: {_gib(wanted.weights)} weights + {_gib(wanted.kv)} "
-                f"KV cache for {wanted.tokens} tokens")
+    roomiest, sizing = max(sizings, key=lambda pair: _free_bytes(pair[0]))
+    assert sizing is not None
+    used_mb = roomiest.get("memory_used_mb")
+    others = f", {_gib(used_mb * MIB)} used by other processes" if used_mb else ""
+    return [], (f"node {node['id']}'s GPU {_card_name(roomiest)} has "
+                f"{_gib(_free_bytes(roomiest))} free{others}; {model['name']} needs "
+                f"{_gib(sizing.total)}: {sizing.explain()}")
 
 
 def _usage(node_id: str, replicas: list[ReplicaRecord], models: dict[str, ModelSpec]) -> _Used:
@@ -212,6 +200,8 @@ def _usage(node_id: str, replicas: list[ReplicaRecord], models: dict[str, ModelS
             continue
         if profile["gpu_class"] and r.get("gpus"):
             used.uuids.update(r.get("gpus") or [])
+            used.holders.update({u: f"replica {r['id']} of {r['model']}"
+                                 for u in r.get("gpus") or []})
         elif profile["gpu_class"]:
             used.by_class[profile["gpu_class"]] = used.by_class.get(profile["gpu_class"], 0) + 1
         else:
@@ -252,6 +242,30 @@ def place(
     if not nodes:
         return Placement(why="no node has joined this control plane yet")
     return Placement(why="no ready node fits any profile (" + "; ".join(reasons) + ")")
+
+
+def held_back(replica: ReplicaRecord, models: dict[str, ModelSpec], nodes: list[NodeView],
+              replicas: list[ReplicaRecord]) -> str:
+    """Why a live replica runs on its profile and not on a better one of its model: for
+    each better profile, why no node takes it now (a card too full, taken, lost, the GPU
+    engine not ready); '' when it is on its best, or a better one fits (the move is due)."""
+    model = models.get(replica["model"])
+    if model is None or replica["state"] not in LIVE_REPLICA_STATES or not replica["node"]:
+        return ""
+    mine = _priority(model, replica)
+    better = sorted((p for p in model["profiles"] if p["priority"] > mine),
+                    key=lambda p: -p["priority"])
+    reasons: list[str] = []
+    for profile in better:
+        for node in nodes:
+            used = _usage(node["id"], replicas, models)
+            why = _why_not(profile, node, used)
+            if not why and profile["gpu_class"]:
+                why = _gpus_for(model, profile, node, used)[1]
+            if not why:
+                return ""
+            reasons.append(f"{profile['name']}: {why}")
+    return "; ".join(reasons)
 
 
 def _new_replica(model: ModelSpec, where: Placement) -> ReplicaRecord:

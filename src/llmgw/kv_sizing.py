@@ -1,0 +1,189 @@
+"""What a model's engine takes on a GPU, and how many slots (with how much context each)
+fit a card's free memory: one formula from the GGUF's own geometry, which the agent sizes
+a GPU replica by and the scheduler fits a card by.
+
+The formula (bytes; the geometry is read from the file's header, contract.records.Geometry):
+
+    per_token = layers x KV heads x (key width x K bytes + value width x V bytes)
+                K/V bytes by the cache type (-ctk/-ctv): f16 2, q8_0 34/32, q4_0 18/32, ...;
+                a head's width is key_length/value_length, else embedding / heads
+    compute   = UBATCH x (4 x vocab + 32 x embedding + 2 x ctx_per_slot)
+                llama.cpp's compute buffer for one batch of UBATCH tokens: its logits (F32),
+                its activations (eight F32 rows of the embedding width) and the attention
+                mask over one slot's context (F16), flash attention on (CUDA's default)
+    room      = free - weights - MARGIN - compute
+                weights: the file's size; MARGIN: what llama.cpp's own --fit leaves free on a
+                device (1 GiB), for the CUDA context and what else runs there
+    slots     = min(MAX_SLOTS, floor(room / (per_token x ctx_per_slot)));  0: it does not fit
+
+ctx_per_slot is the profile's --ctx-size where it names one, else DEFAULT_CTX_PER_SLOT;
+either at most the model's training context. Where MAX_SLOTS slots leave room, the context
+per slot grows with it (a multiple of CTX_STEP), up to the training context. The engine is
+then given `--parallel slots --ctx-size slots x ctx_per_slot` (llama.cpp splits the
+context evenly among its slots). A profile that names --parallel itself is not sized: its
+--ctx-size (else the training context) is the whole cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmgw.contract.records import Geometry
+
+MIB = 1 << 20
+GIB = 1 << 30
+# llama.cpp's default physical batch (-ub): its compute buffer is reserved for one.
+UBATCH = 512
+# llama.cpp's --fit leaves this much of each device free (common.h fit_params_target).
+MARGIN = GIB
+MAX_SLOTS = 64
+DEFAULT_CTX_PER_SLOT = 8192
+CTX_STEP = 256
+# Bytes per cache element by llama.cpp's cache type (-ctk / -ctv); a quantized block of 32
+# values carries its scale(s) beside them.
+CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32,
+                    "q4_1": 20 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
+CTX_FLAGS = ("-c", "--ctx-size")
+PARALLEL_FLAGS = ("-np", "--parallel")
+CACHE_K_FLAGS = ("-ctk", "--cache-type-k")
+CACHE_V_FLAGS = ("-ctv", "--cache-type-v")
+
+
+def arg_value(args: list[str], names: tuple[str, ...]) -> str:
+    """The value of the last of names in args ('' when absent)."""
+    found = ""
+    for i, word in enumerate(args[:-1]):
+        if word in names:
+            found = args[i + 1]
+    return found
+
+
+def _positive(text: str) -> int:
+    return int(text) if text.isdigit() and int(text) > 0 else 0
+
+
+def kv_bytes_per_token(geometry: Geometry, args: list[str] | None = None) -> float:
+    """What one token of context takes in the KV cache (K and V, every layer); 0 when the
+    geometry is unknown."""
+    layers, heads = geometry.get("block_count", 0), geometry.get("head_count", 0)
+    if not (layers and heads):
+        return 0.0
+    kv_heads = geometry.get("head_count_kv") or heads
+    key = geometry.get("key_length") or geometry.get("embedding_length", 0) // heads
+    value = geometry.get("value_length") or key
+    k = CACHE_TYPE_BYTES.get(arg_value(args or [], CACHE_K_FLAGS), 2.0)
+    v = CACHE_TYPE_BYTES.get(arg_value(args or [], CACHE_V_FLAGS), 2.0)
+    return float(layers * kv_heads * (key * k + value * v))
+
+
+def compute_bytes(geometry: Geometry, ctx_per_slot: int) -> int:
+    """llama.cpp's compute buffer for one batch (module docstring)."""
+    return UBATCH * (4 * geometry.get("vocab_size", 0) + 32 * geometry.get("embedding_length", 0)
+                     + 2 * ctx_per_slot)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Slots and context per slot on a card, and what they take (bytes): the KV cache holds
+    cache_tokens. slots 0: it does not fit, and the figures are what the least it runs
+    with would need (one slot, for a profile sized here)."""
+
+    slots: int
+    ctx_per_slot: int
+    cache_tokens: int
+    weights: int
+    kv: int
+    compute: int
+    free: int
+    margin: int = MARGIN
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute + self.margin
+
+    def fits(self) -> bool:
+        return self.slots > 0
+
+    def args(self) -> list[str]:
+        """The engine flags of this sizing."""
+        return ["--parallel", str(self.slots), "--ctx-size", str(self.slots * self.ctx_per_slot)]
+
+    def explain(self) -> str:
+        """'W weights + C compute + K KV cache for T tokens + M margin' (GiB)."""
+        return (f"{_gib(self.weights)} weights + {_gib(self.compute)} compute + "
+                f"{_gib(self.kv)} KV cache for {self.cache_tokens} tokens + "
+                f"{_gib(self.margin)} margin")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def sized(args: list[str]) -> bool:
+    """Whether a GPU profile's slots are llmgw's to choose: it names no --parallel."""
+    return not any(a in PARALLEL_FLAGS for a in args)
+
+
+def ctx_wanted(geometry: Geometry, args: list[str]) -> int:
+    """The context per slot to size for: the profile's --ctx-size, else
+    DEFAULT_CTX_PER_SLOT; at most the training context."""
+    wanted = _positive(arg_value(args, CTX_FLAGS)) or DEFAULT_CTX_PER_SLOT
+    trained = geometry.get("context_length", 0)
+    return min(wanted, trained) if trained else wanted
+
+
+def size(geometry: Geometry, weights: int, free: int, args: list[str]) -> Sizing | None:
+    """The slots of a GPU replica on a card with `free` bytes (module docstring); None when
+    the geometry is unknown (nothing to size by)."""
+    per_token = kv_bytes_per_token(geometry, args)
+    if not per_token:
+        return None
+    if not sized(args):
+        return _as_given(geometry, weights, free, args, per_token)
+    ctx = ctx_wanted(geometry, args)
+    room = free - weights - MARGIN - compute_bytes(geometry, ctx)
+    slots = max(0, min(MAX_SLOTS, int(room // (per_token * ctx))))
+    if slots == MAX_SLOTS:
+        ctx = _grown(geometry, weights, free, per_token, ctx)
+    tokens = max(slots, 1) * ctx
+    return Sizing(slots, ctx, tokens, weights, int(per_token * tokens),
+                  compute_bytes(geometry, ctx), free)
+
+
+def _grown(geometry: Geometry, weights: int, free: int, per_token: float, ctx: int) -> int:
+    """The context per slot MAX_SLOTS slots can have, from ctx up to the training context."""
+    trained = geometry.get("context_length", 0)
+    if not trained or trained <= ctx:
+        return ctx
+    room = free - weights - MARGIN - compute_bytes(geometry, trained)
+    fits = int(room // (per_token * MAX_SLOTS)) // CTX_STEP * CTX_STEP
+    return max(ctx, min(trained, fits))
+
+
+def _as_given(geometry: Geometry, weights: int, free: int, args: list[str],
+              per_token: float) -> Sizing:
+    """A profile that names --parallel: its --ctx-size (else the training context) is the
+    whole cache, split among its slots."""
+    slots = _positive(arg_value(args, PARALLEL_FLAGS)) or 1
+    total = _positive(arg_value(args, CTX_FLAGS)) or geometry.get("context_length", 0) \
+        or DEFAULT_CTX_PER_SLOT
+    ctx = max(total // slots, 1)
+    kv = int(per_token * total)
+    compute = compute_bytes(geometry, ctx)
+    fits = weights + kv + compute + MARGIN <= free
+    return Sizing(slots if fits else 0, ctx, total, weights, kv, compute, free)
+
+
+def engine_args(args: list[str], sizing: Sizing | None) -> list[str]:
+    """args with the sizing's --parallel and --ctx-size in place of the profile's
+    --ctx-size (read as the context per slot); args as they are when not sized."""
+    if sizing is None or not sizing.fits() or not sized(args):
+        return list(args)
+    kept: list[str] = []
+    words = iter(args)
+    for word in words:
+        if word in CTX_FLAGS:
+            next(words, None)
+            continue
+        kept.append(word)
+    return [*kept, *sizing.args()]
