@@ -17,8 +17,9 @@ The formula (bytes; the geometry is read from the file's header, contract.record
     slots     = min(MAX_SLOTS, floor(room / (per_token x ctx_per_slot)));  0: it does not fit
 
 ctx_per_slot is the profile's --ctx-size where it names one, else DEFAULT_CTX_PER_SLOT;
-either at most the model's training context. Where MAX_SLOTS slots leave room, the context
-per slot grows with it (a multiple of CTX_STEP), up to the training context. The engine is
+either at most the model's training context. Without a --ctx-size in the profile, where
+MAX_SLOTS slots leave room, the context per slot grows with it (a multiple of CTX_STEP),
+up to the training context. The engine is
 then given `--parallel slots --ctx-size slots x ctx_per_slot` (llama.cpp splits the
 context evenly among its slots). A profile that names --parallel itself is not sized: its
 --ctx-size (else the training context) is the whole cache.
@@ -143,7 +144,7 @@ def size(geometry: Geometry, weights: int, free: int, args: list[str]) -> Sizing
     ctx = ctx_wanted(geometry, args)
     room = free - weights - MARGIN - compute_bytes(geometry, ctx)
     slots = max(0, min(MAX_SLOTS, int(room // (per_token * ctx))))
-    if slots == MAX_SLOTS:
+    if slots == MAX_SLOTS and not _positive(arg_value(args, CTX_FLAGS)):
         ctx = _grown(geometry, weights, free, per_token, ctx)
     tokens = max(slots, 1) * ctx
     return Sizing(slots, ctx, tokens, weights, int(per_token * tokens),

@@ -16,7 +16,9 @@ from tests import tiny_gguf
 
 TINY = {"block_count": tiny_gguf.N_LAYER, "context_length": tiny_gguf.N_CTX,
         "embedding_length": tiny_gguf.N_EMBD, "head_count": tiny_gguf.N_HEAD,
-        "head_count_kv": tiny_gguf.N_HEAD}
+        "head_count_kv": tiny_gguf.N_HEAD,
+        # The length of its tokenizer's token list (the file says no llama.vocab_size).
+        "vocab_size": len(tiny_gguf._vocab()[0])}
 
 
 class _Ranges(BaseHTTPRequestHandler):

@@ -1,0 +1,154 @@
+"""The slot and memory formula (llmgw.kv_sizing) on real GGUF metadata: the tests' tiny
+GGUF, and the 270M-class shape scripts/gpu-check serves on a GPU. Each expected value is
+worked out by hand in the test's docstring."""
+
+from __future__ import annotations
+
+import struct
+from importlib.machinery import SourceFileLoader
+from importlib.util import module_from_spec, spec_from_loader
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from llmgw import kv_sizing
+from llmgw.ggufmeta import geometry
+from llmgw.kv_sizing import GIB, MARGIN, MAX_SLOTS, engine_args, size
+from tests.tiny_gguf import write_tiny_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+
+
+def gpu_check() -> ModuleType:
+    loader = SourceFileLoader("gpu_check", str(ROOT / "scripts" / "gpu-check"))
+    spec = spec_from_loader("gpu_check", loader)
+    assert spec is not None
+    module = module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def header_of_270m(path: Path) -> dict[str, int]:
+    """A header-only GGUF (no tensors) of gpu-check's 270M shape, its keys written with
+    gpu-check's own encoder: the metadata its model carries. Returns the shape."""
+    gc = gpu_check()
+    shape = dict(gc.MODEL_270M)
+    tokens, _ = gc.vocab(shape["n_vocab"])
+    kvs = [
+        gc._kv("general.architecture", gc._GGUF_STRING, "llama"),
+        gc._kv("llama.context_length", gc._GGUF_U32, shape["n_ctx"]),
+        gc._kv("llama.embedding_length", gc._GGUF_U32, shape["n_embd"]),
+        gc._kv("llama.block_count", gc._GGUF_U32, shape["n_layer"]),
+        gc._kv("llama.attention.head_count", gc._GGUF_U32, shape["n_head"]),
+        gc._kv("llama.attention.head_count_kv", gc._GGUF_U32, shape["n_head"]),
+        gc._kv("tokenizer.ggml.model", gc._GGUF_STRING, "llama"),
+        gc._kv("tokenizer.ggml.tokens", gc._GGUF_ARRAY, (gc._GGUF_STRING, tokens)),
+    ]
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(kvs))
+    return shape
+
+
+def test_the_tiny_gguf_is_read_whole_and_sized_to_the_byte(tmp_path: Path) -> None:
+    """tests/tiny_gguf.py: 2 layers, 4 heads (4 KV heads), width 64 (head 16), 2048
+    tokens of training context, 196 tokens of vocabulary (3 specials, 98 ASCII bytes, the
+    SentencePiece space and 94 Latin-1 letters).
+
+    per_token = 2 x 4 x (16 x 2 + 16 x 2) = 512 B (f16 K and V)
+    ctx       = min(8192, 2048) = 2048 a slot
+    compute   = 512 x (4 x 196 + 32 x 64 + 2 x 2048) = 512 x 6928 = 3,547,136 B
+    64 slots  = 64 x 2048 x 512 = 67,108,864 B of KV cache
+    So a card with weights + 1 GiB + 3,547,136 + 67,108,864 bytes free gives 64 slots of
+    2048 (--parallel 64 --ctx-size 131072); one byte less gives 63."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    found = geometry(path)
+    assert found == {"block_count": 2, "context_length": 2048, "head_count": 4,
+                     "head_count_kv": 4, "embedding_length": 64, "vocab_size": 196}
+    assert kv_sizing.kv_bytes_per_token(found) == 512
+    assert kv_sizing.compute_bytes(found, 2048) == 3_547_136
+    weights = path.stat().st_size
+    enough = weights + MARGIN + 3_547_136 + 67_108_864
+    sizing = size(found, weights, enough, [])
+    assert sizing is not None
+    assert (sizing.slots, sizing.ctx_per_slot, sizing.kv) == (64, 2048, 67_108_864)
+    assert sizing.args() == ["--parallel", "64", "--ctx-size", "131072"]
+    assert sizing.total == enough
+    short = size(found, weights, enough - 1, [])
+    assert short is not None and (short.slots, short.ctx_per_slot) == (63, 2048)
+
+
+def test_gpu_checks_270m_shape_on_an_h200_and_on_an_8_gib_card(tmp_path: Path) -> None:
+    """gpu-check's MODEL_270M: 16 layers, 16 heads (16 KV heads), width 1024 (head 64),
+    4096 tokens of training context, 32,000 tokens of vocabulary; its F16 file is about
+    543,000,000 B (the weights).
+
+    per_token = 16 x 16 x (64 x 2 + 64 x 2) = 65,536 B (64 KiB)
+    ctx       = min(8192, 4096) = 4096; a slot's cache = 65,536 x 4096 = 268,435,456 B
+    compute   = 512 x (4 x 32000 + 32 x 1024 + 2 x 4096) = 512 x 168,960 = 86,507,520 B
+    An H200 with 143,000 MiB free: room = 149,946,368,000 - 543,000,000 - 1,073,741,824
+      - 86,507,520 = 148,243,118,656 B, 552 slots' worth: capped at 64 (a 16 GiB cache).
+    A card with 8,000 MiB free: room = 8,388,608,000 - 543,000,000 - 1,073,741,824
+      - 86,507,520 = 6,685,358,656 B: 24 slots (24.9), --ctx-size 98,304.
+    With a q8_0 cache (34/32 B an element): per_token = 16 x 16 x 2 x 64 x 34/32 = 34,816 B,
+    a slot 142,606,336 B: 46 slots (46.9) on the 8,000 MiB card."""
+    shape = header_of_270m(tmp_path / "270m.gguf")
+    assert shape == {"n_embd": 1024, "n_layer": 16, "n_ff": 2816, "n_head": 16,
+                     "n_vocab": 32000, "n_ctx": 4096}, "gpu-check's shape changed: redo the sums"
+    found = geometry(tmp_path / "270m.gguf")
+    assert found["vocab_size"] == 32000 and found["block_count"] == 16
+    assert kv_sizing.kv_bytes_per_token(found) == 65_536
+    assert kv_sizing.compute_bytes(found, 4096) == 86_507_520
+    weights = 543_000_000
+    h200 = size(found, weights, 143_000 * MIB, [])
+    assert h200 is not None
+    assert (h200.slots, h200.ctx_per_slot, h200.kv) == (MAX_SLOTS, 4096, 16 * GIB)
+    small = size(found, weights, 8_000 * MIB, [])
+    assert small is not None and small.args() == ["--parallel", "24", "--ctx-size", "98304"]
+    q8 = size(found, weights, 8_000 * MIB, ["-ctk", "q8_0", "-ctv", "q8_0"])
+    assert q8 is not None and (q8.slots, q8.ctx_per_slot) == (46, 4096)
+
+
+QWEN7 = {"block_count": 28, "context_length": 32768, "head_count": 28, "head_count_kv": 4,
+         "embedding_length": 3584, "vocab_size": 152064}
+
+
+def test_a_context_per_slot_grows_to_the_training_context_once_64_slots_fit() -> None:
+    """Qwen2.5-7B's shape (57,344 B a token) with 8 GiB of weights: 8192-token slots fit
+    64 times over on an 80,000 MiB card; the context per slot then grows with the room.
+    compute at 32768 = 512 x (4 x 152064 + 32 x 3584 + 65536) = 402,653,184 B;
+    room = 83,886,080,000 - 8,589,934,592 - 1,073,741,824 - 402,653,184 = 73,819,750,400;
+    / (64 x 57,344) = 20,114.5 tokens, down to a multiple of 256: 19,968 a slot."""
+    sizing = size(QWEN7, 8 * GIB, 80_000 * MIB, [])
+    assert sizing is not None and (sizing.slots, sizing.ctx_per_slot) == (64, 19_968)
+    # Negative control: a card with less room keeps the 8192-token slots, fewer of them.
+    tight = size(QWEN7, 8 * GIB, 20_000 * MIB, [])
+    assert tight is not None and tight.ctx_per_slot == 8192 and 0 < tight.slots < 64
+
+
+def test_a_card_too_small_for_one_slot_does_not_fit_and_says_what_one_needs() -> None:
+    sizing = size(QWEN7, 8 * GIB, 9 * GIB, [])
+    assert sizing is not None and not sizing.fits() and sizing.slots == 0
+    assert sizing.cache_tokens == 8192 and "KV cache for 8192 tokens" in sizing.explain()
+    assert size({}, 8 * GIB, 80 * GIB, []) is None, "no geometry, nothing to size by"
+
+
+def test_the_profiles_own_args_win() -> None:
+    """--parallel in the profile: not sized, its --ctx-size is the whole cache. --ctx-size
+    alone: the context of each slot (it does not grow), replaced by the sized whole."""
+    given = ["-np", "4", "-c", "16384"]
+    sizing = size(QWEN7, 8 * GIB, 80 * GIB, given)
+    assert sizing is not None and (sizing.slots, sizing.ctx_per_slot) == (4, 4096)
+    assert engine_args(given, sizing) == given
+    per_slot = ["--ctx-size", "4096", "--temp", "0.2"]
+    sizing = size(QWEN7, 8 * GIB, 80 * GIB, per_slot)
+    assert sizing is not None and sizing.ctx_per_slot == 4096
+    assert engine_args(per_slot, sizing) == ["--temp", "0.2", "--parallel", "64",
+                                             "--ctx-size", str(64 * 4096)]
+
+
+@pytest.mark.parametrize("cache", ["f16", "q8_0", "q4_0"])
+def test_a_quantized_cache_never_takes_more_than_f16(cache: str) -> None:
+    args = ["-ctk", cache, "-ctv", cache]
+    assert kv_sizing.kv_bytes_per_token(QWEN7, args) <= kv_sizing.kv_bytes_per_token(QWEN7)
