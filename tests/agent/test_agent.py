@@ -79,7 +79,8 @@ def test_heartbeat_carries_the_inventory_and_hands_assignments_to_the_workload(
     workload = Recorder()
     gpu = GPU(0, "NVIDIA L4", 23034, "GPU-x", "l4")
     agent = Agent(config, engine=engine, workload=workload,
-                  discover=lambda: Discovery([gpu], ["a warning"]))
+                  discover=lambda: Discovery([gpu], ["a warning"]),
+                  cards=lambda: [gpu.as_dict()])
     assert agent.beat() == 0.1
     view = node_view(store.nodes()[0], store.clock(), 30)
     assert (view["id"], view["state"]) == ("node-a", "provisioning")

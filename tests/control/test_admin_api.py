@@ -193,3 +193,40 @@ def test_a_refused_body_is_one_line_in_the_words_every_boundary_uses(live_contro
     detail = r.json()["detail"]
     assert isinstance(detail, str) and detail.startswith("POST /api/v1/models refused: "), r.text
     assert "sha256 is 'abc': sha256 must be 64 lower-case hex digits" in detail, detail
+
+
+def test_a_replica_on_cpu_on_a_gpu_node_says_why_it_is_not_on_the_gpu(live_control_plane):
+    """GET /api/v1/replicas: held_back names the card and its free memory against what
+    the model needs; `llmgw status` shows it as a `!!` line. The control: a card with room
+    (the move is due) has nothing to explain, and neither has a node without GPUs."""
+    from llmgw.commands.status import render
+
+    cp = live_control_plane
+    gib = 1 << 30
+    model = _with(size_bytes=4 * gib, profiles=[
+        {"name": "gpu", "engine": "llamacpp", "gpu_class": "h100-80gb", "priority": 200},
+        {"name": "cpu", "engine": "llamacpp", "priority": 100}])
+    model["geometry"] = {"block_count": 28, "context_length": 32768, "head_count": 28,
+                         "head_count_kv": 4, "embedding_length": 3584}
+    assert cp.admin.post("/api/v1/models", json=model).status_code == 201, "added"
+    card = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "class": "h100-80gb", "uuid": "GPU-a",
+            "memory_mb": 81_559, "memory_free_mb": 2_048, "memory_used_mb": 79_511, "error": ""}
+
+    def beat(free_mb: int, gpus: bool = True) -> dict:
+        cp.store.record_heartbeat("n", {"engines": ["llamacpp", "llamacpp-cuda"],
+                                        "gpus": [{**card, "memory_free_mb": free_mb}] if gpus
+                                        else []})
+        (shown,) = cp.admin.get("/api/v1/replicas").json()
+        return shown
+
+    cp.store.put_replica({"id": "r1", "model": "tiny", "node": "n", "profile": "cpu",
+                          "state": "ready"})
+    shown = beat(2_048)
+    assert shown["held_back"].startswith(
+        "gpu: node n's GPU GPU-a has 2.0 GiB free, 77.6 GiB used by other processes; tiny "
+        "needs 5.5 GiB: 4.0 GiB weights + "), shown
+    lines = render([], [shown], 0.0).splitlines()
+    assert any(line.startswith("!! tiny runs on cpu on n (replica r1), not a better profile: "
+                               "gpu: node n's GPU GPU-a has 2.0 GiB free") for line in lines)
+    assert beat(40_000)["held_back"] == ""
+    assert beat(2_048, gpus=False)["held_back"] == ""

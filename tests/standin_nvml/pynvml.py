@@ -80,6 +80,14 @@ def nvmlDeviceGetHandleByIndex(i: int) -> int:
     return i
 
 
+def nvmlDeviceGetHandleByUUID(uuid: bytes | str) -> int:
+    text = uuid.decode() if isinstance(uuid, bytes) else uuid
+    for h in range(len(_cards())):
+        if text == _uuid(h):
+            return h
+    raise NVMLError(6, "Not Found")
+
+
 def nvmlDeviceGetName(h: int) -> str:
     _answering(h)
     return _cards()[h][0]
@@ -93,9 +101,13 @@ def nvmlDeviceGetMemoryInfo(h: int) -> SimpleNamespace:
     return SimpleNamespace(total=total, free=total - used, used=used)
 
 
+def _uuid(h: int) -> str:
+    return f"GPU-5ea1d1e0-0000-4000-8000-{h:012d}"
+
+
 def nvmlDeviceGetUUID(h: int) -> str:
     _answering(h)
-    return f"GPU-5ea1d1e0-0000-4000-8000-{h:012d}"
+    return _uuid(h)
 
 
 def nvmlDeviceGetCudaComputeCapability(h: int) -> tuple[int, int]:

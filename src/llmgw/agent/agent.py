@@ -22,7 +22,7 @@ from llmgw.agent.replicas import ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
 from llmgw.contract import CUDA_ENGINE, EngineState
-from llmgw.contract.records import Heartbeat, HeartbeatAnswer
+from llmgw.contract.records import Gpu, Heartbeat, HeartbeatAnswer
 
 log = logging.getLogger("llmgw.agent")
 
@@ -61,9 +61,12 @@ class Agent:
         cuda: CudaEngine | None = None,
         workload: Workload | None = None,
         discover: Callable[[], gpu_discovery.Discovery] = gpu_discovery.discover,
+        cards: Callable[[], list[Gpu]] | None = None,
     ) -> None:
         self.config = config
         self.discovery = discover()
+        # The cards as they are now (free and used memory from NVML), read at each heartbeat.
+        self.cards = cards or gpu_discovery.LiveCards(self.discovery.gpus).read
         self.control_planes = ControlPlanes(config.server, config.state_dir)
         self.client = client or AgentClient(self.control_planes.current, config.tls,
                                             timeout=config.failover_timeout_s)
@@ -81,9 +84,10 @@ class Agent:
         by its cert."""
         interface, addr = host.management_interface(self.config.server)
         statuses = [self.engine.status, self.cuda.status]
+        cards = self.cards()
         return {
             "node_id": self.config.node_id,
-            "gpus": [g.as_dict() for g in self.discovery.gpus],
+            "gpus": cards,
             "cpus": host.cpus(),
             "memory_mb": host.memory_mb(),
             "labels": dict(self.config.labels),
@@ -91,7 +95,7 @@ class Agent:
             "provision": [s.as_dict() for s in statuses],
             "interface": interface,
             "addr": addr,
-            "warnings": self.warnings(),
+            "warnings": [*self.warnings(), *gpu_discovery.lost_card_warnings(cards)],
             "replicas": self.workload.report(),
             **self.workload.facts(),
         }

@@ -355,6 +355,72 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+class LiveCards:
+    """The cards discovery found, as they are at each read (each heartbeat): free and used
+    memory from NVML then. A card that stops answering keeps its place and identity, with
+    `error` saying NVML's reason and no free memory; the others are read as ever. NVML is
+    started once, and again after it failed to."""
+
+    def __init__(self, gpus: list[GPU], nvml: Any = None) -> None:
+        self.gpus = list(gpus)
+        self._nvml = nvml
+        self._started = False
+
+    def read(self) -> list[Gpu]:
+        if not self.gpus:
+            return []
+        nvml = self._nvml if self._nvml is not None else _load_nvml()
+        if nvml is None:  # no nvidia-ml-py: nothing to read anew (discovery said so)
+            return [g.as_dict() for g in self.gpus]
+        if not self._started:
+            try:
+                nvml.nvmlInit()
+            except nvml.NVMLError as e:
+                return [_unanswered(g, f"NVML does not start: {e}") for g in self.gpus]
+            self._started = True
+        return [self._card(nvml, g) for g in self.gpus]
+
+    def _card(self, nvml: Any, gpu: GPU) -> Gpu:
+        try:
+            info = nvml.nvmlDeviceGetMemoryInfo(_handle(nvml, gpu))
+        except nvml.NVMLError as e:
+            return _unanswered(gpu, str(e) or type(e).__name__)
+        card = gpu.as_dict()
+        card["memory_free_mb"] = int(info.free) // _MIB
+        card["memory_used_mb"] = int(info.used) // _MIB
+        card["error"] = ""
+        if info.total:
+            card["memory_mb"] = int(info.total) // _MIB
+        card["unknown"] = [u for u in gpu.unknown if u not in ("memory_mb", "memory_free_mb")]
+        return card
+
+
+def _handle(nvml: Any, gpu: GPU) -> Any:
+    """The card's NVML handle by its UUID (a MIG instance's too), else a whole GPU's by
+    index; NVMLError when it does not answer."""
+    by_uuid = getattr(nvml, "nvmlDeviceGetHandleByUUID", None)
+    if gpu.uuid and by_uuid is not None:
+        return by_uuid(gpu.uuid.encode())
+    if gpu.mig_parent:
+        raise nvml.NVMLError(_NVML_ERROR_NOT_SUPPORTED)
+    return nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+
+
+def _unanswered(gpu: GPU, why: str) -> Gpu:
+    card = gpu.as_dict()
+    card["memory_free_mb"] = card["memory_used_mb"] = 0
+    card["error"] = why
+    return card
+
+
+def lost_card_warnings(cards: list[Gpu]) -> list[str]:
+    """A line for each card that stopped answering NVML: what a person must look at."""
+    return [f"GPU {c.get('index')} ({c.get('name') or '?'}, {c.get('uuid') or '?'}) stopped "
+            f"answering NVML ({c['error']}), so no new replica goes there; look at it with "
+            f"`nvidia-smi -q -i {c.get('index')}` (a GPU that fell off the bus needs a reset "
+            "or a reboot)" for c in cards if c.get("error")]
+
+
 def no_driver_warning(cards: list[str], reason: str = "") -> str:
     why = f" ({reason})" if reason else ""
     return (

@@ -62,10 +62,23 @@ def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
         *warnings, "",
         table(["REPLICA", "MODEL", "NODE", "STATE", "UPTIME", "ERROR"], replica_rows,
               "no replicas"),
+        *held_back_lines(replicas),
         *(["", render_drift(drift, now)] if drift is not None else []),
         *(["", render_control_planes(control_planes, now)] if control_planes is not None
           else []),
     ])
+
+
+def held_back_lines(replicas: list[PublicReplica]) -> list[str]:
+    """A `!!` line for each live replica held back from a better profile on a GPU node
+    (which card, free against needed, or the card taken, lost, the engine not ready)."""
+    return [held_back_line(r) for r in replicas
+            if r.get("held_back") and r["state"] != ReplicaState.STOPPED]
+
+
+def held_back_line(replica: PublicReplica) -> str:
+    return (f"!! {replica['model']} runs on {replica['profile']} on {replica['node']} "
+            f"(replica {replica['id']}), not a better profile: {replica.get('held_back')}")
 
 
 def render_control_planes(planes: list[ControlPlaneView], now: float) -> str:

@@ -25,9 +25,13 @@ _CLOSED = ConfigDict(extra="forbid")
 # "class" is a Python keyword, so this record takes the functional form.
 # A MIG instance is an entry of its own: its uuid is "MIG-…", mig_parent its GPU's UUID
 # (a GPU in MIG mode is not listed itself); unknown names what NVML could not read.
+# memory_free_mb and memory_used_mb are read from NVML at each heartbeat; error is NVML's
+# reason where the card stopped answering at that beat ("" while it answers). An older
+# agent sends neither memory_used_mb nor error, and its free memory as at its start.
 Gpu = TypedDict("Gpu", {"index": int, "name": str, "memory_mb": int, "uuid": str,
                         "class": str, "memory_free_mb": int, "compute_capability": str,
-                        "mig_parent": str, "unknown": list[str]}, total=False)
+                        "mig_parent": str, "unknown": list[str], "memory_used_mb": int,
+                        "error": str}, total=False)
 # What with_config does, spelled so a type checker still sees a TypedDict.
 Gpu.__pydantic_config__ = _OPEN  # type: ignore[attr-defined]
 
@@ -134,6 +138,10 @@ class PublicReplica(TypedDict):
     endpoint: str
     updated: float
     gpus: NotRequired[list[str]]
+    # Why it runs on its profile and not a better one of its model on its node (a GPU
+    # profile's card too full, taken or lost, the GPU engine not ready): "" on its best.
+    # Worked out when asked (control.scheduler.held_back), not stored.
+    held_back: NotRequired[str]
 
 
 class ScalingSpec(TypedDict):

@@ -37,17 +37,32 @@ from llmgw.control.drift import DriftBoard, add_drift_routes
 from llmgw.control.leadership import control_plane_views
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
+from llmgw.control.scheduler import held_back
 from llmgw.control.store import Store, StoreError
 
 log = logging.getLogger("llmgw.admin_api")
 
 
-def public_replica(replica: ReplicaRecord) -> PublicReplica:
-    """A replica as the admin API shows it: never its api_key."""
+def public_replica(replica: ReplicaRecord, held: str = "") -> PublicReplica:
+    """A replica as the admin API shows it: never its api_key; held is why it is not on a
+    better profile (scheduler.held_back)."""
     return {"id": replica["id"], "model": replica["model"], "node": replica["node"],
             "profile": replica["profile"], "state": replica["state"],
             "err": replica.get("err", ""), "endpoint": replica.get("endpoint", ""),
-            "updated": replica.get("updated", 0.0), "gpus": replica.get("gpus", [])}
+            "updated": replica.get("updated", 0.0), "gpus": replica.get("gpus", []),
+            "held_back": held}
+
+
+def public_replicas(store: Store, node_timeout_s: float,
+                    model: str | None = None) -> list[PublicReplica]:
+    """The replicas (of model), each with why it is held back from a better profile."""
+    now = store.clock()
+    everyone = store.replicas()
+    nodes = [node_view(n, now, node_timeout_s, store.hearing)
+             for n in store.nodes() if any(r["node"] == n["id"] for r in everyone)]
+    models = {m["name"]: m for m in store.models()}
+    return [public_replica(r, held_back(r, models, nodes, everyone)) for r in everyone
+            if model is None or r["model"] == model]
 
 
 def replica_log(store: Store, rid: str, n: int) -> ReplicaLog:
@@ -253,6 +268,6 @@ def make_admin_app(
     def replicas(model: str | None = None) -> list[PublicReplica]:
         """Replicas by model and id; never their api_key (PublicReplica has none, and
         FastAPI serializes by it)."""
-        return [public_replica(r) for r in store.replicas(model)]
+        return public_replicas(store, node_timeout_s, model)
 
     return app

@@ -246,25 +246,27 @@ def place(
 
 def held_back(replica: ReplicaRecord, models: dict[str, ModelSpec], nodes: list[NodeView],
               replicas: list[ReplicaRecord]) -> str:
-    """Why a live replica runs on its profile and not on a better one of its model: for
-    each better profile, why no node takes it now (a card too full, taken, lost, the GPU
-    engine not ready); '' when it is on its best, or a better one fits (the move is due)."""
+    """Why a live replica runs on its profile and not on a better one of its model on its
+    node: for each better profile, why the node does not take it now (its card too full,
+    taken, lost, its GPU engine not ready); '' on its best profile, where a better one
+    fits (the move is due), or on a node without GPUs."""
     model = models.get(replica["model"])
-    if model is None or replica["state"] not in LIVE_REPLICA_STATES or not replica["node"]:
+    node = next((n for n in nodes if n["id"] == replica["node"]), None)
+    if model is None or node is None or not node["gpus"] \
+            or replica["state"] not in LIVE_REPLICA_STATES:
         return ""
     mine = _priority(model, replica)
-    better = sorted((p for p in model["profiles"] if p["priority"] > mine),
-                    key=lambda p: -p["priority"])
+    used = _usage(node["id"], replicas, models)
     reasons: list[str] = []
-    for profile in better:
-        for node in nodes:
-            used = _usage(node["id"], replicas, models)
-            why = _why_not(profile, node, used)
-            if not why and profile["gpu_class"]:
-                why = _gpus_for(model, profile, node, used)[1]
-            if not why:
-                return ""
-            reasons.append(f"{profile['name']}: {why}")
+    for profile in sorted(model["profiles"], key=lambda p: -p["priority"]):
+        if profile["priority"] <= mine:
+            break
+        why = _why_not(profile, node, used)
+        if not why and profile["gpu_class"]:
+            why = _gpus_for(model, profile, node, used)[1]
+        if not why:
+            return ""
+        reasons.append(f"{profile['name']}: {why}")
     return "; ".join(reasons)
 
 
