@@ -236,7 +236,8 @@ def replica_supervisor(agent: Agent) -> ReplicaSupervisor:
     return ReplicaSupervisor(state_dir=state_dir, weights_dir=state_dir / "weights",
                              engine=engine_path, bind_host=addr or "127.0.0.1",
                              interface=interface,
-                             gpus=[g.as_dict() for g in agent.discovery.gpus])
+                             gpus=[g.as_dict() for g in agent.discovery.gpus],
+                             cards=agent.cards)
 
 
 def run_agent(config: AgentConfig) -> None:

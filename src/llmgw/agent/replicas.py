@@ -26,7 +26,7 @@ from urllib.parse import unquote, urlparse
 import httpx
 
 from llmgw._files import atomic_write, last_lines
-from llmgw.agent import engine_log
+from llmgw.agent import engine_log, sizing
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, ReplicaState
 from llmgw.contract.records import (
     Assignment,
@@ -159,6 +159,7 @@ class ReplicaSupervisor:
         clock: Callable[[], float] = time.monotonic,
         http: httpx.Client | None = None,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
+        cards: Callable[[], list[Gpu]] | None = None,
     ) -> None:
         self.dir = Path(state_dir) / "replicas"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -166,6 +167,8 @@ class ReplicaSupervisor:
         # engine(kind): the path of that engine's llama-server once it is ready, else None.
         self.engine = engine
         self.gpus: list[Gpu] = list(gpus or [])
+        # The cards as they are now (free memory from NVML): a GPU replica is sized by them.
+        self.cards = cards or (lambda: self.gpus)
         self.bind_host = bind_host
         self.interface = interface
         self.clock = clock
@@ -316,13 +319,14 @@ class ReplicaSupervisor:
         # Checked again here: the catalog checks too, but the agent runs as root.
         check_engine_args(record.args)
         flags, devices = placement(record.gpus, self.gpus, record.args)
+        args = self.sized(record)
         record.port = free_port(self.bind_host)
         record.api_key = secrets.token_urlsafe(24)
         # --metrics: the control plane scrapes each ready replica's /metrics. The placement
         # comes last: llama.cpp takes the last --device, and the catalog's may not override
         # the GPUs the scheduler counted.
         argv = [engine, "-m", record.weights, "--host", self.bind_host, "--port",
-                str(record.port), "--api-key", record.api_key, "--metrics", *record.args,
+                str(record.port), "--api-key", record.api_key, "--metrics", *args.args,
                 *flags]
         env = {**os.environ, **devices}
         if self.interface:
@@ -336,9 +340,18 @@ class ReplicaSupervisor:
         record.pid = replica.proc.pid
         atomic_write(self.dir / f"{record.id}.json", json.dumps(asdict(record)), mode=0o600)
         replica.probe_failures = 0
-        self.set_state(replica, ReplicaState.STARTING, "llama-server started, loading the model")
-        log.info("replica %s: started llama-server pid %d on port %d", record.id, record.pid,
-                 record.port)
+        self.set_state(replica, ReplicaState.STARTING, "llama-server started, loading the model"
+                       + (f"; {args.note}" if args.note else ""))
+        log.info("replica %s: started llama-server pid %d on port %d%s", record.id, record.pid,
+                 record.port, f" ({args.note})" if args.note else "")
+
+    def sized(self, record: Record) -> sizing.Sized:
+        """A GPU replica's args with its slots sized for its cards' free memory now (its
+        engine is not running, so that memory is all it may take); a CPU replica's as they
+        are (llama-server's default slots: CPU generation does not gain from more)."""
+        if not record.gpus:
+            return sizing.Sized(list(record.args), "")
+        return sizing.gpu_args(record.args, Path(record.weights), record.gpus, self.cards())
 
     def _failed(self, replica: Replica, why: str) -> None:
         self.set_state(replica, ReplicaState.FAILED, why)
