@@ -188,3 +188,47 @@ def test_a_failed_engine_is_tried_again_only_when_its_cache_changed(
     e._thread.join(timeout=30)
     assert e.status.state == EngineState.READY and len(calls) == 2
     assert e.status.engine == CUDA_ENGINE
+
+
+def _standin_nvml() -> object:
+    from importlib.machinery import SourceFileLoader
+    from importlib.util import module_from_spec, spec_from_loader
+
+    path = Path(__file__).resolve().parents[1] / "standin_nvml" / "pynvml.py"
+    loader = SourceFileLoader("standin_pynvml", str(path))
+    spec = spec_from_loader("standin_pynvml", loader)
+    assert spec is not None
+    module = module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("driver", ["11080", "12040"], ids=["CUDA 11.8", "control: CUDA 12.4"])
+def test_a_driver_too_old_for_any_toolkit_says_so_before_any_download(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str) -> None:
+    """The stand-in NVML on a driver that runs CUDA 11.8: the GPU engine fails in one line
+    naming the driver and what to install, and neither the llama.cpp source nor a toolkit
+    is fetched. The control, a 12.4 driver, fails further on (no CUDA 12 toolkit can be
+    had here), not for the driver."""
+    from llmgw.agent import _build, _cuda
+    from llmgw.agent.gpus import discover
+
+    monkeypatch.setenv("LLMGW_STANDIN_CUDA_DRIVER", driver)
+    fetched: list[str] = []
+
+    def no_download(*args: object) -> Path:
+        fetched.append(repr(args))
+        raise BuildError("nothing is downloaded in this test")
+
+    monkeypatch.setattr(_build, "download_sdist", no_download)
+    monkeypatch.setattr(_cuda, "pip_install", lambda req, target: fetched.append(repr(req)))
+    found = discover(nvml=_standin_nvml())
+    cpu = LlamaCpp(EngineConfig(cache_dir=str(tmp_path / "cache")))
+    cpu._status = Status(CPU_ENGINE, cpu.source_version, EngineState.READY, "")
+    status = CudaEngine(EngineConfig(cache_dir=str(tmp_path / "cache")), found, cpu=cpu
+                        ).provision()
+    assert status.state == EngineState.FAILED and "\n" not in status.detail
+    said_driver = "runs CUDA 11.8" in status.detail and "update the driver" in status.detail
+    assert said_driver == (driver == "11080"), status.detail
+    if driver == "11080":
+        assert fetched == [], "nothing may be fetched before the driver's reason"

@@ -282,9 +282,12 @@ class CudaBuild:
     in the cache); the build targets the compute capabilities NVML reports, at nice 19,
     with jobs bounded by cores and memory; it is cached per version, CUDA major and
     architecture set (cuda_engine_dir), one build of each at a time. Every failure is a
-    BuildError with a one-line reason; stop() ends a running build."""
+    BuildError with a one-line reason; stop() ends a running build. The source may be a
+    way to get it (a download): it is asked for only once the driver, the tools and the
+    toolchain allow a build, so a node that cannot build says why before any download."""
 
-    def __init__(self, version: str, source: Path, cache_dir: Path, discovery: Discovery, *,
+    def __init__(self, version: str, source: Path | Callable[[], Path], cache_dir: Path,
+                 discovery: Discovery, *,
                  on_progress: Callable[[str], None] = lambda line: None,
                  jobs: int | None = None, search_path: str | None = None,
                  pip: _cuda.Pip | None = None, roots: Iterable[Path] = _cuda.SYSTEM_ROOTS,
@@ -347,6 +350,10 @@ class CudaBuild:
             self._runner.stop()
 
     def _preflight(self) -> None:
+        try:
+            _cuda.cuda_major(self.discovery)  # a driver too old for any toolkit: said first
+        except _cuda.ToolchainError as e:
+            raise BuildError(str(e)) from None
         if not self.archs:
             raise BuildError(
                 "NVML reports no compute capability for this node's GPUs, so there is no "
@@ -368,7 +375,8 @@ class CudaBuild:
         if self._stopped:
             runner.stop()
         try:
-            tree = unpack(self.source, work / "src")
+            source = self.source() if callable(self.source) else self.source
+            tree = unpack(source, work / "src")
             build = work / "build"
             self.on_progress(f"configuring with CUDA {toolchain.version} for "
                              f"{', '.join('sm_' + a for a in self.archs)}")

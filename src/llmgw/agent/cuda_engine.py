@@ -151,7 +151,9 @@ class CudaEngine(Reporting):
 
     def _build_with_cuda(self, on_progress: Callable[[str], None]) -> Path:
         """llama.cpp built with CUDA for this node's GPUs into the cache (or found there)."""
-        source = self.cpu.source_archive(on_progress)
+        def source() -> Path:  # fetched only once the driver and toolchain allow a build
+            return self.cpu.source_archive(on_progress)
+
         self._runner = _build.CudaBuild(self.version, source, self.cache_dir, self.discovery,
                             on_progress=on_progress, search_path=self.cpu.search_path)
         try:

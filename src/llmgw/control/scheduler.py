@@ -159,7 +159,8 @@ def _no_free_card(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
     if not mine:
         return f"{node['id']} has no {profile['gpu_class']} GPU"
     states = [f"{_card_name(g)} stopped answering NVML ({g['error']})" if g.get("error")
-              else f"{_card_name(g)} is taken by {used.holders.get(str(g.get('uuid')), 'a replica')}"
+              else f"{_card_name(g)} is taken by "
+                   f"{used.holders.get(str(g.get('uuid')), 'a replica')}"
               for g in mine]
     return f"{node['id']} has no free {profile['gpu_class']} GPU: {'; '.join(states)}"
 
