@@ -51,6 +51,15 @@ def test_a_warning_line_names_the_gpu_engine_and_where_to_watch(host) -> None:
     assert any("CUDA 12" in line or "being made" in line for line in warned), warned
 
 
+def test_a_warning_line_says_why_the_starter_is_not_on_the_gpu(host) -> None:
+    """The starter serves on CPU on a node with a GPU: provision's starter step says why
+    (here: the GPU engine is not ready), naming its GPU profile."""
+    held = [line for line in host.first_run.output.splitlines()
+            if line.lstrip().startswith("!!") and "serves on its cpu profile" in line]
+    assert held, host.first_run.output[-3000:]
+    assert "gpu-h100-80gb: " in held[0] and "(llamacpp-cuda) is not ready" in held[0], held
+
+
 def test_llmgw_status_shows_the_gpu_engines_warning_under_its_node(host) -> None:
     import subprocess
 
@@ -61,6 +70,9 @@ def test_llmgw_status_shows_the_gpu_engines_warning_under_its_node(host) -> None
     assert "NVIDIA H100 80GB HBM3" in table.stdout
     assert any(line.startswith("!! ") and "llamacpp-cuda" in line
                for line in table.stdout.splitlines()), table.stdout
+    # And why the starter is on its CPU profile, under the replica table.
+    assert any(line.startswith("!! ") and "runs on cpu" in line and "not a better profile: "
+               "gpu-h100-80gb" in line for line in table.stdout.splitlines()), table.stdout
 
 
 def test_the_control_plane_lists_the_gpu_by_class_and_the_engines_apart(host) -> None:
