@@ -21,7 +21,8 @@ _MAX_KEYS = 64
 _INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 7: "<?", 10: "<Q", 11: "<q"}
 # `<arch>.` keys that make the geometry, and their names in it (Geometry's keys).
 _GeometryKey = Literal["block_count", "context_length", "embedding_length", "head_count",
-                       "head_count_kv", "key_length", "value_length", "vocab_size"]
+                       "head_count_kv", "key_length", "value_length",
+                       "feed_forward_length"]
 _GEOMETRY_KEYS: dict[str, _GeometryKey] = {
     "block_count": "block_count",
     "context_length": "context_length",
@@ -30,11 +31,8 @@ _GEOMETRY_KEYS: dict[str, _GeometryKey] = {
     "attention.head_count_kv": "head_count_kv",
     "attention.key_length": "key_length",
     "attention.value_length": "value_length",
-    "vocab_size": "vocab_size",
+    "feed_forward_length": "feed_forward_length",
 }
-# The tokenizer's list of tokens: its length is the vocabulary where `<arch>.vocab_size` is
-# not said (most files).
-_TOKENS = "tokenizer.ggml.tokens"
 
 
 class _Source(Protocol):
@@ -70,13 +68,11 @@ def geometry(path: str | Path) -> Geometry:
 
 
 def read_geometry(f: _Source, where: str | Path) -> Geometry:
-    """block_count, context_length, embedding_length, attention.head_count(_kv),
-    attention.key/value_length and vocab_size of the file's architecture, as far as it
-    states them. A per-layer array (some architectures vary heads by layer) counts as its
-    largest value. The vocabulary, where the architecture does not say it, is the length of
-    tokenizer.ggml.tokens; reading stops there (or at the first other tokenizer array): the
-    tokenizer's arrays come after the architecture's keys in every writer's output and hold
-    most of a header's bytes."""
+    """block_count, context_length, embedding_length, feed_forward_length,
+    attention.head_count(_kv) and attention.key/value_length of the file's architecture, as
+    far as it states them. A per-layer array (some architectures vary heads by layer)
+    counts as its largest value. Reading stops at the tokenizer's keys, which come after
+    these in every writer's output and hold most of a header's bytes."""
     kv_count = _header(f, Path(where))
     arch, found = "", Geometry()
     for _ in range(kv_count):
@@ -87,10 +83,7 @@ def read_geometry(f: _Source, where: str | Path) -> Geometry:
         name = _GEOMETRY_KEYS.get(key[len(arch) + 1:]) if arch and key.startswith(arch + ".") \
             else None
         if name is None:
-            if key.startswith("tokenizer.") and arch and kind == _ARRAY:
-                if key == _TOKENS and "vocab_size" not in found:
-                    _u32(f)  # the item type: strings
-                    found["vocab_size"] = _u64(f)
+            if key.startswith("tokenizer.") and arch:
                 break
             _skip(f, kind)
             continue

@@ -7,10 +7,14 @@ The formula (bytes; the geometry is read from the file's header, contract.record
     per_token = layers x KV heads x (key width x K bytes + value width x V bytes)
                 K/V bytes by the cache type (-ctk/-ctv): f16 2, q8_0 34/32, q4_0 18/32, ...;
                 a head's width is key_length/value_length, else embedding / heads
-    compute   = UBATCH x (4 x vocab + 32 x embedding + 2 x ctx_per_slot)
-                llama.cpp's compute buffer for one batch of UBATCH tokens: its logits (F32),
-                its activations (eight F32 rows of the embedding width) and the attention
-                mask over one slot's context (F16), flash attention on (CUDA's default)
+    compute   = UBATCH x (4 x (3 x feed-forward + 4 x embedding) + 2 x ctx_per_slot)
+                llama.cpp's compute buffer for one batch of UBATCH tokens: its activations
+                at their widest (three F32 rows of the feed-forward width and four of the
+                embedding's) and the attention mask over one slot's context (F16), flash
+                attention on (the default); a feed-forward width the file does not say is
+                taken as 4 x embedding. Against the buffers llama.cpp reports (CPU, this
+                llama.cpp): 28.5 MiB for gpu-check's 270M shape at 4096 tokens a slot
+                (it says 28.51), 3.25 MiB for the tests' tiny GGUF (it says 3.01)
     room      = free - weights - MARGIN - compute
                 weights: the file's size; MARGIN: what llama.cpp's own --fit leaves free on a
                 device (1 GiB), for the CUDA context and what else runs there
@@ -79,8 +83,9 @@ def kv_bytes_per_token(geometry: Geometry, args: list[str] | None = None) -> flo
 
 def compute_bytes(geometry: Geometry, ctx_per_slot: int) -> int:
     """llama.cpp's compute buffer for one batch (module docstring)."""
-    return UBATCH * (4 * geometry.get("vocab_size", 0) + 32 * geometry.get("embedding_length", 0)
-                     + 2 * ctx_per_slot)
+    embedding = geometry.get("embedding_length", 0)
+    feed_forward = geometry.get("feed_forward_length") or 4 * embedding
+    return UBATCH * (4 * (3 * feed_forward + 4 * embedding) + 2 * ctx_per_slot)
 
 
 @dataclass(frozen=True)

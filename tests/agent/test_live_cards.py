@@ -33,7 +33,7 @@ TWO_H100 = "NVIDIA H100 80GB HBM3:81559:9.0;NVIDIA H100 80GB HBM3:81559:9.0"
 CARD = "GPU-5ea1d1e0-0000-4000-8000-{:012d}"
 # Qwen2.5-7B's shape and an 8 GiB file: one 8192-token slot needs about 10 GiB.
 QWEN7 = {"block_count": 28, "context_length": 32768, "head_count": 28, "head_count_kv": 4,
-         "embedding_length": 3584, "vocab_size": 152064}
+         "embedding_length": 3584, "feed_forward_length": 18944}
 
 
 def standin_nvml() -> ModuleType:

@@ -224,7 +224,7 @@ def test_a_replica_on_cpu_on_a_gpu_node_says_why_it_is_not_on_the_gpu(live_contr
     shown = beat(2_048)
     assert shown["held_back"].startswith(
         "gpu: node n's GPU GPU-a has 2.0 GiB free, 77.6 GiB used by other processes; tiny "
-        "needs 5.5 GiB: 4.0 GiB weights + "), shown
+        "needs 5.6 GiB: 4.0 GiB weights + "), shown
     lines = render([], [shown], 0.0).splitlines()
     assert any(line.startswith("!! tiny runs on cpu on n (replica r1), not a better profile: "
                                "gpu: node n's GPU GPU-a has 2.0 GiB free") for line in lines)

@@ -16,9 +16,7 @@ from tests import tiny_gguf
 
 TINY = {"block_count": tiny_gguf.N_LAYER, "context_length": tiny_gguf.N_CTX,
         "embedding_length": tiny_gguf.N_EMBD, "head_count": tiny_gguf.N_HEAD,
-        "head_count_kv": tiny_gguf.N_HEAD,
-        # The length of its tokenizer's token list (the file says no llama.vocab_size).
-        "vocab_size": len(tiny_gguf._vocab()[0])}
+        "head_count_kv": tiny_gguf.N_HEAD, "feed_forward_length": tiny_gguf.N_FF}
 
 
 class _Ranges(BaseHTTPRequestHandler):

@@ -94,19 +94,20 @@ def test_the_context_is_the_profiles_else_the_files() -> None:
 
 def test_a_model_that_does_not_fit_the_free_memory_says_what_it_needs() -> None:
     """qwen, one slot of 32768 tokens: 1.75 GiB of KV cache (2 x 28 x 32768 x 512 x 2 B),
-    4 GiB of weights, 1 GiB margin and a compute buffer of 512 x (32 x 3584 + 2 x 32768) B
-    (88 MiB, no vocabulary known): 6.8 GiB, more than the 3.2 GiB free."""
+    4 GiB of weights, 1 GiB margin and a compute buffer of 512 x (4 x (3 x 14336 + 4 x
+    3584) + 2 x 32768) B (144 MiB; its feed-forward width unsaid, so 4 x 3584): 6.9 GiB,
+    more than the 3.2 GiB free."""
     small = node("n1", gpus=[gpu("GPU-aaaa", free_mb=int(3.2 * 1024), memory_used_mb=78_000)])
     m = sized(model("qwen", gpu="h100-80gb"), 4.0)
     m["profiles"] = m["profiles"][:1]
     why = place(m, [small], [], {"qwen": m}).why
     assert ("node n1's GPU GPU-aaaa has 3.2 GiB free, 76.2 GiB used by other processes; "
-            "qwen needs 6.8 GiB: 4.0 GiB weights + 0.1 GiB compute + 1.8 GiB KV cache for "
+            "qwen needs 6.9 GiB: 4.0 GiB weights + 0.1 GiB compute + 1.8 GiB KV cache for "
             "32768 tokens + 1.0 GiB margin") in why
     # Negative controls: a card with room takes it; so does a shorter context.
     roomy = node("n1", gpus=[gpu("GPU-aaaa", free_mb=8 * 1024)])
     assert place(m, [roomy], [], {"qwen": m}).gpus == ["GPU-aaaa"]
-    short = sized(model("qwen", gpu="h100-80gb"), 2.0, ctx=2048)
+    short = sized(model("qwen", gpu="h100-80gb"), 1.5, ctx=2048)
     assert place(short, [small], [], {"qwen": short}).gpus == ["GPU-aaaa"]
 
 
@@ -160,7 +161,7 @@ def test_why_a_replica_is_on_cpu_names_the_card_and_free_versus_needed() -> None
     busy = node("a", gpus=[gpu("GPU-aaaa", free_mb=2048)])
     why = held_back(on_cpu, {"qwen": m}, [busy], [on_cpu])
     assert why.startswith("gpu-h100-80gb: node a's GPU GPU-aaaa has 2.0 GiB free; "
-                          "qwen needs 6.8 GiB"), why
+                          "qwen needs 6.9 GiB"), why
     not_ready = node("a", gpus=[gpu("GPU-aaaa")], engines=("llamacpp",))
     assert "a's GPU engine (llamacpp-cuda) is not ready" in held_back(
         on_cpu, {"qwen": m}, [not_ready], [on_cpu])

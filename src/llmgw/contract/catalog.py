@@ -70,7 +70,7 @@ class Geometry(_Strict):
     embedding_length: int = Field(0, ge=0)
     key_length: int = Field(0, ge=0)
     value_length: int = Field(0, ge=0)
-    vocab_size: int = Field(0, ge=0)
+    feed_forward_length: int = Field(0, ge=0)
 
 
 class Model(_Strict):

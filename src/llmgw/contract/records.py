@@ -163,9 +163,9 @@ class ProfileSpec(TypedDict):
 
 class Geometry(TypedDict, total=False):
     """What a model's KV cache takes, from its GGUF header (`<arch>.` keys): layers, the
-    context it was trained for, attention heads (and key/value heads), the embedding width,
-    the key and value widths of a head where the file says them, and the vocabulary (the
-    compute buffer holds a batch's logits)."""
+    context it was trained for, attention heads (and key/value heads), the embedding and
+    feed-forward widths (the compute buffer holds a batch's activations), and the key and
+    value widths of a head where the file says them."""
 
     block_count: int
     context_length: int
@@ -174,7 +174,7 @@ class Geometry(TypedDict, total=False):
     embedding_length: int
     key_length: int
     value_length: int
-    vocab_size: int
+    feed_forward_length: int
 
 
 class ModelSpec(TypedDict):
