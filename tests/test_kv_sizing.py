@@ -17,8 +17,8 @@ import pytest
 
 from llmgw import kv_sizing
 from llmgw.ggufmeta import geometry
-from llmgw.netaddr import free_port
 from llmgw.kv_sizing import GIB, MARGIN, MAX_SLOTS, engine_args, size
+from llmgw.netaddr import free_port
 from tests.tiny_gguf import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
