@@ -199,3 +199,9 @@ def test_llama_cpp_allocates_what_the_formula_says(tmp_path: Path, llama_server:
         reported = _reported_buffers(llama_server, path, sizing.args(), tmp_path / f"{slots}.log")
         assert reported["KV"] == pytest.approx(sizing.kv / MIB, abs=0.01), reported
         assert reported["compute"] == pytest.approx(sizing.compute / MIB, rel=0.10), reported
+
+
+def test_no_more_slots_than_the_gateway_holds_connections_to_a_replica() -> None:
+    from llmgw.control._upstream import MAX_CONNECTIONS_PER_REPLICA
+
+    assert MAX_SLOTS == MAX_CONNECTIONS_PER_REPLICA

@@ -109,7 +109,8 @@ def render_drift(drift: list[HostDrift], now: float) -> str:
 def _gpus(gpus: list[Gpu]) -> str:
     if not gpus:
         return "none (CPU)"
-    return ", ".join(f"{g['name']} {g['memory_mb'] // 1024} GB" for g in gpus)
+    return ", ".join(f"{g['name']} {g['memory_mb'] // 1024} GB"
+                     + (" (not answering NVML)" if g.get("error") else "") for g in gpus)
 
 
 def _uptime(replica: PublicReplica, now: float) -> str:
