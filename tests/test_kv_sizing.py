@@ -205,3 +205,23 @@ def test_no_more_slots_than_the_gateway_holds_connections_to_a_replica() -> None
     from llmgw.control._upstream import MAX_CONNECTIONS_PER_REPLICA
 
     assert MAX_SLOTS == MAX_CONNECTIONS_PER_REPLICA
+
+
+def test_kv_cache_is_two_by_layers_tokens_kv_heads_head_width_in_f16() -> None:
+    def kv(geometry: dict[str, int], tokens: int, args: list[str] | None = None) -> int:
+        return int(kv_sizing.kv_bytes_per_token(geometry, args) * tokens)
+
+    assert kv(QWEN7, 32768) == 2 * 28 * 32768 * (4 * 128) * 2
+    # key_length / value_length, where the file says them, win over width / heads.
+    assert kv({**QWEN7, "key_length": 256, "value_length": 256}, 1024) == \
+        2 * 28 * 1024 * (4 * 256) * 2
+    # A quantized cache takes what its type takes (q8_0: 34 bytes a 32-value block).
+    assert kv(QWEN7, 32768, ["-ctk", "q8_0", "-ctv", "q8_0"]) == \
+        int(2 * 28 * 32768 * (4 * 128) * 34 / 32)
+    assert kv({}, 32768) == 0
+
+
+def test_the_context_a_slot_is_sized_for_is_the_profiles_else_8192_within_training() -> None:
+    assert kv_sizing.ctx_wanted(QWEN7, ["--ctx-size", "16384"]) == 16384
+    assert kv_sizing.ctx_wanted(QWEN7, []) == 8192
+    assert kv_sizing.ctx_wanted({**QWEN7, "context_length": 2048}, ["-c", "4096"]) == 2048

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.control.scheduler import GIB, context_tokens, held_back, kv_cache_bytes, place, plan
+from llmgw.control.scheduler import GIB, held_back, place, plan
 from tests.control.test_scheduler import PIN, model, node, replica
 
 H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "class": "h100-80gb",
@@ -72,24 +72,6 @@ def test_mig_instances_are_assigned_one_per_replica() -> None:
               for i in range(2)]
     p = plan([model(min=2, max=2, gpu="a100-40gb")], [node("a", gpus=slices)], [])
     assert [r["gpus"] for r in p.add] == [["MIG-0"], ["MIG-1"]]
-
-
-def test_kv_cache_is_two_by_layers_tokens_kv_heads_head_width_in_f16() -> None:
-    assert kv_cache_bytes(QWEN7, 32768) == 2 * 28 * 32768 * (4 * 128) * 2
-    # key_length / value_length, where the file says them, win over width / heads.
-    assert kv_cache_bytes({**QWEN7, "key_length": 256, "value_length": 256}, 1024) == \
-        2 * 28 * 1024 * (4 * 256) * 2
-    # A quantized cache takes what its type takes (q8_0: 34 bytes a 32-value block).
-    assert kv_cache_bytes(QWEN7, 32768, ["-ctk", "q8_0", "-ctv", "q8_0"]) == \
-        int(2 * 28 * 32768 * (4 * 128) * 34 / 32)
-    assert kv_cache_bytes({}, 32768) == 0
-
-
-def test_the_context_is_the_profiles_else_the_files() -> None:
-    m = sized(model(gpu="h100-80gb"), 4.0)
-    assert context_tokens(m, m["profiles"][0]) == 32768
-    m["profiles"][0]["args"] = []
-    assert context_tokens(m, m["profiles"][0]) == QWEN7["context_length"]
 
 
 def test_a_model_that_does_not_fit_the_free_memory_says_what_it_needs() -> None:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from llmgw import kv_sizing
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, LIVE_REPLICA_STATES, NodeState, ReplicaState
 from llmgw.contract.records import (
-    Geometry,
     Gpu,
     ModelSpec,
     NodeView,
@@ -69,21 +68,6 @@ def needed_engine(profile: ProfileSpec) -> str:
 # --- what a model takes on a GPU ---
 # One formula, llmgw.kv_sizing's: the agent sizes a GPU replica's slots by it, and a card
 # fits a model when it gives the model at least one slot.
-
-
-def context_tokens(model: ModelSpec, profile: ProfileSpec) -> int:
-    """The context a replica of profile holds: its -c, else what the file was trained for
-    (llama-server's default), else the catalog's context_length."""
-    given = kv_sizing.arg_value(profile["args"], kv_sizing.CTX_FLAGS)
-    if given.isdigit() and int(given) > 0:
-        return int(given)
-    return model["geometry"].get("context_length") or model["context_length"]
-
-
-def kv_cache_bytes(geometry: Geometry, n_ctx: int, args: list[str] | None = None) -> int:
-    """What llama.cpp allocates for n_ctx tokens of cache (kv_sizing.kv_bytes_per_token);
-    0 when the geometry is unknown."""
-    return int(kv_sizing.kv_bytes_per_token(geometry, args) * n_ctx)
 
 
 def need(model: ModelSpec, profile: ProfileSpec, free: int) -> kv_sizing.Sizing | None:
