@@ -364,3 +364,35 @@ class FakeNVML:
         if self.cards[h[1]].instances[slot] is None:
             raise _NVMLError(_NOT_FOUND, "Not Found")
         return ("mig", h[1], slot)
+
+
+def test_live_cards_read_each_cards_memory_anew_and_name_one_that_fails() -> None:
+    """LiveCards reads NVML at every call (by index where nvidia-ml-py has no
+    nvmlDeviceGetHandleByUUID): a card whose free memory changed since discovery says so; a
+    card whose memory call fails keeps its identity with NVML's reason, the other is read."""
+    first, second = Card("NVIDIA L4", 23034, free_mb=20000), Card("NVIDIA L4", 23034)
+    nvml = FakeNVML([first, second])
+    live = gpus.LiveCards(gpus.discover(nvml=nvml).gpus, nvml)
+    assert [(c["memory_free_mb"], c["error"]) for c in live.read()] == [(20000, ""),
+                                                                       (23034, "")]
+    first.free_mb = 500
+    second.fail = {"nvmlDeviceGetMemoryInfo"}
+    cards = live.read()
+    assert (cards[0]["memory_free_mb"], cards[0]["error"]) == (500, "")
+    assert (cards[1]["uuid"], cards[1]["memory_free_mb"]) == ("GPU-1", 0)
+    assert cards[1]["error"] == "Unknown Error"
+    assert gpus.lost_card_warnings(cards)[0].startswith(
+        "GPU 1 (NVIDIA L4, GPU-1) stopped answering NVML (Unknown Error)")
+
+
+def test_live_cards_when_nvml_does_not_start_name_every_card() -> None:
+    class Down(FakeNVML):
+        def nvmlInit(self) -> None:
+            raise self.NVMLError(9, "Driver Not Loaded")
+
+    found = gpus.discover(nvml=FakeNVML([Card("NVIDIA L4", 23034)]))
+    cards = gpus.LiveCards(found.gpus, Down([Card("NVIDIA L4", 23034)])).read()
+    assert [(c["uuid"], c["error"]) for c in cards] == [
+        ("GPU-0", "NVML does not start: Driver Not Loaded")]
+    # Negative control: no card, nothing read and nothing named.
+    assert gpus.LiveCards([], Down([])).read() == []

@@ -381,6 +381,8 @@ class LiveCards:
         return [self._card(nvml, g) for g in self.gpus]
 
     def _card(self, nvml: Any, gpu: GPU) -> Gpu:
+        if gpu.mig_parent and getattr(nvml, "nvmlDeviceGetHandleByUUID", None) is None:
+            return gpu.as_dict()  # an instance is reached by its UUID alone: as discovered
         try:
             info = nvml.nvmlDeviceGetMemoryInfo(_handle(nvml, gpu))
         except nvml.NVMLError as e:
@@ -401,8 +403,6 @@ def _handle(nvml: Any, gpu: GPU) -> Any:
     by_uuid = getattr(nvml, "nvmlDeviceGetHandleByUUID", None)
     if gpu.uuid and by_uuid is not None:
         return by_uuid(gpu.uuid.encode())
-    if gpu.mig_parent:
-        raise nvml.NVMLError(_NVML_ERROR_NOT_SUPPORTED)
     return nvml.nvmlDeviceGetHandleByIndex(gpu.index)
 
 
