@@ -172,6 +172,10 @@ def test_replicas_move_onto_the_gpu_engine_under_load_with_no_failed_request(
     argv = launched[-1]["argv"]
     assert argv[argv.index("--device") + 1] == "CUDA0"
     assert argv[argv.index("--n-gpu-layers") + 1] == "999"
+    # Sized for the stand-in card's 80,535 MiB free: 64 slots of the tiny GGUF's 2048-token
+    # training context (the starter's GPU profile asks 32768 a slot), its --ctx-size replaced.
+    assert argv[argv.index("--parallel") + 1] == "64"
+    assert argv.count("--ctx-size") == 1 and argv[argv.index("--ctx-size") + 1] == "131072"
 
 
 def test_negative_control_without_the_standin_this_machine_has_no_gpu() -> None:

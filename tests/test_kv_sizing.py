@@ -225,3 +225,10 @@ def test_the_context_a_slot_is_sized_for_is_the_profiles_else_8192_within_traini
     assert kv_sizing.ctx_wanted(QWEN7, ["--ctx-size", "16384"]) == 16384
     assert kv_sizing.ctx_wanted(QWEN7, []) == 8192
     assert kv_sizing.ctx_wanted({**QWEN7, "context_length": 2048}, ["-c", "4096"]) == 2048
+
+
+def test_a_profiles_ubatch_size_sizes_the_compute_buffer() -> None:
+    """512 x (4 x (3 x 18944 + 4 x 3584) + 2 x 8192) = 154,140,672 B at the default batch;
+    twice that for -ub 1024."""
+    assert kv_sizing.compute_bytes(QWEN7, 8192) == 154_140_672
+    assert kv_sizing.compute_bytes(QWEN7, 8192, ["-ub", "1024"]) == 2 * 154_140_672

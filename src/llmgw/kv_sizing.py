@@ -23,10 +23,10 @@ The formula (bytes; the geometry is read from the file's header, contract.record
 ctx_per_slot is the profile's --ctx-size where it names one, else DEFAULT_CTX_PER_SLOT;
 either at most the model's training context. Without a --ctx-size in the profile, where
 MAX_SLOTS slots leave room, the context per slot grows with it (a multiple of CTX_STEP),
-up to the training context. The engine is
-then given `--parallel slots --ctx-size slots x ctx_per_slot` (llama.cpp splits the
-context evenly among its slots). A profile that names --parallel itself is not sized: its
---ctx-size (else the training context) is the whole cache.
+up to the training context. The engine is then given `--parallel slots --ctx-size slots
+x ctx_per_slot` (llama.cpp splits the context evenly among its slots). A profile that
+names --parallel itself is not sized: its --ctx-size (else the training context) is the
+whole cache. A profile's --ubatch-size stands for UBATCH.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ CTX_FLAGS = ("-c", "--ctx-size")
 PARALLEL_FLAGS = ("-np", "--parallel")
 CACHE_K_FLAGS = ("-ctk", "--cache-type-k")
 CACHE_V_FLAGS = ("-ctv", "--cache-type-v")
+UBATCH_FLAGS = ("-ub", "--ubatch-size")
 
 
 def arg_value(args: list[str], names: tuple[str, ...]) -> str:
@@ -83,11 +84,12 @@ def kv_bytes_per_token(geometry: Geometry, args: list[str] | None = None) -> flo
     return float(layers * kv_heads * (key * k + value * v))
 
 
-def compute_bytes(geometry: Geometry, ctx_per_slot: int) -> int:
+def compute_bytes(geometry: Geometry, ctx_per_slot: int, args: list[str] | None = None) -> int:
     """llama.cpp's compute buffer for one batch (module docstring)."""
     embedding = geometry.get("embedding_length", 0)
     feed_forward = geometry.get("feed_forward_length") or 4 * embedding
-    return UBATCH * (4 * (3 * feed_forward + 4 * embedding) + 2 * ctx_per_slot)
+    ubatch = _positive(arg_value(args or [], UBATCH_FLAGS)) or UBATCH
+    return ubatch * (4 * (3 * feed_forward + 4 * embedding) + 2 * ctx_per_slot)
 
 
 @dataclass(frozen=True)
@@ -149,21 +151,22 @@ def size(geometry: Geometry, weights: int, free: int, args: list[str]) -> Sizing
     if not sized(args):
         return _as_given(geometry, weights, free, args, per_token)
     ctx = ctx_wanted(geometry, args)
-    room = free - weights - MARGIN - compute_bytes(geometry, ctx)
+    room = free - weights - MARGIN - compute_bytes(geometry, ctx, args)
     slots = max(0, min(MAX_SLOTS, int(room // (per_token * ctx))))
     if slots == MAX_SLOTS and not _positive(arg_value(args, CTX_FLAGS)):
-        ctx = _grown(geometry, weights, free, per_token, ctx)
+        ctx = _grown(geometry, weights, free, per_token, ctx, args)
     tokens = max(slots, 1) * ctx
     return Sizing(slots, ctx, tokens, weights, int(per_token * tokens),
-                  compute_bytes(geometry, ctx), free)
+                  compute_bytes(geometry, ctx, args), free)
 
 
-def _grown(geometry: Geometry, weights: int, free: int, per_token: float, ctx: int) -> int:
+def _grown(geometry: Geometry, weights: int, free: int, per_token: float, ctx: int,
+           args: list[str]) -> int:
     """The context per slot MAX_SLOTS slots can have, from ctx up to the training context."""
     trained = geometry.get("context_length", 0)
     if not trained or trained <= ctx:
         return ctx
-    room = free - weights - MARGIN - compute_bytes(geometry, trained)
+    room = free - weights - MARGIN - compute_bytes(geometry, trained, args)
     fits = int(room // (per_token * MAX_SLOTS)) // CTX_STEP * CTX_STEP
     return max(ctx, min(trained, fits))
 
@@ -177,7 +180,7 @@ def _as_given(geometry: Geometry, weights: int, free: int, args: list[str],
         or DEFAULT_CTX_PER_SLOT
     ctx = max(total // slots, 1)
     kv = int(per_token * total)
-    compute = compute_bytes(geometry, ctx)
+    compute = compute_bytes(geometry, ctx, args)
     fits = weights + kv + compute + MARGIN <= free
     return Sizing(slots if fits else 0, ctx, total, weights, kv, compute, free)
 
