@@ -230,3 +230,18 @@ def test_a_replica_on_cpu_on_a_gpu_node_says_why_it_is_not_on_the_gpu(live_contr
                                "gpu: node n's GPU GPU-a has 2.0 GiB free") for line in lines)
     assert beat(40_000)["held_back"] == ""
     assert beat(2_048, gpus=False)["held_back"] == ""
+
+
+def test_status_shows_each_cards_free_memory_or_that_it_stopped_answering() -> None:
+    from llmgw.commands.status import render
+
+    card = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_mb": 81_559, "uuid": "GPU-a"}
+    node = {"id": "n", "state": "ready", "engines": ["llamacpp"], "last_seen": 0.0,
+            "gpus": [{**card, "memory_free_mb": 1_536, "memory_used_mb": 80_023, "error": ""},
+                     {**card, "uuid": "GPU-b", "error": "GPU is lost"}]}
+    shown = render([node], [], 0.0)  # type: ignore[list-item]
+    assert "NVIDIA H100 80GB HBM3 79 GB (1.5 GB free)" in shown
+    assert "NVIDIA H100 80GB HBM3 79 GB (not answering NVML)" in shown
+    # Negative control: an older agent's card (no live figures) shows as before.
+    older = render([{**node, "gpus": [card]}], [], 0.0)  # type: ignore[list-item]
+    assert "NVIDIA H100 80GB HBM3 79 GB" in older and "free" not in older

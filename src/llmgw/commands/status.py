@@ -109,8 +109,17 @@ def render_drift(drift: list[HostDrift], now: float) -> str:
 def _gpus(gpus: list[Gpu]) -> str:
     if not gpus:
         return "none (CPU)"
-    return ", ".join(f"{g['name']} {g['memory_mb'] // 1024} GB"
-                     + (" (not answering NVML)" if g.get("error") else "") for g in gpus)
+    return ", ".join(f"{g['name']} {g['memory_mb'] // 1024} GB{_free(g)}" for g in gpus)
+
+
+def _free(gpu: Gpu) -> str:
+    """A card's state at the node's last heartbeat: not answering, or its free memory (from
+    an agent that reads it at each beat)."""
+    if gpu.get("error"):
+        return " (not answering NVML)"
+    if "memory_used_mb" in gpu:
+        return f" ({gpu.get('memory_free_mb', 0) / 1024:.1f} GB free)"
+    return ""
 
 
 def _uptime(replica: PublicReplica, now: float) -> str:
