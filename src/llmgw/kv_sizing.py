@@ -14,7 +14,9 @@ The formula (bytes; the geometry is read from the file's header, contract.record
                 attention on (the default); a feed-forward width the file does not say is
                 taken as 4 x embedding. Against the buffers llama.cpp reports (CPU, this
                 llama.cpp): 28.5 MiB for gpu-check's 270M shape at 4096 tokens a slot
-                (it says 28.51), 3.25 MiB for the tests' tiny GGUF (it says 3.01)
+                (it says 28.51), 3.25 MiB for the tests' tiny GGUF (it says 3.01).
+                A profile that turns flash attention off (-fa off) adds the attention
+                scores, UBATCH x ctx_per_slot x heads x 4 (F32)
     room      = free - weights - MARGIN - compute
                 weights: the file's size; MARGIN: what llama.cpp's own --fit leaves free on a
                 device (1 GiB), for the CUDA context and what else runs there
@@ -55,6 +57,7 @@ PARALLEL_FLAGS = ("-np", "--parallel")
 CACHE_K_FLAGS = ("-ctk", "--cache-type-k")
 CACHE_V_FLAGS = ("-ctv", "--cache-type-v")
 UBATCH_FLAGS = ("-ub", "--ubatch-size")
+FLASH_ATTN_FLAGS = ("-fa", "--flash-attn")
 
 
 def arg_value(args: list[str], names: tuple[str, ...]) -> str:
@@ -89,7 +92,10 @@ def compute_bytes(geometry: Geometry, ctx_per_slot: int, args: list[str] | None 
     embedding = geometry.get("embedding_length", 0)
     feed_forward = geometry.get("feed_forward_length") or 4 * embedding
     ubatch = _positive(arg_value(args or [], UBATCH_FLAGS)) or UBATCH
-    return ubatch * (4 * (3 * feed_forward + 4 * embedding) + 2 * ctx_per_slot)
+    scores = 0
+    if arg_value(args or [], FLASH_ATTN_FLAGS) in ("off", "0", "false"):
+        scores = 4 * ctx_per_slot * geometry.get("head_count", 0)
+    return ubatch * (4 * (3 * feed_forward + 4 * embedding) + 2 * ctx_per_slot + scores)
 
 
 @dataclass(frozen=True)
