@@ -98,8 +98,10 @@ class Agent:
 
     def warnings(self) -> list[str]:
         """Discovery's warnings, and the GPU engine's while it is made or when it failed."""
-        return [*self.discovery.warnings, *cuda_warnings(self.cuda.status.state,
-                                                         self.cuda.status.detail)]
+        status = self.cuda.status
+        return [*self.discovery.warnings,
+                *cuda_warnings(status.state, status.detail, dict(status.left_out)),
+                *self.workload.warnings()]
 
     def renew_if_due(self) -> bool:
         """Renew this node's certificate through the control plane when it expires within
@@ -206,9 +208,13 @@ class Agent:
 WATCH_CUDA = "watch it with `llmgw status` or the agent's log"
 
 
-def cuda_warnings(state: str, detail: str) -> list[str]:
+def cuda_warnings(state: str, detail: str, left_out: dict[str, str] | None = None) -> list[str]:
     """What a person reads of the GPU engine: that it is being made (and where to watch),
-    or why it failed; nothing once ready, or where it is not wanted."""
+    or why it failed; once ready, each card its check left out; nothing where it is not
+    wanted."""
+    if state == EngineState.READY:
+        return [f"GPU {uuid} is left out of the GPU engine ({CUDA_ENGINE}), which serves the "
+                f"other cards: {why}" for uuid, why in (left_out or {}).items()]
     if state == EngineState.FAILED:
         return [f"the GPU engine ({CUDA_ENGINE}) failed: {detail}"]
     if state in (EngineState.PENDING, EngineState.DOWNLOADING, EngineState.BUILDING,
