@@ -18,7 +18,7 @@ from llmgw.agent.control_planes import ControlPlanes
 from llmgw.agent.cuda_engine import CudaEngine
 from llmgw.agent.engine import LlamaCpp
 from llmgw.agent.join import needs_renewal, renewal_request
-from llmgw.agent.replicas import ReplicaSupervisor
+from llmgw.agent.replicas import GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
 from llmgw.contract import CUDA_ENGINE, EngineState
@@ -224,9 +224,11 @@ def cuda_warnings(state: str, detail: str, left_out: dict[str, str] | None = Non
     return []
 
 
-def replica_supervisor(agent: Agent) -> ReplicaSupervisor:
+def replica_supervisor(agent: Agent,
+                       gpu_start_attempts: int = GPU_START_ATTEMPTS) -> ReplicaSupervisor:
     """The replicas of this node: engines bound to the address the control plane sees,
-    weights cached in the state dir, adopted again when this agent restarts."""
+    weights cached in the state dir, adopted again when this agent restarts; a placement
+    on GPUs given up after gpu_start_attempts failed starts (0: never)."""
     interface, addr = host.management_interface(agent.config.server)
 
     def engine_path(kind: str) -> str | None:
@@ -238,7 +240,8 @@ def replica_supervisor(agent: Agent) -> ReplicaSupervisor:
     return ReplicaSupervisor(state_dir=state_dir, weights_dir=state_dir / "weights",
                              engine=engine_path, bind_host=addr or "127.0.0.1",
                              interface=interface,
-                             gpus=[g.as_dict() for g in agent.discovery.gpus])
+                             gpus=[g.as_dict() for g in agent.discovery.gpus],
+                             gpu_start_attempts=gpu_start_attempts)
 
 
 def run_agent(config: AgentConfig) -> None:

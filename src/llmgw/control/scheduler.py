@@ -218,7 +218,8 @@ def _gpus_for(model: ModelSpec, profile: ProfileSpec, node: NodeView,
 def _checked_cards(node: NodeView) -> set[str] | None:
     """The UUIDs that passed the node's GPU engine check (None from an agent that does not
     say: every card)."""
-    entry = next((p for p in node["provision"] if p.get("engine") == CUDA_ENGINE), None)
+    entry = next((p for p in node.get("provision") or [] if p.get("engine") == CUDA_ENGINE),
+                 None)
     return None if entry is None or "gpus" not in entry else set(entry["gpus"])
 
 
