@@ -74,10 +74,11 @@ class Cluster:
     def until(self, what: str, done: Callable[[], bool], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not done():
+            seen = [(r["id"], r["profile"], r["state"], r.get("err"))
+                    for r in self.store.replicas()]
             assert time.monotonic() < deadline, (
-                f"timed out after {timeout_s:.0f}s waiting for {what}; replicas: "
-                f"{[(r['id'], r['profile'], r['state'], r.get('err')) for r in self.store.replicas()]}"
-                f", engine starts: {self.starts_seen()}")
+                f"timed out after {timeout_s:.0f}s waiting for {what}; replicas: {seen}, "
+                f"engine starts: {self.starts_seen()}")
             self.round()
             time.sleep(0.2)
 

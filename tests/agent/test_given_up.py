@@ -19,22 +19,10 @@ from llmgw.contract import EngineState
 from llmgw.control.admin_api import public_replica
 from llmgw.control.nodes import node_view
 from tests.agent.gpu_node import cluster
+from tests.agent.test_engine_log import OOM_LOG
 
 pytestmark = pytest.mark.slow
 
-# What llama-server b7xxx prints when the model's weights do not fit the card (the lines
-# of ggml-cuda.cu, ggml-alloc.c, llama.cpp, common.cpp and server.cpp, in that order).
-OOM_LINES = """\
-load_tensors: loading model tensors, this can take a while... (mmap = true)
-load_tensors: offloading 1 repeating layers to GPU
-ggml_backend_cuda_buffer_type_alloc_buffer: allocating 15316.00 MiB on device 0: cudaMalloc failed: out of memory
-alloc_tensor_range: failed to allocate CUDA0 buffer of size 16060055552
-llama_model_load: error loading model: unable to allocate CUDA0 buffer
-llama_model_load_from_file_impl: failed to load model
-common_init_from_params: failed to load model '{model}'
-srv    load_model: failed to load model, '{model}'
-main: exiting due to model loading error
-"""
 OOM = ("cudaMalloc failed: out of memory", "error loading model: unable to allocate CUDA0")
 
 
@@ -52,8 +40,7 @@ if argv[:1] == ["--list-devices"]:
     sys.exit(0)
 with open({str(starts)!r}, "a") as f:
     f.write("start\\n")
-model = argv[argv.index("-m") + 1]
-sys.stderr.write({OOM_LINES!r}.format(model=model))
+sys.stderr.write({OOM_LOG!r})
 sys.exit(1)
 """)
     engine.chmod(0o755)
