@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.replicas import GPU_START_ATTEMPTS
+from llmgw.agent.replicas import GIVE_UP_FOR_S, GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.commands.status import render
 from llmgw.contract import EngineState
 from llmgw.control.admin_api import public_replica
@@ -92,3 +92,21 @@ def test_negative_control_without_the_give_up_rule_the_gpu_engine_is_started_aga
         assert [profile for profile, _ in c.live()] == ["gpu-h100-80gb"]
         assert c.store.node("gpu-node")["inventory"].get("given_up") == []  # type: ignore[index]
 
+
+
+def test_a_given_up_placement_is_reported_for_its_window_then_forgotten(tmp_path: Path) -> None:
+    """GIVE_UP_FOR_S after the give-up the node stops reporting it (and its warning), so the
+    control plane may try that card again; until then it is reported on every beat."""
+    now = [1000.0]
+    sup = ReplicaSupervisor(state_dir=tmp_path / "agent", weights_dir=tmp_path / "weights",
+                            engine=lambda kind: None, bind_host="127.0.0.1",
+                            clock=lambda: now[0])
+    entry = {"replica": "r-1", "model": "m", "profile": "gpu-h100-80gb", "gpus": ["GPU-a"],
+             "reason": OOM[0], "starts": GPU_START_ATTEMPTS, "free_mb": {"GPU-a": 100},
+             "since": 0.0}
+    sup.given_up["r-1"] = (entry, now[0])  # type: ignore[assignment]
+    now[0] += GIVE_UP_FOR_S - 1
+    assert sup.facts()["given_up"] == [entry]
+    assert len(sup.warnings()) == 1 and "tried again after 10 min" in sup.warnings()[0]
+    now[0] += 1
+    assert sup.facts()["given_up"] == [] and sup.warnings() == []
