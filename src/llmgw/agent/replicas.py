@@ -68,8 +68,9 @@ MAX_PROBES_AT_ONCE = 16
 # exited before it was ever ready), with the backoff above between them: 1 s, then 2 s.
 GPU_START_ATTEMPTS = 3
 # How long a given-up placement is reported: the control plane places no replica of that
-# model and profile on those cards meanwhile (unless a card's free memory grows; see
-# control/scheduler.py GIVE_UP_FREE_GROWTH_MB), then may try them again.
+# model and profile on those cards meanwhile (unless a card's free memory grows by
+# contract GIVE_UP_FREE_GROWTH_MB), then may try them again. An agent that restarts
+# forgets its give-ups and tries again.
 GIVE_UP_FOR_S = 600.0
 
 
