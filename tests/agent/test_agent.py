@@ -38,6 +38,9 @@ class Recorder:
     def reconcile(self, assignments: list[dict[str, Any]]) -> None:
         self.told.append(assignments)
 
+    def warnings(self) -> list[str]:
+        return []
+
 
 @pytest.fixture
 def control_plane(tmp_path: Path) -> Any:

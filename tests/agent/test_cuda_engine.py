@@ -232,3 +232,24 @@ def test_a_driver_too_old_for_any_toolkit_says_so_before_any_download(
     assert said_driver == (driver == "11080"), status.detail
     if driver == "11080":
         assert fetched == [], "nothing may be fetched before the driver's reason"
+
+
+def test_a_card_that_fails_its_check_is_left_out_and_the_engine_serves_the_others(
+        tmp_path: Path) -> None:
+    only_l4 = lister(tmp_path / "l4", {"GPU-bbbb": "NVIDIA L4"})
+    status = cuda_engine(tmp_path, lambda on_progress: only_l4, [H100, L4]).provision()
+    assert status.state == EngineState.READY, status
+    assert status.gpus == ("GPU-bbbb",)
+    assert [uuid for uuid, _ in status.left_out] == ["GPU-aaaa"]
+    assert "names no CUDA device" in dict(status.left_out)["GPU-aaaa"]
+    assert status.as_dict()["gpus"] == ["GPU-bbbb"]
+    assert "1 of 2 GPU(s) passed its check; 1 left out: GPU-aaaa" in status.detail
+
+
+def test_negative_control_every_card_failing_its_check_fails_the_engine_naming_each(
+        tmp_path: Path) -> None:
+    none = lister(tmp_path / "none", {})
+    status = cuda_engine(tmp_path, lambda on_progress: none, [H100, L4]).provision()
+    assert status.state == EngineState.FAILED
+    assert "GPU-aaaa" in status.detail and "GPU-bbbb" in status.detail
+    assert "gpus" not in status.as_dict()

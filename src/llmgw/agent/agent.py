@@ -18,7 +18,7 @@ from llmgw.agent.control_planes import ControlPlanes
 from llmgw.agent.cuda_engine import CudaEngine
 from llmgw.agent.engine import LlamaCpp
 from llmgw.agent.join import needs_renewal, renewal_request
-from llmgw.agent.replicas import ReplicaSupervisor
+from llmgw.agent.replicas import GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
 from llmgw.contract import CUDA_ENGINE, EngineState
@@ -102,8 +102,10 @@ class Agent:
 
     def warnings(self) -> list[str]:
         """Discovery's warnings, and the GPU engine's while it is made or when it failed."""
-        return [*self.discovery.warnings, *cuda_warnings(self.cuda.status.state,
-                                                         self.cuda.status.detail)]
+        status = self.cuda.status
+        return [*self.discovery.warnings,
+                *cuda_warnings(status.state, status.detail, dict(status.left_out)),
+                *self.workload.warnings()]
 
     def renew_if_due(self) -> bool:
         """Renew this node's certificate through the control plane when it expires within
@@ -210,9 +212,13 @@ class Agent:
 WATCH_CUDA = "watch it with `llmgw status` or the agent's log"
 
 
-def cuda_warnings(state: str, detail: str) -> list[str]:
+def cuda_warnings(state: str, detail: str, left_out: dict[str, str] | None = None) -> list[str]:
     """What a person reads of the GPU engine: that it is being made (and where to watch),
-    or why it failed; nothing once ready, or where it is not wanted."""
+    or why it failed; once ready, each card its check left out; nothing where it is not
+    wanted."""
+    if state == EngineState.READY:
+        return [f"GPU {uuid} is left out of the GPU engine ({CUDA_ENGINE}), which serves the "
+                f"other cards: {why}" for uuid, why in (left_out or {}).items()]
     if state == EngineState.FAILED:
         return [f"the GPU engine ({CUDA_ENGINE}) failed: {detail}"]
     if state in (EngineState.PENDING, EngineState.DOWNLOADING, EngineState.BUILDING,
@@ -222,9 +228,11 @@ def cuda_warnings(state: str, detail: str) -> list[str]:
     return []
 
 
-def replica_supervisor(agent: Agent) -> ReplicaSupervisor:
+def replica_supervisor(agent: Agent,
+                       gpu_start_attempts: int = GPU_START_ATTEMPTS) -> ReplicaSupervisor:
     """The replicas of this node: engines bound to the address the control plane sees,
-    weights cached in the state dir, adopted again when this agent restarts."""
+    weights cached in the state dir, adopted again when this agent restarts; a placement
+    on GPUs given up after gpu_start_attempts failed starts (0: never)."""
     interface, addr = host.management_interface(agent.config.server)
 
     def engine_path(kind: str) -> str | None:
@@ -237,7 +245,8 @@ def replica_supervisor(agent: Agent) -> ReplicaSupervisor:
                              engine=engine_path, bind_host=addr or "127.0.0.1",
                              interface=interface,
                              gpus=[g.as_dict() for g in agent.discovery.gpus],
-                             cards=agent.cards)
+                             cards=agent.cards,
+                             gpu_start_attempts=gpu_start_attempts)
 
 
 def run_agent(config: AgentConfig) -> None:

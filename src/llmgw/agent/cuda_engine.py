@@ -3,8 +3,10 @@
 With `engine.cuda: auto` (the default) it is made after the CPU engine is ready, in the
 background, while the CPU engine serves: `engine.cuda_server` from agent.yaml, else a CUDA
 build (llmgw.agent._build). It is ready once `--list-devices`, run with each GPU alone
-visible, names that GPU. A build or check that fails says why in one line and is not
-tried again until the agent restarts or the cache changes.
+visible, names that GPU; a card that fails its check is named and left out (the engine
+serves the others, and the heartbeat says which passed). A build that fails, or a check
+that no card passes, says why in one line and is not tried again until the agent restarts
+or the cache changes.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class CudaEngine(Reporting):
         try:
             found = self._obtain()
             self._say(EngineState.CHECKING, f"{found.path} ({found.origin})")
-            self.check(found)
+            left_out = self.check(found)
         except Exception as e:  # noqa: BLE001 - every failure is the node's to show, once
             if not isinstance(e, Error):
                 log.exception("provisioning %s", CUDA_ENGINE)
@@ -131,8 +133,13 @@ class CudaEngine(Reporting):
                       + "; the node serves on CPU meanwhile")
             return self.status
         self.found = found
-        self._say(EngineState.READY, f"{found.path} ({found.origin}), "
-                  f"{len(self.gpus)} GPU(s) checked")
+        passed = [str(g.get("uuid", "")) for g in self.gpus
+                  if str(g.get("uuid", "")) not in left_out]
+        out = f"; {len(left_out)} left out: {', '.join(left_out)}" if left_out else ""
+        self._report(Status(CUDA_ENGINE, self.version, EngineState.READY,
+                            f"{found.path} ({found.origin}), {len(passed)} of "
+                            f"{len(self.gpus)} GPU(s) passed its check{out}",
+                            gpus=tuple(passed), left_out=tuple(left_out.items())))
         return self.status
 
     def _obtain(self) -> Found:
@@ -161,25 +168,31 @@ class CudaEngine(Reporting):
         finally:
             self._runner = None
 
-    def check(self, found: Found) -> None:
+    def check(self, found: Found) -> dict[str, str]:
         """`--list-devices`, with each GPU alone visible (CUDA_VISIBLE_DEVICES=its UUID),
-        names a CUDA device, and that device is the GPU NVML named."""
-        for gpu in self.gpus:
-            uuid, name = str(gpu.get("uuid", "")), str(gpu.get("name", ""))
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid}
-            rc, out = run_quietly([str(found.path), "--list-devices"], env=env)
-            devices = cuda_devices(out)
-            if rc != 0 or not devices:
-                raise EngineUnavailable(
-                    EngineState.FAILED,
-                    f"{found.path} --list-devices with CUDA_VISIBLE_DEVICES={uuid} names no "
+        names a CUDA device, and that device is the GPU NVML named. A card that fails is
+        left out (returned: UUID -> why) and the engine serves the others; EngineUnavailable
+        when none passed."""
+        left_out = {str(g.get("uuid", "")): why for g in self.gpus
+                    if (why := self._card_fails(found, g))}
+        if len(left_out) == len(self.gpus):
+            raise EngineUnavailable(EngineState.FAILED, "; ".join(left_out.values()))
+        return left_out
+
+    def _card_fails(self, found: Found, gpu: Gpu) -> str:
+        """Why one card fails the check ('' when it passes)."""
+        uuid, name = str(gpu.get("uuid", "")), str(gpu.get("name", ""))
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid}
+        rc, out = run_quietly([str(found.path), "--list-devices"], env=env)
+        devices = cuda_devices(out)
+        if rc != 0 or not devices:
+            return (f"{found.path} --list-devices with CUDA_VISIBLE_DEVICES={uuid} names no "
                     f"CUDA device ({rc}: {one_line(out)[-300:] or 'no output'}); it was not "
                     "built with CUDA, or the CUDA driver cannot run it")
-            if not _same_card(devices[0], name):
-                raise EngineUnavailable(
-                    EngineState.FAILED,
-                    f"{found.path} --list-devices with CUDA_VISIBLE_DEVICES={uuid} names "
+        if not _same_card(devices[0], name):
+            return (f"{found.path} --list-devices with CUDA_VISIBLE_DEVICES={uuid} names "
                     f"{devices[0]!r}, but NVML names that GPU {name!r}")
+        return ""
 
     def retry_if_cache_changed(self) -> bool:
         """A failed engine is made again when its cache changed since it failed (someone

@@ -68,10 +68,18 @@ class Status:
     version: str
     state: str
     detail: str = ""
+    # The GPU engine's cards: those that passed its check, and those left out with why
+    # (None: not checked card by card, as the CPU engine).
+    gpus: tuple[str, ...] | None = None
+    left_out: tuple[tuple[str, str], ...] = ()
 
     def as_dict(self) -> EngineStatus:
-        return {"engine": self.engine, "version": self.version, "state": self.state,
-                "detail": self.detail}
+        status: EngineStatus = {"engine": self.engine, "version": self.version,
+                                "state": self.state, "detail": self.detail}
+        if self.gpus is not None:
+            status["gpus"] = list(self.gpus)
+            status["left_out"] = dict(self.left_out)
+        return status
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ the engine's next append lands at the start of the emptied file.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -19,6 +20,18 @@ TAIL_LINES = 200
 TAIL_BYTES = 32 << 10
 # The control plane forgets a stopped replica after an hour; its log goes then too.
 KEEP_STOPPED_S = 3600.0
+
+# llama.cpp's own lines for a start that failed, in two kinds, most telling first in each:
+# what broke on the device (ggml-cuda.cu: `..._alloc_buffer: allocating 15316.00 MiB on
+# device 0: cudaMalloc failed: out of memory`; `CUDA error: ...`; ggml-alloc.c: `failed to
+# allocate CUDA0 buffer of size N`), and the model load that failed for it (llama.cpp:
+# `llama_model_load: error loading model: unable to allocate CUDA0 buffer`, `failed to
+# load model`).
+_FAILURE_KINDS = (
+    (re.compile(r"cudaMalloc failed: "), re.compile(r"CUDA error: "),
+     re.compile(r"failed to allocate \S+ buffer")),
+    (re.compile(r"error loading model: "), re.compile(r"failed to load model")),
+)
 
 
 def rotate(path: Path, max_bytes: int = MAX_BYTES) -> bool:
@@ -69,3 +82,17 @@ def prune(folder: Path, live: set[str], now: float | None = None,
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
+
+
+def failure_reason(lines: list[str]) -> str:
+    """Why an engine that exited failed to start, in llama.cpp's own words: the last line
+    of the most telling pattern of each kind its log has (what broke on the device, then
+    the model load it failed), joined by ' / '; '' when it has none."""
+    found = []
+    for kind in _FAILURE_KINDS:
+        for pattern in kind:
+            hits = [line.strip() for line in lines if pattern.search(line)]
+            if hits:
+                found.append(hits[-1])
+                break
+    return " / ".join(found)

@@ -1,6 +1,11 @@
 """The replica supervisor: weights downloaded and checked, llama-server started, watched,
 restarted with backoff, and adopted again after the agent itself restarts.
 
+A replica placed on GPUs whose engine exits before it is ever ready GPU_START_ATTEMPTS
+times in a row (out of memory while loading, a CUDA error) is given up: not started again,
+and reported (`given_up` in the heartbeat, with the reason read from the engine's log) for
+GIVE_UP_FOR_S, so the control plane places the model on its next profile meanwhile.
+
 Each replica's pid, port and key live in STATE/replicas/ID.json, written before the
 engine is considered started, so an agent that comes back (kill -9, upgrade) finds its
 engines still serving and adopts them instead of starting second copies.
@@ -27,9 +32,10 @@ import httpx
 
 from llmgw._files import atomic_write, last_lines
 from llmgw.agent import engine_log, sizing
-from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, ReplicaState
+from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, GIVE_UP_FREE_GROWTH_MB, ReplicaState
 from llmgw.contract.records import (
     Assignment,
+    GivenUp,
     Gpu,
     Inventory,
     ReplicaReport,
@@ -45,6 +51,8 @@ ENGINE_NAME = "llama-server"
 MAX_BACKOFF_S = 30.0
 STOP_GRACE_S = 10.0
 _LOG_TAIL = 8
+# How far back the engine's log is read for why a start failed.
+_REASON_LINES = 200
 # A ready replica leaves ready on a refused connection or an exit at once, but only after
 # this many slow or failed probes in a row: under load a probe waits behind generations,
 # and one slow answer said nothing about whether the engine serves.
@@ -56,6 +64,14 @@ PROBE_TIMEOUT_S = 5.0
 RETIRE_GRACE_S = 1.0
 RETIRE_DRAIN_S = 30.0
 MAX_PROBES_AT_ONCE = 16
+# A replica on GPUs is given up after this many failed starts in a row (each an engine that
+# exited before it was ever ready), with the backoff above between them: 1 s, then 2 s.
+GPU_START_ATTEMPTS = 3
+# How long a given-up placement is reported: the control plane places no replica of that
+# model and profile on those cards meanwhile (unless a card's free memory grows by
+# contract GIVE_UP_FREE_GROWTH_MB), then may try them again. An agent that restarts
+# forgets its give-ups and tries again.
+GIVE_UP_FOR_S = 600.0
 
 
 @dataclass
@@ -87,6 +103,10 @@ class Replica:
     failures: int = 0
     retry_at: float = 0.0
     probe_failures: int = 0
+    # Engines started since it was last ready that exited before being ready; given up
+    # (never started again) once GPU_START_ATTEMPTS of them ran on GPUs.
+    failed_starts: int = 0
+    gave_up: bool = False
     # state -> how many times the replica entered it: a flap cannot hide between two polls.
     changes: dict[str, int] = field(default_factory=dict)
     worker: threading.Thread | None = field(default=None, repr=False)
@@ -160,6 +180,8 @@ class ReplicaSupervisor:
         http: httpx.Client | None = None,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
         cards: Callable[[], list[Gpu]] | None = None,
+        gpu_start_attempts: int = GPU_START_ATTEMPTS,
+        give_up_for_s: float = GIVE_UP_FOR_S,
     ) -> None:
         self.dir = Path(state_dir) / "replicas"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -174,6 +196,11 @@ class ReplicaSupervisor:
         self.clock = clock
         self.http = http or httpx.Client(timeout=httpx.Timeout(30.0, read=300.0))
         self.probe_timeout_s = probe_timeout_s
+        # 0: never give a GPU placement up (restarted with backoff, as a CPU one is).
+        self.gpu_start_attempts = gpu_start_attempts
+        self.give_up_for_s = give_up_for_s
+        # Placements given up (replica id -> what the heartbeat says, and since when).
+        self.given_up: dict[str, tuple[GivenUp, float]] = {}
         self.replicas: dict[str, Replica] = {}
         # Replicas stopping in the background (stop()), until their engine is gone.
         self.retiring: dict[str, threading.Thread] = {}
@@ -206,7 +233,25 @@ class ReplicaSupervisor:
                 rid: {"model": r.record.model, "to": dict(r.changes)}
                 for rid, r in self.replicas.items()}
         return {"replica_state_changes": changes,
-                "replica_logs": engine_log.tails(self.dir)}
+                "replica_logs": engine_log.tails(self.dir),
+                "given_up": self._given_up()}
+
+    def _given_up(self) -> list[GivenUp]:
+        """The placements given up within give_up_for_s (older ones forgotten)."""
+        with self._lock:
+            now = self.clock()
+            for rid in [rid for rid, (_, at) in self.given_up.items()
+                        if now - at >= self.give_up_for_s]:
+                del self.given_up[rid]
+            return [entry for entry, _ in self.given_up.values()]
+
+    def warnings(self) -> list[str]:
+        """A line per placement given up: which replica, which cards, why, and what then."""
+        return [f"replica {e['replica']} of {e['model']} ({e['profile']}) was given up on "
+                f"GPU {', '.join(e['gpus'])} after {e['starts']} failed starts: {e['reason']}; "
+                f"{e['model']} goes to its next profile, and this card is tried again after "
+                f"{self.give_up_for_s / 60:.0f} min or once it has "
+                f"{GIVE_UP_FREE_GROWTH_MB} MiB more free" for e in self._given_up()]
 
     def set_state(self, replica: Replica, state: ReplicaState, why: str = "") -> None:
         """Every change of state is logged with its reason and counted."""
@@ -358,6 +403,33 @@ class ReplicaSupervisor:
         replica.failures += 1
         replica.retry_at = self.clock() + min(MAX_BACKOFF_S, 2.0 ** (replica.failures - 1))
 
+    def _exited(self, replica: Replica, why: str) -> None:
+        """The engine is gone: a failed start when it was never ready since it was started;
+        the GPU_START_ATTEMPTS-th in a row of a replica on GPUs gives the placement up."""
+        if replica.state != ReplicaState.READY:
+            replica.failed_starts += 1
+        if not (replica.record.gpus and 0 < self.gpu_start_attempts <= replica.failed_starts):
+            self._failed(replica, why)
+            return
+        record = replica.record
+        reason = engine_log.failure_reason(
+            engine_log.tail(self.dir / f"{record.id}.log", lines=_REASON_LINES)) or why
+        free = {str(g.get("uuid")): int(g.get("memory_free_mb", g.get("memory_mb", 0)))
+                for g in self.cards() if g.get("uuid") in record.gpus}
+        entry: GivenUp = {"replica": record.id, "model": record.model,
+                          "profile": record.profile, "gpus": list(record.gpus),
+                          "reason": reason, "starts": replica.failed_starts,
+                          "free_mb": free, "since": time.time()}
+        with self._lock:
+            self.given_up[record.id] = (entry, self.clock())
+        replica.gave_up = True
+        self.set_state(replica, ReplicaState.FAILED,
+                       f"given up after {replica.failed_starts} failed starts on GPU "
+                       f"{', '.join(record.gpus)}: {reason}")
+        log.warning("replica %s of %s: given up on GPU %s after %d failed starts: %s",
+                    record.id, record.model, ", ".join(record.gpus), replica.failed_starts,
+                    reason)
+
     def _alive(self, replica: Replica) -> bool:
         if replica.proc is not None:
             return replica.proc.poll() is None
@@ -370,7 +442,7 @@ class ReplicaSupervisor:
             replicas = list(self.replicas.values())
         probed: list[Replica] = []
         for r in replicas:
-            if r.worker is not None and r.worker.is_alive():
+            if (r.worker is not None and r.worker.is_alive()) or r.gave_up:
                 continue
             if r.state == ReplicaState.FAILED:
                 if self.clock() >= r.retry_at:
@@ -380,7 +452,7 @@ class ReplicaSupervisor:
             if not self._alive(r):
                 code = r.proc.returncode if r.proc is not None else "unknown"
                 tail = last_lines(self.dir / f"{r.record.id}.log", _LOG_TAIL)
-                self._failed(r, f"llama-server exited with code {code}; its last lines: {tail}")
+                self._exited(r, f"llama-server exited with code {code}; its last lines: {tail}")
                 continue
             probed.append(r)
         for r, (outcome, why) in zip(probed, self._probe_all(probed), strict=True):
@@ -398,7 +470,7 @@ class ReplicaSupervisor:
     def _probed(self, r: Replica, outcome: str, why: str) -> None:
         """Apply one probe's outcome: ok, loading (503), refused, or slow (timeout, error)."""
         if outcome == "ok":
-            r.probe_failures, r.failures = 0, 0
+            r.probe_failures, r.failures, r.failed_starts = 0, 0, 0
             self.set_state(r, ReplicaState.READY)
         elif outcome in ("loading", "refused"):
             r.probe_failures = 0

@@ -23,6 +23,9 @@ class Workload(Protocol):
     def reconcile(self, assignments: list[Assignment]) -> None:
         """Make the running replicas match the control plane's assignments for this node."""
 
+    def warnings(self) -> list[str]:
+        """What a person must read of the replicas (a GPU placement given up), one line each."""
+
 
 class NoReplicas:
     """Runs nothing and reports nothing; assignments are ignored (remembered for tests)."""
@@ -38,3 +41,6 @@ class NoReplicas:
 
     def reconcile(self, assignments: list[Assignment]) -> None:
         self.assignments = list(assignments)
+
+    def warnings(self) -> list[str]:
+        return []

@@ -43,6 +43,29 @@ class EngineStatus(TypedDict, total=False):
     # Not EngineState: a newer agent may report a state this release does not know.
     state: str
     detail: str
+    # The GPU engine's check, card by card: the NVML UUIDs that passed it (the scheduler
+    # places GPU replicas on these alone; absent from an older agent: every card), and
+    # those left out, with why.
+    gpus: list[str]
+    left_out: dict[str, str]
+
+
+@with_config(_OPEN)
+class GivenUp(TypedDict, total=False):
+    """A GPU placement a node gave up on (agent/replicas.py, GPU_START_ATTEMPTS failed starts
+    in a row): its replica, model, profile and GPUs, why (the engine's log), how many starts,
+    each card's free memory (MiB) as it then was, and since when (unix seconds). The node
+    reports it for GIVE_UP_FOR_S; the scheduler places no replica of that model and profile
+    on those cards meanwhile, unless a card's free memory grew by GIVE_UP_FREE_GROWTH_MB."""
+
+    replica: str
+    model: str
+    profile: str
+    gpus: list[str]
+    reason: str
+    starts: int
+    free_mb: dict[str, int]
+    since: float
 
 
 @with_config(_CLOSED)
@@ -69,6 +92,7 @@ class Inventory(TypedDict, total=False):
     warnings: list[str]
     replica_state_changes: dict[str, StateChanges]
     replica_logs: dict[str, list[str]]
+    given_up: list[GivenUp]
 
 
 class NodeRecord(TypedDict):
@@ -94,6 +118,8 @@ class NodeView(TypedDict):
     memory_mb: int
     warnings: list[str]
     last_seen: float
+    # GPU placements this node gave up on (GivenUp), while it reports them.
+    given_up: NotRequired[list[GivenUp]]
 
 
 @with_config(_CLOSED)

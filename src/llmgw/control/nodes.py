@@ -63,4 +63,5 @@ def node_view(node: NodeRecord, now: float, timeout_s: float,
         "memory_mb": inv.get("memory_mb", 0),
         "warnings": list(inv.get("warnings", [])),
         "last_seen": node["last_seen"],
+        "given_up": list(inv.get("given_up", [])),
     }

@@ -1,6 +1,8 @@
 """Scheduling: keep each catalog model's `scaling.min` replicas on nodes that fit, on
 specific GPUs where a GPU profile fits, and move a replica onto a better profile (a node's
-GPU engine became ready) by starting the new one before stopping the old.
+GPU engine became ready) by starting the new one before stopping the old. A GPU placement
+its node gave up on is stopped and the model placed on its next profile; GPU replicas go
+only to cards that passed the GPU engine's check.
 
 `plan` is pure (catalog, nodes, replicas in; changes out) so it is tested without
 processes; `Scheduler` applies a plan to the store, in one transaction fenced by the
@@ -14,8 +16,17 @@ import secrets
 from dataclasses import dataclass, field
 
 from llmgw import kv_sizing
-from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, LIVE_REPLICA_STATES, NodeState, ReplicaState
+from llmgw.contract import (
+    CPU_ENGINE,
+    CUDA_ENGINE,
+    GIVE_UP_FREE_GROWTH_MB,
+    LIVE_REPLICA_STATES,
+    NodeState,
+    ReplicaState,
+)
 from llmgw.contract.records import (
+    Geometry,
+    GivenUp,
     Gpu,
     ModelSpec,
     NodeView,
@@ -175,6 +186,52 @@ def _gpus_for(model: ModelSpec, profile: ProfileSpec, node: NodeView,
                 f"{_gib(sizing.total)}: {sizing.explain()}")
 
 
+# --- cards held back: failed the GPU engine's check, or given up for this model ---
+
+
+def _checked_cards(node: NodeView) -> set[str] | None:
+    """The UUIDs that passed the node's GPU engine check (None from an agent that does not
+    say: every card)."""
+    entry = next((p for p in node.get("provision") or [] if p.get("engine") == CUDA_ENGINE),
+                 None)
+    return None if entry is None or "gpus" not in entry else set(entry["gpus"])
+
+
+def _grown(entry: GivenUp, uuid: str, node: NodeView) -> bool:
+    """Whether the card's free memory grew by GIVE_UP_FREE_GROWTH_MB since it was given up."""
+    was = (entry.get("free_mb") or {}).get(uuid)
+    card = next((g for g in node["gpus"] if g.get("uuid") == uuid), None)
+    return was is not None and card is not None and \
+        _free_bytes(card) // MIB - was >= GIVE_UP_FREE_GROWTH_MB
+
+
+def _held_back(model: ModelSpec, profile: ProfileSpec, node: NodeView) -> dict[str, str]:
+    """The node's cards a replica of model on profile may not have now (UUID -> why): those
+    the GPU engine's check left out, and those the node gave up this placement on (until
+    it stops reporting that, or the card's free memory has grown)."""
+    held: dict[str, str] = {}
+    passed = _checked_cards(node)
+    for g in node["gpus"]:
+        uuid = str(g.get("uuid", ""))
+        if passed is not None and g.get("class") == profile["gpu_class"] and uuid not in passed:
+            held[uuid] = f"GPU {uuid} failed the GPU engine's check"
+    for entry in node.get("given_up") or []:
+        if entry.get("model") != model["name"] or entry.get("profile") != profile["name"]:
+            continue
+        for uuid in entry.get("gpus") or []:
+            if not _grown(entry, uuid, node):
+                held.setdefault(uuid, f"{node['id']} gave up on GPU {uuid} after "
+                                      f"{entry.get('starts', 0)} failed starts: "
+                                      f"{entry.get('reason', '')}")
+    return held
+
+
+def given_up(replica: ReplicaRecord, node: NodeView | None) -> GivenUp | None:
+    """The node's report that it gave this replica up, or None."""
+    entries = node.get("given_up") or [] if node is not None else []
+    return next((e for e in entries if e.get("replica") == replica["id"]), None)
+
+
 def _usage(node_id: str, replicas: list[ReplicaRecord], models: dict[str, ModelSpec]) -> _Used:
     used = _Used()
     for r in replicas:
@@ -220,7 +277,11 @@ def place(
             why = _why_not(profile, node, used)
             gpus: list[str] = []
             if not why and profile["gpu_class"]:
-                gpus, why = _gpus_for(model, profile, node, used)
+                held = _held_back(model, profile, node)
+                gpus, why = _gpus_for(model, profile, node, _Used(
+                    used.uuids | set(held), used.by_class, used.memory_mb))
+                if why and held:
+                    why += " (" + "; ".join(held.values()) + ")"
             if not why:
                 return Placement(node["id"], profile["name"], gpus)
             reasons.append(f"{profile['name']}: {why}")
@@ -309,11 +370,19 @@ def plan(
     """The changes that bring replicas in line with the catalog and the nodes' states."""
     result = Plan()
     by_name = {m["name"]: m for m in models}
+    by_id = {n["id"]: n for n in nodes}
     states = {n["id"]: n["state"] for n in nodes}
     live = [r for r in replicas if r["state"] in LIVE_REPLICA_STATES]
     for r in live:
+        gave_up = given_up(r, by_id.get(r["node"]))
         if r["model"] not in by_name:
             result.stop[r["id"]] = f"{r['model']} was deleted from the catalog"
+        elif gave_up is not None:
+            # Its node stopped trying it: the model goes to its next profile meanwhile.
+            result.stop[r["id"]] = (
+                f"node {r['node']} gave up on {r['profile']} on GPU "
+                f"{', '.join(gave_up.get('gpus') or [])} after {gave_up.get('starts', 0)} "
+                f"failed starts: {gave_up.get('reason', '')}")
         elif r["node"] and states.get(r["node"], "gone") in (NodeState.NOT_READY, "gone"):
             # Only a silent node loses its replicas: one that restarted and is checking its
             # engine again still runs them (engines outlive their agent).
