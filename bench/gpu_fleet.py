@@ -235,7 +235,10 @@ def throughput(side: Side, payload: dict[str, Any], width: int, seconds: float) 
 
     def client(i: int) -> None:
         headers = {"Authorization": f"Bearer {side.key}"} if side.key else {}
-        with httpx.Client(base_url=side.url, headers=headers, timeout=120) as http:
+        # A connection per request: llama-server closes kept-alive ones at will (its
+        # HTTP library), which a reused connection meets as a request never answered.
+        with httpx.Client(base_url=side.url, headers=headers, timeout=120,
+                          limits=httpx.Limits(max_keepalive_connections=0)) as http:
             while True:  # one request at least, then until the deadline
                 try:
                     tokens[i] += streamed_tokens(http, payload)
@@ -336,24 +339,19 @@ def ready_replica(host: ThrowawayHost) -> dict[str, Any]:
     return gpu[0]
 
 
-def listener_argv(port: int) -> tuple[int, list[str]]:
-    """The process listening on a local TCP port, and its command line (from /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
+def engine_argv(port: int) -> tuple[int, list[str]]:
+    """The llama-server serving on a local port (its --port), and its command line, from
+    /proc/*/cmdline (which gVisor, where the device runs, has as Linux does)."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-                return int(proc.name), [a.decode() for a in argv if a]
+            argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
         except OSError:
             continue
-    raise RuntimeError(f"no process listens on 127.0.0.1:{port}")
+        if argv and Path(argv[0]).name == "llama-server" and flag(argv, "--port") == str(port):
+            return int(proc.name), argv
+    raise RuntimeError(f"no llama-server with --port {port} among this machine's processes")
 
 
 def props(side: Side) -> dict[str, Any]:
@@ -368,6 +366,11 @@ def flag(argv: list[str], *names: str) -> str | None:
         if word in names:
             return argv[i + 1]
     return None
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """argv with the replica's key left out (the output travels back)."""
+    return [("…" if i and argv[i - 1] == "--api-key" else a) for i, a in enumerate(argv)]
 
 
 def without(argv: list[str], *names: str) -> list[str]:
@@ -407,7 +410,7 @@ def start_default(argv: list[str], port: int, log: Path) -> subprocess.Popen[byt
     cmd = [*without(argv, "--parallel", "-np", "--port", "--log-verbosity", "-lv"),
            "--port", str(port), "--log-verbosity", "4"]
     with open(log, "w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
+        f.write("$ " + " ".join(redacted(cmd)) + "\n")
         f.flush()
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
 
@@ -524,11 +527,11 @@ def run(args: argparse.Namespace, report: Report, host: ThrowawayHost, model: Pa
         report.step(f"gateway_vs_direct_{width}",
                     rounds([direct, gateway], payload, width, args.seconds, args.rounds))
 
-    pid, argv = listener_argv(int(replica["endpoint"].rsplit(":", 1)[1]))
+    pid, argv = engine_argv(int(replica["endpoint"].rsplit(":", 1)[1]))
     sized = {**props(direct), "parallel_flag": flag(argv, "--parallel", "-np"),
              "ctx_flag": flag(argv, "--ctx-size", "-c"),
              "gpu_layers_flag": flag(argv, "--n-gpu-layers", "-ngl"),
-             "device_flag": flag(argv, "--device", "-dev"), "argv": argv[1:]}
+             "device_flag": flag(argv, "--device", "-dev"), "argv": redacted(argv[1:])}
     report.step("sized", sized)
     if report.left_s(args.budget_s) < 2 * args.rounds * args.seconds + 60:
         return finish(report, 0)
