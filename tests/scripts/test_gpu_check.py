@@ -74,7 +74,8 @@ def test_its_gguf_is_served_by_the_cpu_engine_with_device_none(tmp_path: Path,
     assert served["predicted"] == 256
     # The loader's lines are there (--log-verbosity 4): each buffer's size; a build with
     # no GPU backend prints no offload line, so none is claimed.
-    assert served["model_buffers_mib"] and served["layers_offloaded"] is None, served
+    assert served["buffers_mib"]["model"] and served["buffers_mib"]["kv"], served
+    assert served["layers_offloaded"] is None, served
 
 
 def test_offload_is_read_from_llama_cpps_own_loader_lines() -> None:
@@ -82,12 +83,15 @@ def test_offload_is_read_from_llama_cpps_own_loader_lines() -> None:
     log = ("load_tensors: offloading output layer to GPU\n"
            "load_tensors: offloaded 17/17 layers to GPU\n"
            "load_tensors:        CUDA0 model buffer size =   512.50 MiB\n"
-           "load_tensors:   CPU_Mapped model buffer size =    62.50 MiB\n")
-    assert gc.offload(log) == {"layers_offloaded": "17/17",
-                               "model_buffers_mib": {"CUDA0": 512.5, "CPU_Mapped": 62.5}}
+           "load_tensors:   CPU_Mapped model buffer size =    62.50 MiB\n"
+           "llama_kv_cache:      CUDA0 KV buffer size =  4096.00 MiB\n"
+           "sched_reserve:      CUDA0 compute buffer size =   300.75 MiB\n")
+    assert gc.offload(log) == {"layers_offloaded": "17/17", "buffers_mib": {
+        "model": {"CUDA0": 512.5, "CPU_Mapped": 62.5}, "kv": {"CUDA0": 4096.0},
+        "compute": {"CUDA0": 300.75}}}
     # Negative control: the default verbosity's log has none of them, and none is made up.
     assert gc.offload("main: server is listening on http://127.0.0.1:8080\n") == {
-        "layers_offloaded": None, "model_buffers_mib": {}}
+        "layers_offloaded": None, "buffers_mib": {}}
 
 
 def _long_named_tar(path: Path, name: str) -> None:
