@@ -129,15 +129,6 @@ def seed_cache(cache: Path, tree: Path, cpu_engine: Path) -> None:
     shutil.copy2(tree, sources / f"llama_cpp_python-{PINNED_VERSION}.tar.gz")
 
 
-def cuda_path(path: str) -> str:
-    """PATH with the newest /usr/local/cuda-*/bin first where no nvcc is found otherwise
-    (the agent looks on PATH, then in /usr/local/cuda)."""
-    if shutil.which("nvcc", path=path) or Path("/usr/local/cuda/bin/nvcc").exists():
-        return path
-    found = sorted(Path("/usr/local").glob("cuda-*/bin/nvcc"))
-    return f"{found[-1].parent}:{path}" if found else path
-
-
 def standin_gpu_engine(directory: Path, real: str) -> Path:
     """llamacpp-cuda stood in for by the CPU llama-server (as tests/test_gpu_node_flow.py
     does): --list-devices names the stand-in's H200; --device and --n-gpu-layers dropped."""
@@ -448,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = Report(args.out)
     gpu_check = load_gpu_check()
-    env = {"PATH": cuda_path(os.environ.get("PATH", ""))}
+    env = {"PATH": gpu_check.cuda_path(os.environ.get("PATH", ""))}
     if args.dry_run:
         env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(STANDIN),
                                                             os.environ.get("PYTHONPATH")])),

@@ -42,8 +42,11 @@ def run(*args: str, env: dict[str, str] | None = None,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def test_without_a_gpu_it_says_so_in_one_line_and_exits_3(tmp_path: Path) -> None:
-    done = run("--out", str(tmp_path / "out"), env={"LLMGW_GPU_CHECK_DIR": str(tmp_path)})
+@pytest.mark.parametrize("mode", [[], ["--fleet"]], ids=["build-and-serve", "fleet"])
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_3(tmp_path: Path,
+                                                           mode: list[str]) -> None:
+    done = run(*mode, "--out", str(tmp_path / "out"),
+               env={"LLMGW_GPU_CHECK_DIR": str(tmp_path)})
     assert done.returncode == 3, done
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-check: no NVIDIA GPU here: "), lines
