@@ -128,8 +128,9 @@ def test_a_long_name_is_repacked_under_its_new_name(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The pinned sdist's tree as --prepare packs it (skipped where no sdist is cached)."""
+def packed(tmp_path_factory: pytest.TempPathFactory, llama_server: str) -> Path:
+    """The pinned sdist's tree as --prepare packs it: the llama_server fixture's build
+    caches the sdist (skipped where a llama-server was found without one)."""
     gc = gpu_check()
     if not gc.SDIST.is_file():
         pytest.skip(f"no cached sdist at {gc.SDIST} (the llama_server fixture's build or a "
