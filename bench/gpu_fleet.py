@@ -448,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(env)
     nvml = report.step("nvml", gpu_check.nvml_view())
     (args.out / "nvml.json").write_text(json.dumps(nvml, indent=2) + "\n")
+    absent = [str(f) for f in (args.tree, args.cpu_engine) if not f.is_file()]
+    if absent:
+        raise SystemExit(f"gpu-check: {' and '.join(absent)} missing: run `scripts/gpu-check "
+                         "--prepare` where the checkout's .venv is, and carry .gpu-check")
 
     work = gpu_check.LOCAL / f"fleet-{time.strftime('%Y%m%d-%H%M%S')}"
     cache = work / "cache"

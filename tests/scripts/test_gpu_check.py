@@ -53,11 +53,13 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_3(tmp_path: Path,
     assert "needs a GPU machine" in lines[0] and done.stdout == ""
 
 
-def test_negative_control_with_a_standin_nvml_it_passes_the_gpu_check(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["--build", "--fleet"])
+def test_negative_control_with_a_standin_nvml_it_passes_the_gpu_check(tmp_path: Path,
+                                                                      mode: str) -> None:
     """The same command where NVML reports an H100: NVML's view is written, and it stops
-    at the build for want of the prepared tree (no CUDA build is started here)."""
+    for want of the prepared tree (no CUDA build, no host is started here)."""
     out = tmp_path / "out"
-    done = run("--build", "--out", str(out), env={
+    done = run(mode, "--out", str(out), env={
         "LLMGW_GPU_CHECK_DIR": str(tmp_path), "PYTHONPATH": str(STANDIN)})
     assert done.returncode == 1 and "--prepare" in done.stderr, done
     view = json.loads((out / "nvml.json").read_text())
