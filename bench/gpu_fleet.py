@@ -236,15 +236,17 @@ def throughput(side: Side, payload: dict[str, Any], width: int, seconds: float) 
                 if time.monotonic() >= deadline:
                     return
 
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(width)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.monotonic() - started
+    # The load's own CPU share: near 1.0, this process (one GIL) bounds what it measures.
     return {"tokens_per_s": round(sum(tokens) / wall, 1), "requests": sum(done),
-            "failed": sum(failed), "errors": errors[:3]}
+            "failed": sum(failed), "errors": errors[:3],
+            "client_cpu": round((time.process_time() - cpu) / wall, 2)}
 
 
 def rounds(sides: list[Side], payload: dict[str, Any], width: int, seconds: float,
@@ -264,6 +266,7 @@ def rounds(sides: list[Side], payload: dict[str, Any], width: int, seconds: floa
             **{f"{name}_tokens_per_s": round(m, 1) for name, m in medians.items()},
             "failed": sum(r["failed"] for got in runs.values() for r in got),
             "errors": [e for got in runs.values() for r in got for e in r["errors"]][:3],
+            "client_cpu": max(r["client_cpu"] for got in runs.values() for r in got),
             "ratio": round(medians[second] / medians[first], 3) if medians[first] else None}
 
 
