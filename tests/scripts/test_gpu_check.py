@@ -1,20 +1,39 @@
 """scripts/gpu-check on machines without a GPU: it says so in one line and exits 3; with a
 stand-in NVML it gets past that check (and stops, clearly, before any CUDA build); its
-standard-library GGUF writer makes a model the CPU llama-server serves; --prepare trims
-the pinned llama.cpp tree to what a CUDA build needs. The real run is on a lent GPU."""
+standard-library GGUF writer makes a model the CPU llama-server serves, whose loader lines
+it reads at --log-verbosity 4; --prepare trims the pinned llama.cpp tree to what the
+agent's CUDA configure line needs, long names and app/ included, and that line configures
+it for sm_90 on the toolkit the agent assembles from wheels. bench/gpu_fleet.py's logic
+is held here too. The real run is on a lent GPU (bench/README.md, 'GPU check')."""
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu-check"
 STANDIN = ROOT / "tests" / "standin_nvml"
+
+
+def gpu_check() -> ModuleType:
+    """scripts/gpu-check as a module."""
+    loader = importlib.machinery.SourceFileLoader("gpu_check", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("gpu_check", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def run(*args: str, env: dict[str, str] | None = None,
@@ -23,19 +42,24 @@ def run(*args: str, env: dict[str, str] | None = None,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def test_without_a_gpu_it_says_so_in_one_line_and_exits_3(tmp_path: Path) -> None:
-    done = run("--out", str(tmp_path / "out"), env={"LLMGW_GPU_CHECK_DIR": str(tmp_path)})
+@pytest.mark.parametrize("mode", [[], ["--fleet"]], ids=["build-and-serve", "fleet"])
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_3(tmp_path: Path,
+                                                           mode: list[str]) -> None:
+    done = run(*mode, "--out", str(tmp_path / "out"),
+               env={"LLMGW_GPU_CHECK_DIR": str(tmp_path)})
     assert done.returncode == 3, done
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu-check: no NVIDIA GPU here: "), lines
     assert "needs a GPU machine" in lines[0] and done.stdout == ""
 
 
-def test_negative_control_with_a_standin_nvml_it_passes_the_gpu_check(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["--build", "--fleet"])
+def test_negative_control_with_a_standin_nvml_it_passes_the_gpu_check(tmp_path: Path,
+                                                                      mode: str) -> None:
     """The same command where NVML reports an H100: NVML's view is written, and it stops
-    at the build for want of the prepared tree (no CUDA build is started here)."""
+    for want of the prepared tree (no CUDA build, no host is started here)."""
     out = tmp_path / "out"
-    done = run("--build", "--out", str(out), env={
+    done = run(mode, "--out", str(out), env={
         "LLMGW_GPU_CHECK_DIR": str(tmp_path), "PYTHONPATH": str(STANDIN)})
     assert done.returncode == 1 and "--prepare" in done.stderr, done
     view = json.loads((out / "nvml.json").read_text())
@@ -51,26 +75,193 @@ def test_its_gguf_is_served_by_the_cpu_engine_with_device_none(tmp_path: Path,
     assert done.returncode == 0, done.stderr[-2000:]
     line = json.loads(done.stdout.strip().splitlines()[-1])
     assert line["cpu_tokens_per_s"] > 0
-    served = json.loads((tmp_path / "serve.json").read_text())
-    assert served["cpu"]["predicted"] == 256 and served["cpu"]["layers_offloaded"] == "0"
+    served = json.loads((tmp_path / "serve.json").read_text())["cpu"]
+    assert served["predicted"] == 256
+    # The loader's lines are there (--log-verbosity 4): each buffer's size; a build with
+    # no GPU backend prints no offload line, so none is claimed.
+    assert served["buffers_mib"]["model"] and served["buffers_mib"]["kv"], served
+    assert served["layers_offloaded"] is None, served
 
 
-def test_prepare_keeps_what_a_cuda_build_needs_and_little_else(tmp_path: Path,
-                                                               llama_server: str) -> None:
-    """From the cached sdist (the llama_server fixture makes sure it is there when it
-    builds): the CUDA backend and the server are in, the models' vocabularies and docs
-    out, and the archive fits the device's 64 MiB with room."""
-    done = run("--prepare", env={"LLMGW_GPU_CHECK_DIR": str(tmp_path)})
-    if done.returncode != 0 and "is not there" in done.stderr:
-        import pytest
+def test_offload_is_read_from_llama_cpps_own_loader_lines() -> None:
+    gc = gpu_check()
+    log = ("load_tensors: offloading output layer to GPU\n"
+           "load_tensors: offloaded 17/17 layers to GPU\n"
+           "load_tensors:        CUDA0 model buffer size =   512.50 MiB\n"
+           "load_tensors:   CPU_Mapped model buffer size =    62.50 MiB\n"
+           "llama_kv_cache:      CUDA0 KV buffer size =  4096.00 MiB\n"
+           "sched_reserve:      CUDA0 compute buffer size =   300.75 MiB\n")
+    assert gc.offload(log) == {"layers_offloaded": "17/17", "buffers_mib": {
+        "model": {"CUDA0": 512.5, "CPU_Mapped": 62.5}, "kv": {"CUDA0": 4096.0},
+        "compute": {"CUDA0": 300.75}}}
+    # Negative control: the default verbosity's log has none of them, and none is made up.
+    assert gc.offload("main: server is listening on http://127.0.0.1:8080\n") == {
+        "layers_offloaded": None, "buffers_mib": {}}
 
-        pytest.skip(f"no cached sdist on this machine: {done.stderr.strip()}")
-    assert done.returncode == 0, done.stderr
-    made = json.loads(done.stdout)
-    assert made["bytes"] < 16 << 20
-    with tarfile.open(tmp_path / "llama.cpp.tar.gz") as t:
-        names = t.getnames()
-    assert "llama.cpp/CMakeLists.txt" in names
-    assert any(n.startswith("llama.cpp/ggml/src/ggml-cuda/") for n in names)
-    assert any(n.startswith("llama.cpp/tools/server/") for n in names)
+
+def _long_named_tar(path: Path, name: str) -> None:
+    with tarfile.open(path, "w:gz", format=tarfile.PAX_FORMAT) as t:
+        info = tarfile.TarInfo(name)
+        info.size = 2
+        t.addfile(info, io.BytesIO(b"ok"))
+
+
+def test_a_long_name_is_repacked_under_its_new_name(tmp_path: Path) -> None:
+    """A member whose name needed a pax `path` record unpacks under the name it was
+    packed as, not under the sdist's prefix the record still held."""
+    long = "llama_cpp_python-0.3.36/vendor/llama.cpp/" + "d/" * 40 + "instance.cu"
+    _long_named_tar(tmp_path / "src.tar.gz", long)
+    gc = gpu_check()
+
+    def repack(rename) -> str:  # type: ignore[no-untyped-def]
+        with tarfile.open(tmp_path / "src.tar.gz") as src, \
+                tarfile.open(tmp_path / "out.tar.gz", "w:gz") as out:
+            (member,) = src.getmembers()
+            assert member.name == long and member.pax_headers["path"] == long
+            new = "llama.cpp/" + member.name.split("llama.cpp/", 1)[1]
+            out.addfile(rename(member, new), src.extractfile(member))
+        with tarfile.open(tmp_path / "out.tar.gz") as t:
+            return t.getnames()[0]
+
+    assert repack(gc.renamed).startswith("llama.cpp/d/d/")
+    # Negative control: renamed in place with its pax headers kept (the shipped bug), it
+    # unpacks under the old prefix again.
+    assert repack(lambda m, n: m.replace(name=n, deep=False)) == long
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory, llama_server: str) -> Path:
+    """The pinned sdist's tree as --prepare packs it: the llama_server fixture's build
+    caches the sdist (skipped where a llama-server was found without one)."""
+    gc = gpu_check()
+    if not gc.SDIST.is_file():
+        pytest.skip(f"no cached sdist at {gc.SDIST} (the llama_server fixture's build or a "
+                    "provision with --engine-prebuilt off puts it there)")
+    archive = tmp_path_factory.mktemp("gpu-check") / "llama.cpp.tar.gz"
+    gc.pack_tree(gc.SDIST, archive)
+    return archive
+
+
+def test_prepare_packs_every_cuda_template_instance_and_app(packed: Path) -> None:
+    """Every file the CUDA server build's CMake lists glob or add is in the packed tree:
+    all of ggml-cuda's template instances of the sdist, app/ (the root CMakeLists adds
+    it), the server; the models' vocabularies and docs stay out, and it fits the device's
+    64 MiB with room."""
+    gc = gpu_check()
+    prefix = f"llama_cpp_python-{gc.PINNED}/vendor/llama.cpp/"
+    with tarfile.open(gc.SDIST) as src:
+        instances = {"llama.cpp/" + n[len(prefix):] for n in src.getnames()
+                     if n.startswith(prefix + "ggml/src/ggml-cuda/template-instances/")
+                     and n.endswith(".cu")}
+    with tarfile.open(packed) as t:
+        names = set(t.getnames())
+    assert len(instances) >= 100 and instances <= names, sorted(instances - names)[:5]
+    assert {"llama.cpp/CMakeLists.txt", "llama.cpp/app/CMakeLists.txt",
+            "llama.cpp/tools/server/server.cpp"} <= names
     assert not any(n.startswith(("llama.cpp/models/", "llama.cpp/docs/")) for n in names)
+    assert packed.stat().st_size < 16 << 20
+    assert gc.missing(packed) == []
+
+
+def test_negative_control_a_tree_short_of_one_instance_is_named(packed: Path,
+                                                                 tmp_path: Path) -> None:
+    gc = gpu_check()
+    short = tmp_path / "short.tar"
+    gone = "llama.cpp/ggml/src/ggml-cuda/template-instances/fattn-vec-instance-f16-f16.cu"
+    with tarfile.open(packed) as src, tarfile.open(short, "w") as out:
+        for member in src.getmembers():
+            if member.name != gone:
+                out.addfile(member, src.extractfile(member) if member.isfile() else None)
+    assert gc.missing(short) == [gone]
+
+
+def _cached_toolkit() -> Path:
+    gc = gpu_check()
+    nvcc = gc.CACHE / "cuda" / "13" / "nvidia" / "cu13" / "bin" / "nvcc"
+    if not (gc.CACHE / "cuda" / "13" / ".llmgw-installed").is_file() or not nvcc.is_file():
+        pytest.skip("no CUDA 13 toolkit assembled in the cache (`scripts/gpu-check "
+                    "--rehearse` assembles it from the package index, about 1 GiB)")
+    return nvcc
+
+
+@pytest.mark.slow
+def test_the_agents_cuda_configure_line_passes_on_the_packed_tree(packed: Path,
+                                                                  tmp_path: Path) -> None:
+    """The agent's own configure line, for sm_90, with the CUDA 13 toolchain it assembles
+    from wheels, configures the packed tree (no build); then, as a negative control, the
+    same tree short of one template instance stops at configure, naming it."""
+    _cached_toolkit()
+    from llmgw.agent import _build, _cuda
+    from llmgw.agent.gpus import GPU, Discovery
+
+    gc = gpu_check()
+    h200 = Discovery([GPU(0, "NVIDIA H200", 143771, "GPU-x", "h200", 143000, "9.0")],
+                     cuda_driver="13.0")
+    toolchain = _cuda.find_toolchain(gc.CACHE, h200, roots=(), search_path="/usr/bin:/bin")
+    tree = _build.unpack(packed, tmp_path / "src")
+
+    def configure(build: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(_build.cuda_configure_args(tree, tmp_path / build, toolchain,
+                                                         ["90"]),
+                              capture_output=True, text=True, timeout=600)
+
+    done = configure("build")
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "Including CUDA backend" in done.stdout
+    gone = tree / "ggml" / "src" / "ggml-cuda" / "template-instances"
+    (gone / "fattn-vec-instance-f16-f16.cu").unlink()
+    broken = configure("broken")
+    assert broken.returncode != 0
+    assert "fattn-vec-instance-f16-f16.cu" in broken.stdout + broken.stderr
+
+
+# --- bench/gpu_fleet.py's logic ---
+
+def fleet() -> ModuleType:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_fleet
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return gpu_fleet
+
+
+def test_the_fleet_waits_for_the_gpu_replica_alone() -> None:
+    f = fleet()
+    assert f.on_gpu([{"profile": "gpu-h200", "state": "ready"}])
+    assert not f.on_gpu([{"profile": "gpu-h200", "state": "ready"},
+                         {"profile": "cpu", "state": "ready"}])
+    assert not f.on_gpu([{"profile": "gpu-h200", "state": "starting"}])
+    assert not f.on_gpu([])
+
+
+def test_default_slots_are_the_replicas_line_less_parallel() -> None:
+    f = fleet()
+    argv = ["llama-server", "-m", "m.gguf", "--parallel", "24", "--ctx-size", "98304",
+            "--port", "4000", "--n-gpu-layers", "999"]
+    assert f.without(argv, "--parallel", "-np", "--port") == [
+        "llama-server", "-m", "m.gguf", "--ctx-size", "98304", "--n-gpu-layers", "999"]
+    assert f.flag(argv, "--parallel", "-np") == "24" and f.flag(argv, "-np") is None
+
+
+def test_the_fleets_line_holds_each_goal_to_its_figure(tmp_path: Path) -> None:
+    f = fleet()
+    report = f.Report(tmp_path)
+    report.data.update(
+        move={"failed": 0, "moved": True, "under_load": True, "requests": 200},
+        gateway_vs_direct_1={"ratio": 0.97}, gateway_vs_direct_32={"ratio": 0.96},
+        sized_vs_default={"ratio": 3.2}, sized={"total_slots": 32},
+        default={"total_slots": 4})
+    assert f.finish(report, 0) == 0
+    line = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert line["goals"] == {"no_failed_request": True, "gateway_ge_0.95": True,
+                             "sized_ge_3x": True}
+    assert (line["sized_slots"], line["default_slots"]) == (32, 4)
+    # Negative control: one failed request, a ratio just under, slots just short.
+    report.data.update(move={"failed": 1, "moved": True, "under_load": True, "requests": 200},
+                       gateway_vs_direct_32={"ratio": 0.949},
+                       sized_vs_default={"ratio": 2.99})
+    f.finish(report, 0)
+    line = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert line["goals"] == {"no_failed_request": False, "gateway_ge_0.95": False,
+                             "sized_ge_3x": False}
