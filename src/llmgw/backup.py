@@ -113,7 +113,7 @@ def make(layout: Layout, out: Path, passphrase: bytes | None = None) -> dict[str
     try:
         rows = store_copy.read(store)
     except StoreError as e:
-        raise BackupError(f"cannot read the store: {refusal(e, store.path)}") from None
+        raise BackupError(f"cannot read the store: {refusal(e, config.store_at())}") from None
     finally:
         store.close()
     paths = {name: getattr(layout, attr) for name, attr, _, _ in FILES
@@ -305,7 +305,7 @@ def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
     except CopyError as e:
         raise BackupError(str(e)) from None
     except StoreError as e:
-        raise BackupError(f"cannot write the store: {refusal(e, store.path)}{nothing}") \
+        raise BackupError(f"cannot write the store: {refusal(e, config.store_at())}{nothing}") \
             from None
     finally:
         store.close()

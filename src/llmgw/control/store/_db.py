@@ -128,7 +128,7 @@ def answers(where: str | Path, *, timeout_s: float = 5.0) -> str:
         with engine.connect() as conn:
             conn.execute(sa.select(sa.literal(1)))
     except StoreError as e:
-        return refusal(e, url)
+        return refusal(e, str(where))
     finally:
         engine.dispose()
     return ""
