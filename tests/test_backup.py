@@ -160,7 +160,7 @@ def _damaged(path: Path, at: int, length: int | None = None) -> None:
     (None, 0.5, "is cut short: its compressed data ends"),
     (b"correct horse", 40, "is cut short: 40 bytes, where an encrypted backup has 69"),
     (b"correct horse", 0.5, "or the file was changed since it was made (cut short"),
-])
+], ids=["plain-half", "encrypted-40-bytes", "encrypted-half"])
 def test_a_backup_cut_short_is_refused_in_one_line(
         tmp_path: Path, passphrase: bytes | None, length: float, said: str) -> None:
     layout = _control_plane(tmp_path / "a")
@@ -211,7 +211,7 @@ def test_an_encrypted_backup_with_its_first_line_changed_is_said_to_be_damaged(
 
 
 @pytest.mark.parametrize(("mode", "restored"), [(0o640, 0o640), (0o600, 0o600),
-                                                (0o644, 0o640)])
+                                                (0o644, 0o640)], ids=["0640", "0600", "0644"])
 def test_server_yaml_is_restored_with_its_mode_never_looser_than_0640(
         tmp_path: Path, mode: int, restored: int) -> None:
     """server.yaml may hold the store's password: its mode comes back as it was backed up,

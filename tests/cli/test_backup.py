@@ -154,7 +154,7 @@ def test_a_refusing_store_is_one_line_on_stderr_of_the_real_command(
     assert "password authentication failed" in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("mode", [0o640, 0o600])
+@pytest.mark.parametrize("mode", [0o640, 0o600], ids=["0640", "0600"])
 def test_store_migrate_keeps_server_yaml_s_mode_and_its_old_copy_has_it_too(
         tmp_path: Path, postgres_url: str, mode: int) -> None:
     layout = _control_plane(tmp_path / "a")
