@@ -129,7 +129,11 @@ def make(layout: Layout, out: Path, passphrase: bytes | None = None) -> dict[str
     archive = _tar({"manifest.json": _json(manifest),
                     "store.json": _json({"revision": rows.revision, "rows": rows.rows}),
                     **{f"files/{name}": data for name, data in files.items()}})
-    atomic_write(out, _seal(archive, passphrase) if passphrase else archive, mode=0o600)
+    try:
+        atomic_write(out, _seal(archive, passphrase) if passphrase else archive, mode=0o600)
+    except OSError as e:
+        raise BackupError(f"cannot write {out}: {e.strerror or e}; name a file in a folder "
+                          "you may write") from None
     return manifest
 
 
@@ -296,7 +300,7 @@ def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
     nothing = "; nothing was restored"
     try:
         store = Store(config.store_at())
-    except SchemaError as e:
+    except (SchemaError, OSError) as e:
         raise BackupError(f"cannot open the store to restore into: {e}{nothing}") from None
     except StoreError as e:
         raise BackupError(refusal(e, config.store_at()) + nothing) from None
@@ -312,8 +316,13 @@ def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
     for name, attr, loosest, _ in FILES:
         if name in backup.files:
             body = text.encode() if name == "server.yaml" else backup.files[name]
-            atomic_write(getattr(layout, attr), body,
-                         mode=_restored_mode(backup.manifest, name, loosest))
+            try:
+                atomic_write(getattr(layout, attr), body,
+                             mode=_restored_mode(backup.manifest, name, loosest))
+            except OSError as e:
+                raise BackupError(f"cannot write {getattr(layout, attr)}: {e.strerror or e}; "
+                                  f"make {layout.etc} writable, remove what was restored "
+                                  "there and into the store, and run again") from None
     counts = backup.manifest.get("counts", {})
     made = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(backup.manifest.get("created", 0)))
     return [

@@ -212,3 +212,14 @@ def test_backup_and_store_migrate_without_a_control_plane_exit_3(
     _control_plane(tmp_path / "a")
     assert cli.main(["backup", "--out", str(out), *_state(tmp_path, "a")]) == 0, \
         "control: a control plane is here"
+
+
+def test_a_backup_into_a_folder_that_cannot_be_written_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _control_plane(tmp_path / "a")
+    assert cli.main(["backup", "--out", "/proc/llmgw.backup", *_state(tmp_path, "a")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("llmgw backup: cannot write /proc/llmgw.backup") and \
+        err.count("\n") == 1, err
+    out = tmp_path / "cp.backup"
+    assert cli.main(["backup", "--out", str(out), *_state(tmp_path, "a")]) == 0, "control"

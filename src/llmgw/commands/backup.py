@@ -98,8 +98,13 @@ def _migrate(args: argparse.Namespace) -> int:
     mode = stat.S_IMODE(layout.server_yaml.stat().st_mode) & 0o640
     old = layout.server_yaml.with_name(f"server.yaml.before-store-migrate-{int(time.time())}")
     text = layout.server_yaml.read_text()
-    atomic_write(old, text, mode=mode)
-    atomic_write(layout.server_yaml, backup.with_store(text, args.to), mode=mode)
+    try:
+        atomic_write(old, text, mode=mode)
+        atomic_write(layout.server_yaml, backup.with_store(text, args.to), mode=mode)
+    except OSError as e:
+        raise Error(f"every row is in {redacted(args.to)}, but {layout.server_yaml} cannot "
+                    f"be rewritten ({e.strerror or e}): set `store: URL` in it by hand, "
+                    "then `pytest provision/`") from None
     counts = copied.counts()
     print(f"moved {sum(counts.values())} rows from {redacted(config.store_at())} to "
           f"{redacted(args.to)}: " + ", ".join(f"{name} {n}" for name, n in counts.items()))
