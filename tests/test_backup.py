@@ -157,7 +157,7 @@ def _damaged(path: Path, at: int, length: int | None = None) -> None:
 
 
 @pytest.mark.parametrize(("passphrase", "length", "said"), [
-    (None, 0.5, "is cut short: its compressed data ends"),
+    (None, 0.5, "is cut short: its compressed data stops"),
     (b"correct horse", 40, "is cut short: 40 bytes, where an encrypted backup has 69"),
     (b"correct horse", 0.5, "or the file was changed since it was made (cut short"),
 ], ids=["plain-half", "encrypted-40-bytes", "encrypted-half"])

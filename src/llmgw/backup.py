@@ -238,9 +238,9 @@ def _gunzip(path: Path, archive: bytes) -> bytes:
     try:
         return gzip.decompress(archive)
     except EOFError:
-        raise BackupError(f"{path} is cut short: its compressed data ends before its end "
-                          "(a copy that did not finish?); copy it again, or use another "
-                          "copy") from None
+        raise BackupError(f"{path} is cut short: its compressed data stops before gzip's "
+                          "end marker (a copy that did not finish?); copy it again, or use "
+                          "another copy") from None
     except (OSError, zlib.error) as e:
         raise BackupError(f"{path} is damaged ({e}): the file was changed since it was "
                           "made; use another copy") from None

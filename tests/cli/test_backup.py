@@ -177,7 +177,7 @@ def test_store_migrate_makes_a_server_yaml_open_to_all_0640(
 
 
 @pytest.mark.parametrize(("how", "said"), [
-    ("cut", "is cut short: its compressed data ends"),
+    ("cut", "is cut short: its compressed data stops"),
     ("crc", "is damaged (CRC check failed"),
 ])
 def test_restore_of_a_damaged_file_says_so_in_one_line_and_writes_nothing(
