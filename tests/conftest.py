@@ -96,3 +96,10 @@ def postgres_server() -> Iterator[PostgresServer]:
 def postgres_url(postgres_server: PostgresServer) -> str:
     """Function: the URL of a new, empty database on the session's PostgreSQL server."""
     return postgres_server.create_database()
+
+
+@pytest.fixture
+def postgres_password_url(postgres_server: PostgresServer) -> str:
+    """Function: the URL of a new, empty database on the session's PostgreSQL server whose
+    user must give its password (in the URL: change it to see a wrong one refused)."""
+    return postgres_server.create_database_with_password()

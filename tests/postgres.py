@@ -21,6 +21,8 @@ from pathlib import Path
 import psycopg
 
 _OWNER = "postgres"
+# The one user of the test server that must give a password (create_database_with_password).
+PASSWORD_USER, PASSWORD = "llmgw_pw", "right-password"
 
 
 def bindir() -> Path | None:
@@ -50,6 +52,12 @@ class PostgresServer:
             os.chown(self.root, entry.pw_uid, entry.pw_gid)
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust",
                   "--no-sync", "-E", "UTF8")
+        # Every user is trusted but one, which must give its password: a wrong one is
+        # refused as a real server refuses it (the first matching line wins).
+        hba = self.data / "pg_hba.conf"
+        hba.write_text(f"host all {PASSWORD_USER} 127.0.0.1/32 scram-sha-256\n"
+                       + hba.read_text())
+        self._password_role = False
 
     def _run(self, tool: str, *args: str) -> None:
         argv = [str(self.bin / tool), *args]
@@ -83,6 +91,17 @@ class PostgresServer:
         with psycopg.connect(self.url(), autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
+
+    def create_database_with_password(self) -> str:
+        """A new empty database owned by a user that must give its password; its URL,
+        password in it (PASSWORD)."""
+        name = f"p{os.getpid()}_{next(self._names)}"
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            if not self._password_role:
+                conn.execute(f"CREATE ROLE {PASSWORD_USER} LOGIN PASSWORD '{PASSWORD}'")
+                self._password_role = True
+            conn.execute(f'CREATE DATABASE "{name}" OWNER {PASSWORD_USER}')
+        return f"postgresql://{PASSWORD_USER}:{PASSWORD}@127.0.0.1:{self.port}/{name}"
 
     def remove(self) -> None:
         try:

@@ -3,6 +3,7 @@ back whole or refused, restored into a new state dir of either store backend."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,96 @@ def test_a_sqlite_host_restores_onto_postgresql(tmp_path: Path, postgres_url: st
     with pytest.raises(backup.BackupError, match="already holds"):
         backup.restore(backup.load(out), Layout.for_mode("local", tmp_path / "c"),
                        store_url=postgres_url)
+
+
+def _damaged(path: Path, at: int, length: int | None = None) -> None:
+    """path with the byte at `at` flipped, or cut to length bytes."""
+    data = bytearray(path.read_bytes())
+    if length is not None:
+        data = data[:length]
+    else:
+        data[at] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(("passphrase", "length", "said"), [
+    (None, 0.5, "is cut short: its compressed data stops"),
+    (b"correct horse", 40, "is cut short: 40 bytes, where an encrypted backup has 69"),
+    (b"correct horse", 0.5, "or the file was changed since it was made (cut short"),
+], ids=["plain-half", "encrypted-40-bytes", "encrypted-half"])
+def test_a_backup_cut_short_is_refused_in_one_line(
+        tmp_path: Path, passphrase: bytes | None, length: float, said: str) -> None:
+    layout = _control_plane(tmp_path / "a")
+    out = tmp_path / "cp.backup"
+    backup.make(layout, out, passphrase)
+    assert backup.load(out, passphrase).manifest["counts"]["keys"] == 1, "control: whole"
+    _damaged(out, 0, int(length * out.stat().st_size) if length < 1 else int(length))
+    with pytest.raises(backup.BackupError, match=re.escape(said)) as refused:
+        backup.load(out, passphrase)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_plain_backup_whose_gzip_checksum_is_damaged_is_refused(tmp_path: Path) -> None:
+    """tar reads a gzipped archive only as far as its last member: the checksum at the end
+    is checked only when the file is read to the end, as load does."""
+    import io
+    import tarfile
+
+    layout = _control_plane(tmp_path / "a")
+    out = tmp_path / "cp.backup"
+    backup.make(layout, out)
+    _damaged(out, -8)  # the first byte of gzip's CRC-32 trailer
+    with tarfile.open(fileobj=io.BytesIO(out.read_bytes()), mode="r:gz") as tar:
+        assert "manifest.json" in tar.getnames(), "control: tar alone reads it as whole"
+    with pytest.raises(backup.BackupError, match="is damaged .*CRC check failed.*use another"):
+        backup.load(out)
+
+
+def test_an_encrypted_backup_with_its_first_line_changed_is_said_to_be_damaged(
+        tmp_path: Path) -> None:
+    layout = _control_plane(tmp_path / "a")
+    encrypted, plain = tmp_path / "encrypted.backup", tmp_path / "plain.backup"
+    backup.make(layout, encrypted, b"correct horse")
+    backup.make(layout, plain)
+    _damaged(encrypted, 3)
+    for passphrase in (b"correct horse", None):
+        with pytest.raises(backup.BackupError, match="first line, which marks an encrypted "
+                                                     "backup, is damaged") as refused:
+            backup.load(encrypted, passphrase)
+        assert "not encrypted" not in str(refused.value)
+    # The controls: a plain backup given a passphrase is said to be one; another file is
+    # said to be no backup at all.
+    with pytest.raises(backup.BackupError, match="is not encrypted, yet a passphrase"):
+        backup.load(plain, b"correct horse")
+    (tmp_path / "notes.txt").write_text("a shopping list, long enough to be a header\n")
+    with pytest.raises(backup.BackupError, match="is not an llmgw backup: it starts neither"):
+        backup.load(tmp_path / "notes.txt")
+
+
+@pytest.mark.parametrize(("mode", "restored"), [(0o640, 0o640), (0o600, 0o600),
+                                                (0o644, 0o640)], ids=["0640", "0600", "0644"])
+def test_server_yaml_is_restored_with_its_mode_never_looser_than_0640(
+        tmp_path: Path, mode: int, restored: int) -> None:
+    """server.yaml may hold the store's password: its mode comes back as it was backed up,
+    0640 at most; the keys stay 0600 and the certificates 0644."""
+    layout = _control_plane(tmp_path / "a")
+    layout.server_yaml.chmod(mode)
+    out = tmp_path / "cp.backup"
+    backup.make(layout, out)
+    new = Layout.for_mode("local", tmp_path / "b")
+    backup.restore(backup.load(out), new)
+    assert new.server_yaml.stat().st_mode & 0o777 == restored
+    assert new.ca_key.stat().st_mode & 0o777 == 0o600
+    assert new.ca_cert.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_backup_made_before_modes_were_kept_restores_server_yaml_0640(
+        tmp_path: Path) -> None:
+    layout = _control_plane(tmp_path / "a")
+    out = tmp_path / "cp.backup"
+    backup.make(layout, out)
+    found = backup.load(out)
+    del found.manifest["modes"]
+    new = Layout.for_mode("local", tmp_path / "b")
+    backup.restore(found, new)
+    assert new.server_yaml.stat().st_mode & 0o777 == 0o640

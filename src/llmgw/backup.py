@@ -15,13 +15,16 @@ provision/` starts the services, finding everything kept.
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
 import re
 import socket
+import stat
 import tarfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,15 +41,17 @@ from llmgw.errors import Error
 from llmgw.layout import Layout
 
 ENCRYPTED = b"LLMGW-BACKUP-AES256GCM-1\n"
-_SALT, _NONCE = 16, 12
-# The files of a backup: their name in it, the Layout path they come from and go to, their
-# mode, and whether a control plane has it whatever its options.
+_GZIP = b"\x1f\x8b"
+_SALT, _NONCE, _TAG = 16, 12, 16
+# The files of a backup: their name in it, the Layout path they come from and go to, the
+# loosest mode it is restored with (its mode when backed up, never looser: server.yaml may
+# hold the store's password), and whether a control plane has it whatever its options.
 FILES = (
     ("ca.pem", "ca_cert", 0o644, True),
     ("ca-key.pem", "ca_key", 0o600, True),
     ("server.pem", "server_cert", 0o644, True),
     ("server-key.pem", "server_key", 0o600, True),
-    ("server.yaml", "server_yaml", 0o644, True),
+    ("server.yaml", "server_yaml", 0o640, True),
     ("admin-token", "admin_token", 0o600, False),
     ("admin-token.sha256", "admin_token_hash", 0o644, False),
     ("gateway-key", "gateway_key", 0o600, False),
@@ -83,7 +88,7 @@ def read_passphrase(path: str | None) -> bytes | None:
 
 def make(layout: Layout, out: Path, passphrase: bytes | None = None) -> dict[str, Any]:
     """Write this host's backup to out (0600; never over an existing file); its manifest."""
-    from llmgw.control.store import SchemaError, Store, StoreError
+    from llmgw.control.store import SchemaError, Store, StoreError, refusal
     from llmgw.control.store import copy as store_copy
 
     if out.exists():
@@ -101,26 +106,34 @@ def make(layout: Layout, out: Path, passphrase: bytes | None = None) -> dict[str
                           "provision/` makes them, or this is not the machine it was")
     try:
         store = Store(config.store_at(), migrate=False)
-    except (SchemaError, StoreError) as e:
+    except SchemaError as e:
         raise BackupError(f"cannot read the store: {e}") from None
+    except StoreError as e:
+        raise BackupError(f"cannot read the store: {refusal(e, config.store_at())}") from None
     try:
         rows = store_copy.read(store)
     except StoreError as e:
-        raise BackupError(f"cannot read the store {store.path}: {e}") from None
+        raise BackupError(f"cannot read the store: {refusal(e, config.store_at())}") from None
     finally:
         store.close()
-    files = {name: getattr(layout, attr).read_bytes() for name, attr, _, _ in FILES
+    paths = {name: getattr(layout, attr) for name, attr, _, _ in FILES
              if getattr(layout, attr).is_file()}
+    files = {name: path.read_bytes() for name, path in paths.items()}
     manifest = {
         "llmgw": __version__, "created": time.time(), "host": socket.gethostname(),
         "mode": layout.mode, "root": str(layout.root or ""),
         "backend": store.backend, "revision": rows.revision,
         "counts": rows.counts(), "digests": rows.digests(), "files": sorted(files),
+        "modes": {name: stat.S_IMODE(path.stat().st_mode) for name, path in paths.items()},
     }
     archive = _tar({"manifest.json": _json(manifest),
                     "store.json": _json({"revision": rows.revision, "rows": rows.rows}),
                     **{f"files/{name}": data for name, data in files.items()}})
-    atomic_write(out, _seal(archive, passphrase) if passphrase else archive, mode=0o600)
+    try:
+        atomic_write(out, _seal(archive, passphrase) if passphrase else archive, mode=0o600)
+    except OSError as e:
+        raise BackupError(f"cannot write {out}: {e.strerror or e}; name a file in a folder "
+                          "you may write") from None
     return manifest
 
 
@@ -151,39 +164,95 @@ def _seal(data: bytes, passphrase: bytes) -> bytes:
 # --- reading one ---
 
 def load(path: Path, passphrase: bytes | None = None) -> Backup:
-    """A backup read whole and checked (its store's rows against the manifest's digests)."""
+    """A backup read whole and checked: its encryption or gzip's checksum, then its store's
+    rows against the manifest's digests. BackupError, in one line, for anything less."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise BackupError(f"cannot read the backup: {e}") from None
-    if data.startswith(ENCRYPTED):
-        if passphrase is None:
-            raise BackupError(f"{path} is encrypted: give its passphrase with "
-                              "--passphrase-file FILE")
-        head = len(ENCRYPTED)
-        salt, nonce = data[head:head + _SALT], data[head + _SALT:head + _SALT + _NONCE]
-        try:
-            data = AESGCM(_key(passphrase, salt)).decrypt(
-                nonce, data[head + _SALT + _NONCE:], ENCRYPTED)
-        except InvalidTag:
-            raise BackupError(f"the passphrase does not open {path}, or the file was changed "
-                              "since it was made; check the passphrase file") from None
-    elif passphrase is not None:
-        raise BackupError(f"{path} is not encrypted, yet a passphrase was given: leave "
-                          "--passphrase-file out, or check that this is the backup you meant")
+    members = _members(path, _gunzip(path, _opened(path, data, passphrase)))
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-            members = {m.name: _member(tar, m) for m in tar.getmembers() if m.isfile()}
         manifest = json.loads(members["manifest.json"])
         store = json.loads(members["store.json"])
-    except (tarfile.TarError, KeyError, ValueError, OSError) as e:
-        raise BackupError(f"{path} is not an llmgw backup, or is damaged ({e}); "
+    except (KeyError, ValueError) as e:
+        raise BackupError(f"{path} is not an llmgw backup, or is damaged ({e!r} unreadable); "
                           "`llmgw backup --out FILE` makes one") from None
+    if not isinstance(manifest, dict) or not isinstance(store, dict):
+        raise BackupError(f"{path} is damaged: its manifest or store is not what `llmgw "
+                          "backup` writes; use another copy")
     files = {name.removeprefix("files/"): body for name, body in members.items()
              if name.startswith("files/")}
     backup = Backup(manifest, files, store)
     _verify(path, backup)
     return backup
+
+
+def _opened(path: Path, data: bytes, passphrase: bytes | None) -> bytes:
+    """The gzipped archive in data: decrypted with passphrase when the file is encrypted."""
+    if data.startswith(ENCRYPTED):
+        if passphrase is None:
+            raise BackupError(f"{path} is encrypted: give its passphrase with "
+                              "--passphrase-file FILE")
+        return _unseal(path, data, passphrase)
+    if not data.startswith(_GZIP):
+        raise BackupError(_not_a_backup(path, data))
+    if passphrase is not None:
+        raise BackupError(f"{path} is not encrypted, yet a passphrase was given: leave "
+                          "--passphrase-file out, or check that this is the backup you meant")
+    return data
+
+
+def _not_a_backup(path: Path, data: bytes) -> str:
+    head = data[:len(ENCRYPTED)]
+    if not data:
+        return f"{path} is empty: it is not a backup (a copy that did not happen?); use another"
+    changed = sum(a != b for a, b in zip(head, ENCRYPTED, strict=False))
+    if len(head) == len(ENCRYPTED) and changed <= 4:
+        return (f"{path}'s first line, which marks an encrypted backup, is damaged ({head!r} "
+                f"where {ENCRYPTED!r} belongs): the file was changed since it was made; "
+                "use another copy")
+    return (f"{path} is not an llmgw backup: it starts neither as an encrypted one nor as a "
+            "gzip file; check the file name, or use another copy (`llmgw backup --out FILE` "
+            "makes one)")
+
+
+def _unseal(path: Path, data: bytes, passphrase: bytes) -> bytes:
+    head = len(ENCRYPTED)
+    least = head + _SALT + _NONCE + _TAG
+    if len(data) < least:
+        raise BackupError(f"{path} is cut short: {len(data)} bytes, where an encrypted backup "
+                          f"has {least} at least (a copy that did not finish?); copy it "
+                          "again, or use another copy")
+    salt, nonce = data[head:head + _SALT], data[head + _SALT:head + _SALT + _NONCE]
+    try:
+        return AESGCM(_key(passphrase, salt)).decrypt(
+            nonce, data[head + _SALT + _NONCE:], ENCRYPTED)
+    except InvalidTag:
+        raise BackupError(f"the passphrase does not open {path}, or the file was changed "
+                          "since it was made (cut short, or a byte changed); check the "
+                          "passphrase file, or use another copy") from None
+
+
+def _gunzip(path: Path, archive: bytes) -> bytes:
+    """The tar in archive, read to the end so gzip's checksum and length are checked."""
+    try:
+        return gzip.decompress(archive)
+    except EOFError:
+        raise BackupError(f"{path} is cut short: its compressed data stops before gzip's "
+                          "end marker (a copy that did not finish?); copy it again, or use "
+                          "another copy") from None
+    except (OSError, zlib.error) as e:
+        raise BackupError(f"{path} is damaged ({e}): the file was changed since it was "
+                          "made; use another copy") from None
+
+
+def _members(path: Path, tar_bytes: bytes) -> dict[str, bytes]:
+    try:
+        with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:") as tar:
+            return {m.name: _member(tar, m) for m in tar.getmembers() if m.isfile()}
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise BackupError(f"{path} is not an llmgw backup, or is damaged ({e}); "
+                          "`llmgw backup --out FILE` makes one") from None
 
 
 def _member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
@@ -210,7 +279,7 @@ def _verify(path: Path, backup: Backup) -> None:
 def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
     """Make layout's machine the control plane backup was of; the lines to print. Refused,
     with nothing written, where this machine already has a cluster CA or a server.yaml."""
-    from llmgw.control.store import SchemaError, Store, StoreError
+    from llmgw.control.store import SchemaError, Store, StoreError, refusal
     from llmgw.control.store.copy import Copy, CopyError, write_verified
 
     mode = backup.manifest.get("mode")
@@ -228,22 +297,32 @@ def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
         text = with_store(text, store_url)
     config = load_server_text(text, layout.server_yaml)
     rows = Copy(backup.store["revision"], backup.store["rows"])
+    nothing = "; nothing was restored"
     try:
         store = Store(config.store_at())
-    except (SchemaError, StoreError) as e:
-        raise BackupError(f"cannot open the store to restore into: {e}") from None
+    except (SchemaError, OSError) as e:
+        raise BackupError(f"cannot open the store to restore into: {e}{nothing}") from None
+    except StoreError as e:
+        raise BackupError(refusal(e, config.store_at()) + nothing) from None
     try:
         write_verified(store, rows)
     except CopyError as e:
         raise BackupError(str(e)) from None
     except StoreError as e:
-        raise BackupError(f"cannot write the store {store.path}: {e}") from None
+        raise BackupError(f"cannot write the store: {refusal(e, config.store_at())}{nothing}") \
+            from None
     finally:
         store.close()
-    for name, attr, file_mode, _ in FILES:
+    for name, attr, loosest, _ in FILES:
         if name in backup.files:
             body = text.encode() if name == "server.yaml" else backup.files[name]
-            atomic_write(getattr(layout, attr), body, mode=file_mode)
+            try:
+                atomic_write(getattr(layout, attr), body,
+                             mode=_restored_mode(backup.manifest, name, loosest))
+            except OSError as e:
+                raise BackupError(f"cannot write {getattr(layout, attr)}: {e.strerror or e}; "
+                                  f"make {layout.etc} writable, remove what was restored "
+                                  "there and into the store, and run again") from None
     counts = backup.manifest.get("counts", {})
     made = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(backup.manifest.get("created", 0)))
     return [
@@ -256,6 +335,14 @@ def restore(backup: Backup, layout: Layout, store_url: str = "") -> list[str]:
         + "` starts it (add --no-node, --no-mirror, --no-starter as on the first host); "
           "nodes reconnect by themselves",
     ]
+
+
+def _restored_mode(manifest: dict[str, Any], name: str, loosest: int) -> int:
+    """name's mode when it was backed up, never looser than loosest (loosest itself for a
+    backup made before modes were kept)."""
+    modes = manifest.get("modes")
+    found = modes.get(name) if isinstance(modes, dict) else None
+    return found & loosest if isinstance(found, int) else loosest
 
 
 def moved(text: str, old_root: str, layout: Layout) -> str:

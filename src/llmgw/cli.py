@@ -101,11 +101,21 @@ def _down(args: argparse.Namespace) -> int:
 def _token_create(args: argparse.Namespace) -> int:
     import datetime as dt
 
+    from llmgw.commands._admin import server_config
+    from llmgw.errors import APIError
     from llmgw.fleet import create_token, parse_ttl
     from llmgw.layout import Layout
 
-    made = create_token(Layout.for_mode(args.mode, args.state_dir), parse_ttl(args.ttl),
-                        control_plane=args.control_plane)
+    layout = Layout.for_mode(args.mode, args.state_dir)
+    ttl = parse_ttl(args.ttl)
+    server_config(layout)  # none here: exit 3, as every day-2 command
+    try:
+        made = create_token(layout, ttl, control_plane=args.control_plane)
+    except APIError as e:
+        if e.status is not None:
+            raise
+        raise Unreachable(f"{e}; is the control plane running? `pytest provision/` starts "
+                          "it, `pytest checks/` says what is wrong") from None
     expires = dt.datetime.fromtimestamp(made.expires, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     if args.control_plane:
         print(f"a single-use control-plane token, valid until {expires}. Its certificate key "

@@ -79,7 +79,7 @@ def seal(layout: Layout, config: ServerConfig, key_hex: str) -> str:
              for name, attr, _ in FILES if getattr(layout, attr).is_file()}
     body = json.dumps({"files": files, "server": {k: getattr(config, k) for k in SHARED}})
     nonce = os.urandom(12)
-    sealed = AESGCM(_key(key_hex)).encrypt(nonce, body.encode(), _AAD)
+    sealed = AESGCM(certificate_key(key_hex)).encrypt(nonce, body.encode(), _AAD)
     return base64.b64encode(nonce + sealed).decode()
 
 
@@ -87,7 +87,7 @@ def unseal(text: str, key_hex: str) -> Bundle:
     """The bundle text sealed; ControlPlaneJoinError when key_hex does not open it."""
     try:
         raw = base64.b64decode(text, validate=True)
-        body = json.loads(AESGCM(_key(key_hex)).decrypt(raw[:12], raw[12:], _AAD))
+        body = json.loads(AESGCM(certificate_key(key_hex)).decrypt(raw[:12], raw[12:], _AAD))
     except InvalidTag:
         raise ControlPlaneJoinError(
             "the --certificate-key does not open the fleet's bundle: use the key printed "
@@ -99,13 +99,19 @@ def unseal(text: str, key_hex: str) -> Bundle:
     return Bundle(files, dict(body["server"]))
 
 
-def _key(key_hex: str) -> bytes:
+def certificate_key(key_hex: str) -> bytes:
+    """The key key_hex spells; ControlPlaneJoinError, saying what is wrong with it, for one
+    that cannot be a certificate key. Checked before the token is spent on the bundle."""
     text = key_hex.strip().lower()
-    if len(text) != KEY_HEX or any(c not in "0123456789abcdef" for c in text):
-        raise ControlPlaneJoinError(
-            f"--certificate-key is {KEY_HEX} hex digits, as `llmgw token create "
-            "--control-plane` printed it; copy the whole line")
-    return bytes.fromhex(text)
+    if len(text) != KEY_HEX:
+        found = f"has {len(text)} characters"
+    elif any(c not in "0123456789abcdef" for c in text):
+        found = "holds characters that are not hex digits"
+    else:
+        return bytes.fromhex(text)
+    raise ControlPlaneJoinError(
+        f"--certificate-key {found}, where {KEY_HEX} hex digits belong: copy the whole line "
+        "`llmgw token create --control-plane` printed (the token is not spent yet)")
 
 
 def fetch(url: str, token: str, ca_hash: str, who: str, *, timeout: float = 10.0) -> str:

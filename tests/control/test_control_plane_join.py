@@ -63,3 +63,36 @@ def test_the_agent_api_hands_a_control_plane_token_its_bundle_once(live_control_
         control_plane_join.fetch(url, "cp.token", cp.ca_hash, "cp3")
     with pytest.raises(JoinError, match="this is not the control plane"):
         control_plane_join.fetch(url, "cp.token", "sha256:" + "0" * 64, "cp3")
+
+
+def test_a_certificate_key_cut_short_is_refused_before_the_token_is_spent(
+        live_control_plane, tmp_path) -> None:
+    """The key's shape is checked before the bundle is fetched: a key one character short
+    writes nothing and leaves the token for the run with the whole line (the control)."""
+    from fixtures import pki as pki_step
+    from fixtures._changes import apply_fix
+    from fixtures._host import Host
+    from fixtures._promise import CannotFix
+    from fixtures._report import Recorder
+    from fixtures.settings import HostSettings, Join
+    from llmgw.control.agent_api import token_hash
+
+    cp = live_control_plane
+    layout, server = _fleet(tmp_path / "a")
+    key = control_plane_join.new_certificate_key()
+    cp.store.add_token(token_hash("cp.token"), 600,
+                       bundle=control_plane_join.seal(layout, server, key))
+    url = f"https://127.0.0.1:{cp.agent_port}"
+
+    def joining(certificate_key: str) -> Host:
+        settings = HostSettings(layout=Layout.for_mode("local", tmp_path / "b"),
+                                join=Join(url, "cp.token", cp.ca_hash, True, certificate_key))
+        return Host(settings, Recorder(), apply=True)
+
+    short = joining(key[:-1])
+    with pytest.raises(CannotFix, match="has 63 characters, where 64 hex digits belong"):
+        apply_fix(pki_step.ca.fixer, short, pki_step.ca(short))
+    assert not short.layout.ca_cert.exists() and not short.layout.admin_token.exists()
+    whole = joining(key)
+    apply_fix(pki_step.ca.fixer, whole, pki_step.ca(whole))
+    assert whole.layout.ca_key.read_bytes() == layout.ca_key.read_bytes(), "the token was kept"

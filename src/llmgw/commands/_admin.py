@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from llmgw.clients import admin_client
-from llmgw.config import ConfigError
+from llmgw.config import ConfigError, ServerConfig, load_server
 from llmgw.control.client import AdminClient
 from llmgw.errors import Error
 from llmgw.layout import Layout
@@ -29,6 +29,16 @@ def add_host_options(parser: argparse.ArgumentParser) -> None:
                         help="where the host's files live (default auto, as pytest provision/)")
     parser.add_argument("--state-dir", default=None,
                         help="a local-mode host's state dir (as pytest --state-dir)")
+
+
+def server_config(layout: Layout) -> ServerConfig:
+    """The server.yaml of the host layout is; Unreachable (exit 3) where there is none, for
+    the commands that work on the control plane's files (backup, store migrate, token)."""
+    try:
+        return load_server(layout.server_yaml)
+    except ConfigError as e:
+        raise Unreachable(f"no control plane here: {e}; pass --state-dir (and --mode) of "
+                          "a provisioned host") from None
 
 
 def admin(args: argparse.Namespace) -> AdminClient:

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import argparse
 import socket
+import stat
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmgw import backup
 from llmgw._files import atomic_write
 from llmgw.commands import _admin
-from llmgw.config import ConfigError, ServerConfig, connect_host, load_server, parse_listen
+from llmgw.config import ServerConfig, connect_host, parse_listen
 from llmgw.errors import Error
 from llmgw.layout import Layout
+
+if TYPE_CHECKING:
+    from llmgw.control.store.copy import Copy
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,7 +55,9 @@ def _layout(args: argparse.Namespace) -> Layout:
 
 def _backup(args: argparse.Namespace) -> int:
     passphrase = backup.read_passphrase(args.passphrase_file)
-    manifest = backup.make(_layout(args), args.out, passphrase)
+    layout = _layout(args)
+    _admin.server_config(layout)  # none here: exit 3, as every day-2 command
+    manifest = backup.make(layout, args.out, passphrase)
     counts = manifest["counts"]
     print(f"backed up the control plane to {args.out} (0600"
           f"{', encrypted' if passphrase else ''}): {counts.get('nodes', 0)} nodes, "
@@ -70,51 +77,80 @@ def _restore(args: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from llmgw.control.store import SchemaError, Store, StoreError, store_url
-    from llmgw.control.store.copy import CopyError, read, write_verified
+    from llmgw.control.store import redacted, store_url
 
     layout = _layout(args)
-    try:
-        config = load_server(layout.server_yaml)
-    except ConfigError as e:
-        raise _admin.Unreachable(f"no control plane here: {e}") from None
+    config = _admin.server_config(layout)
     try:
         target_url = store_url(args.to)
     except ValueError as e:
         raise Error(str(e)) from None
     if store_url(config.store_at()) == target_url:
-        raise Error(f"the store is already {args.to}")
+        raise Error(f"the store is already {redacted(args.to)}")
     running = _running(config)
     if running:
         raise Error(f"{running} still runs and writes the store: what it wrote after the "
                     "copy would be lost. Stop it first (`llmgw down`, which keeps every "
                     "file), run this again, then `pytest provision/` starts it on the new store")
-    try:
-        source = Store(config.store_at(), migrate=False)
-        target = Store(args.to)
-    except (SchemaError, StoreError) as e:
-        raise Error(f"cannot open the stores: {e}") from None
-    try:
-        copied = read(source)
-        write_verified(target, copied)
-    except CopyError as e:
-        raise Error(f"{e}; server.yaml still names the old store") from None
-    except StoreError as e:
-        raise Error(f"the move failed, nothing changed in server.yaml: {e}") from None
-    finally:
-        source.close()
-        target.close()
+    copied = _move(config.store_at(), args.to)
+    # Kept with server.yaml's mode (and owner), never looser than 0640: it names the store,
+    # and a PostgreSQL URL may carry its password.
+    mode = stat.S_IMODE(layout.server_yaml.stat().st_mode) & 0o640
     old = layout.server_yaml.with_name(f"server.yaml.before-store-migrate-{int(time.time())}")
     text = layout.server_yaml.read_text()
-    atomic_write(old, text, mode=0o644)
-    atomic_write(layout.server_yaml, backup.with_store(text, args.to), mode=0o644)
+    try:
+        atomic_write(old, text, mode=mode)
+        atomic_write(layout.server_yaml, backup.with_store(text, args.to), mode=mode)
+    except OSError as e:
+        raise Error(f"every row is in {redacted(args.to)}, but {layout.server_yaml} cannot "
+                    f"be rewritten ({e.strerror or e}): set `store: URL` in it by hand, "
+                    "then `pytest provision/`") from None
     counts = copied.counts()
-    print(f"moved {sum(counts.values())} rows from {source.path} to {target.path}: "
-          + ", ".join(f"{name} {n}" for name, n in counts.items()))
+    print(f"moved {sum(counts.values())} rows from {redacted(config.store_at())} to "
+          f"{redacted(args.to)}: " + ", ".join(f"{name} {n}" for name, n in counts.items()))
     print("every table's row count and sha256 digest are equal in both")
     print(f"server.yaml now names the new store (the old file kept as {old.name}); "
           "`pytest provision/` starts the control plane and the gateway on it")
     return 0
+
+
+def _move(source_at: str, target_at: str) -> Copy:
+    """Every row of the store at source_at into the empty one at target_at, read back and
+    compared; an Error in one line (server.yaml untouched) when either refuses."""
+    from llmgw.control.store import SchemaError, Store, StoreError, redacted
+    from llmgw.control.store.copy import CopyError, read, write_verified
+
+    kept = f"; nothing changed: server.yaml still names {redacted(source_at)}"
+    try:
+        source = Store(source_at, migrate=False)
+    except (SchemaError, StoreError) as e:
+        raise Error(_why(e, source_at) + kept) from None
+    try:
+        try:
+            copied = read(source)
+        except StoreError as e:
+            raise Error(_why(e, source_at) + kept) from None
+        try:
+            target = Store(target_at)
+        except (SchemaError, StoreError) as e:
+            raise Error(_why(e, target_at) + kept) from None
+        try:
+            write_verified(target, copied)
+        except CopyError as e:
+            raise Error(f"{e}{kept}") from None
+        except StoreError as e:
+            raise Error(_why(e, target_at) + kept) from None
+        finally:
+            target.close()
+    finally:
+        source.close()
+    return copied
+
+
+def _why(e: Exception, where: str) -> str:
+    from llmgw.control.store import SchemaError, refusal
+
+    return str(e) if isinstance(e, SchemaError) else refusal(e, where)
 
 
 def _running(config: ServerConfig) -> str:

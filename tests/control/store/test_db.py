@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.control.store import Store, StoreError, redacted, store_url
+from llmgw.control.store import Store, StoreError, answers, redacted, refusal, store_url
 from tests.postgres import PostgresServer
 
 
@@ -56,7 +56,7 @@ def test_the_log_is_checkpointed_off_the_writer(tmp_path: Path) -> None:
 
 
 def test_postgresql_is_reconnected_to_after_a_restart_and_nodes_are_heard_from_then(
-        postgres_server: PostgresServer) -> None:
+        postgres_server: PostgresServer, caplog: pytest.LogCaptureFixture) -> None:
     """While the server is away no node can beat: once it answers, silence is counted from
     then (as after a restart of the control plane), not from the last beat."""
     now = [1000.0]
@@ -69,6 +69,7 @@ def test_postgresql_is_reconnected_to_after_a_restart_and_nodes_are_heard_from_t
             store.nodes()
         assert "cannot be reached" in store.reachable()
         assert store.db.unreachable_since is not None
+        assert "trying again" in caplog.text, "an open store says it goes on without it"
         now[0] = 1100.0
     finally:
         postgres_server.start()
@@ -89,3 +90,23 @@ def test_an_unreachable_store_is_not_an_outage_until_it_fails(
     store.nodes()
     assert store.hearing is before
     store.close()
+
+
+def test_a_store_that_cannot_be_opened_is_the_callers_error_in_one_line(
+        postgres_server: PostgresServer, caplog: pytest.LogCaptureFixture) -> None:
+    """No `trying again` warning from a store never opened (the caller exits, saying why),
+    and refusal() is one line: the driver's reason and what to do, the password hidden."""
+    from tests.postgres import PASSWORD
+
+    url = postgres_server.create_database_with_password()
+    wrong = url.replace(PASSWORD, "not-it")
+    with pytest.raises(StoreError) as refused:
+        Store(wrong)
+    assert not caplog.records, caplog.text
+    said = refusal(refused.value, wrong)
+    assert said.startswith("the store postgresql://llmgw_pw:***@127.0.0.1:")
+    assert 'refused: password authentication failed for user "llmgw_pw"; check the user' \
+        in said and "\n" not in said and "not-it" not in said
+    assert answers(wrong) == said, "answers() says the same without opening a Store"
+    assert answers(url) == "", "control: the right password"
+    assert answers("/nowhere/control.db") == "", "a SQLite file is made when first opened"

@@ -18,7 +18,15 @@ import sqlalchemy as sa
 
 from llmgw.control.nodes import Hearing
 
-from ._db import Database, SchemaError, StoreError, redacted, store_url
+from ._db import (
+    Database,
+    SchemaError,
+    StoreError,
+    answers,
+    redacted,
+    refusal,
+    store_url,
+)
 from .catalog import CatalogStore
 from .control_planes import SCHEDULER, ControlPlaneStore, Lease, LeaseLost
 from .keys import KeyStore
@@ -27,7 +35,7 @@ from .replicas import ReplicaStore
 from .tokens import TokenStore
 
 __all__ = ["SCHEDULER", "Lease", "LeaseLost", "SchemaError", "Store", "StoreError",
-           "redacted", "store_url"]
+           "answers", "redacted", "refusal", "store_url"]
 
 
 class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, ControlPlaneStore):

@@ -86,6 +86,54 @@ def redacted(where: str | sa.URL) -> str:
         return "(a URL that does not parse)"
 
 
+def refusal(e: BaseException, where: str | sa.URL) -> str:
+    """Why the store at where refused to be opened or used, in one line (the driver's
+    reason, without SQLAlchemy's statement and link), and what to do about it."""
+    found = getattr(e, "orig", None) or e
+    line = (str(found).strip().splitlines() or [type(found).__name__])[0]
+    # psycopg: "connection failed: connection to server at "H", port P failed: FATAL:  WHY";
+    # the URL shown already names the host and port.
+    reason = line.rsplit("failed: ", 1)[-1].removeprefix("FATAL:").strip() \
+        if line.startswith("connection failed: ") else line
+    shown = redacted(where)
+    sqlite = "://" not in shown or shown.startswith("sqlite")
+    remedy = "check that this user may write the file and its folder" if sqlite \
+        else _remedy(reason)
+    return f"the store {shown} refused: {reason}; {remedy}"
+
+
+def _remedy(reason: str) -> str:
+    """What to do about a PostgreSQL server's refusal (libpq's words for it)."""
+    if "password" in reason:
+        return "check the user and password in the URL (or PGPASSWORD, ~/.pgpass)"
+    if reason.startswith("database ") and reason.endswith("does not exist"):
+        return ("create it first on the database server (`createdb -O USER DB`), or check "
+                "the database name in the URL")
+    if reason.startswith("role ") and reason.endswith("does not exist"):
+        return "check the user in the URL, or create that role on the database server"
+    if any(w in reason for w in ("refused", "timeout", "resolve", "unreachable", "No route")):
+        return "is PostgreSQL running there, and are the URL's host and port right?"
+    return "check the URL, and that its user owns the database (docs/operations.md)"
+
+
+def answers(where: str | Path, *, timeout_s: float = 5.0) -> str:
+    """'' when the store at where accepts a connection and a query now, else refusal()'s
+    line. A SQLite file is this machine's and made when first opened: always ''."""
+    url = store_url(where)
+    if url.get_backend_name() == "sqlite":
+        return ""
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool,
+                              connect_args={"connect_timeout": max(1, round(timeout_s))})
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.select(sa.literal(1)))
+    except StoreError as e:
+        return refusal(e, str(where))
+    finally:
+        engine.dispose()
+    return ""
+
+
 class Database:
     """The store's connections; migrate=False (the gateway) reads a schema the control
     plane made, and refuses one of another revision, saying which."""
@@ -115,6 +163,9 @@ class Database:
         # when it can again (the store resets its hearing: nodes could not beat meanwhile).
         self.unreachable_since: float | None = None
         self.on_reachable: Callable[[float], None] | None = None
+        # A store that cannot be opened is an error for the caller to say (no process goes
+        # on without its store): only a store once opened is tried again, and says so.
+        self._opened = False
         try:
             if migrate:
                 self._migrate()
@@ -123,6 +174,7 @@ class Database:
         except BaseException:
             self.close()
             raise
+        self._opened = True
 
     def _sqlite_engines(self, busy_timeout_s: float) -> tuple[sa.Engine, sa.Engine]:
         assert self.url.database
@@ -160,7 +212,8 @@ class Database:
         try:
             yield
         except (sa.exc.OperationalError, sa.exc.InterfaceError) as e:
-            if self.backend == "postgresql" and self.unreachable_since is None:
+            if self.backend == "postgresql" and self.unreachable_since is None \
+                    and self._opened:
                 self.unreachable_since = time.monotonic()
                 log.warning("the store %s cannot be reached (%s); going on from memory "
                             "where possible and trying again", self.where,
