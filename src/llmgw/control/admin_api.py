@@ -1,4 +1,5 @@
-"""The admin API (loopback): nodes, the catalog, replicas and gateway keys."""
+"""The admin API (loopback): nodes, the catalog, replicas, gateway and viewer keys, and the
+fleet page (/ui/)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
+from llmgw.contract import AdminPaths
 from llmgw.contract.catalog import Model
 from llmgw.contract.explain import problems
 from llmgw.contract.records import (
@@ -31,7 +33,6 @@ from llmgw.contract.records import (
     ReplicaLog,
     ReplicaRecord,
 )
-from llmgw.contract import AdminPaths
 from llmgw.control import keys, viewers
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import read_file_facts
