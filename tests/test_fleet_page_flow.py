@@ -261,6 +261,16 @@ def test_a_name_made_of_markup_is_shown_as_those_characters_and_raises_no_dialog
     assert page.locator("img").count() == 0, "the name became an element"
     page.wait_for_timeout(1000)
     assert browser.dialogs == []
+    # The controls: the same text put in as markup does become an element (and the page's
+    # Content-Security-Policy still keeps its handler from running); a dialog is recorded.
+    page.evaluate("m => { const d = document.createElement('div'); d.id = 'control'; "
+                  "d.innerHTML = m; document.body.append(d); }", MARKUP)
+    assert page.locator("#control img").count() == 1
+    page.wait_for_timeout(1000)
+    assert browser.dialogs == [], "an inline handler ran despite the CSP"
+    page.evaluate("() => { document.getElementById('control').remove(); alert('control'); }")
+    assert browser.dialogs == ["control"]
+    browser.dialogs.clear()
 
 
 def test_no_request_left_127_0_0_1(browser) -> None:
@@ -290,6 +300,11 @@ def test_a_viewer_key_reads_the_page_and_changes_nothing(page, host, browser) ->
                 "'application/json'}, body: '{}'}).then(async r => [r.status, "
                 "(await r.json()).detail])", [method, path, headers])
             assert status == 403 and "only reads" in detail, (method, path, status, detail)
+    # The control: the admin token as a bearer, from the same page, may write.
+    status = page.evaluate("t => fetch('/api/v1/tokens', {method: 'POST', headers: "
+                           "{Authorization: 'Bearer ' + t, 'Content-Type': 'application/json'}"
+                           ", body: '{}'}).then(r => r.status)", host.token)
+    assert status == 201
     assert "qwen-0.5b" in page.inner_text("#models"), "the starter is still there"
     assert [v["name"] for v in admin_get(host, "/api/v1/viewers")] == ["watcher"]
     assert keys_before == [k["name"] for k in admin_get(host, "/api/v1/keys")], "no key made"

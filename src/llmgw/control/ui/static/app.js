@@ -82,16 +82,20 @@ function drawNodes(nodes) {
     card.appendChild(el("div", `${n.addr || "?"} · ${n.cpus} CPUs · ${gb(n.memory_mb)} · seen ${ago(n.last_seen)}`, "facts"));
     if (n.gpus.length) n.gpus.forEach((g) => card.appendChild(gpuEl(g)));
     else card.appendChild(el("div", "no GPU (CPU)", "facts"));
+    const warnings = n.warnings || [];
     const engines = el("ul", null, "engines");
     for (const p of n.provision) {
       const li = el("li", p.engine + ": ");
       li.dataset.engine = p.engine;
       li.appendChild(stateEl("span", p.state));
-      if (p.detail) li.appendChild(el("span", " — " + p.detail, "why"));
+      // A detail the !! line below already says is not said twice.
+      if (p.detail && !warnings.some((w) => w.includes(p.detail))) {
+        li.appendChild(el("span", " — " + p.detail, "why"));
+      }
       engines.appendChild(li);
     }
     card.appendChild(engines);
-    for (const w of n.warnings || []) card.appendChild(el("div", `!! ${n.id}: ${w}`, "warning"));
+    for (const w of warnings) card.appendChild(el("div", `!! ${n.id}: ${w}`, "warning"));
     return card;
   });
   $("nodes").replaceChildren(...(cards.length ? cards : [el("p", "no nodes", "empty")]));
@@ -100,10 +104,11 @@ function drawNodes(nodes) {
 function drawModels(models, replicas) {
   const parts = models.map((m) => {
     const mine = replicas.filter((r) => r.model === m.name && r.state !== "stopped");
-    const names = [m.name, ...(m.aliases || [])].join(", ");
     const box = el("div");
     box.dataset.model = m.name;
-    box.appendChild(el("h3", names));
+    const title = el("h3", m.name);
+    if ((m.aliases || []).length) title.appendChild(el("span", " also " + m.aliases.join(", "), "why"));
+    box.appendChild(title);
     box.appendChild(table(["REPLICA", "NODE", "PROFILE", "STATE", "SINCE", "WHY"], mine.map((r) => ({
       data: { replica: r.id, state: r.state },
       cells: [r.id, r.node || "–", r.profile || "–", stateEl("span", r.state), ago(r.updated),
@@ -131,7 +136,7 @@ function drawDrift(drift) {
   for (const host of drift) {
     if (!host.failing.length) {
       rows.push({ data: { host: host.host }, cells: [host.host, ago(host.checked),
-        stateEl("span", `all ${host.promises} hold`), "", ""] });
+        el("span", `all ${host.promises} hold`, "state state-holds"), "", ""] });
     }
     for (const f of host.failing) {
       rows.push({ data: { host: host.host, promise: f.promise }, cells: [host.host, ago(host.checked),
