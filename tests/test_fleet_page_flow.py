@@ -37,11 +37,25 @@ MARKUP = "<img src=x onerror=alert(1)>"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
-if not CHROMIUM.exists():
-    pytest.skip(f"{CHROMIUM} is missing: `bash scripts/bootstrap` as root installs Debian's "
-                "chromium (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test "
-                               "extra: `bash scripts/bootstrap` installs it")
+
+
+def playwright_and_chromium() -> Any:
+    """playwright.sync_api, where it and Debian's chromium are installed; skipped, saying
+    what to install, where not and this is not root; as root (CI) `scripts/bootstrap`
+    installs both, and their absence fails."""
+    why = ""
+    try:
+        from playwright import sync_api
+    except ImportError:
+        why = "playwright is not installed: it is in the test extra (pip install -e '.[test]')"
+    if not CHROMIUM.exists():
+        why = f"{CHROMIUM} is missing: `apt-get install chromium`"
+    if why:
+        why += ", or run scripts/bootstrap as root"
+        if os.geteuid() == 0:
+            pytest.fail(why)
+        pytest.skip(why)
+    return sync_api
 
 
 def until(what: str, predicate: Callable[[], Any], timeout_s: float,
@@ -108,6 +122,7 @@ def _answers(url: str) -> bool:
 def browser(tmp_path_factory) -> Iterator[Any]:
     """Module: a chromium context on a new, empty profile, recording every request any of
     its pages makes (context.requests) and every dialog raised (context.dialogs)."""
+    sync_api = playwright_and_chromium()
     with sync_api.sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
             str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM),

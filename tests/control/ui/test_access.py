@@ -194,3 +194,18 @@ def test_a_viewer_key_name_is_checked_as_a_gateway_key_s(live_control_plane, nam
         assert r.status_code == 422 and "is not allowed" in r.json()["detail"]
     else:
         assert r.status_code == 201 and r.json()["name"].startswith("viewer-")
+
+
+def test_another_site_s_page_cannot_sign_a_browser_in_or_out(live_control_plane) -> None:
+    browser = live_control_plane.anonymous()
+    elsewhere = {"Origin": "https://evil.example"}
+    r = browser.post("/ui/session", json={"credential": live_control_plane.token},
+                     headers=elsewhere)
+    assert r.status_code == 403 and "set-cookie" not in r.headers
+    assert "evil.example" in r.json()["detail"]
+    # The control: the page's own origin signs in, and only it signs out.
+    r = browser.post("/ui/session", json={"credential": live_control_plane.token},
+                     headers={"Origin": "http://testserver"})
+    assert r.status_code == 200
+    assert browser.delete("/ui/session", headers=elsewhere).status_code == 403
+    assert browser.get("/api/v1/nodes").status_code == 200

@@ -29,6 +29,15 @@ def _who(principal: Principal) -> dict[str, str]:
     return {"role": principal.role, "name": principal.name}
 
 
+def _same_origin(request: Request) -> None:
+    """Refuse a sign-in or sign-out another site's page sends (its Origin is not ours)."""
+    origin = request.headers.get("origin")
+    ours = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    if origin is not None and origin != ours:
+        raise HTTPException(403, f"a sign-in or sign-out from {origin[:100]} refused: only "
+                            f"the fleet page itself ({ours}/ui/) may send one")
+
+
 def add_fleet_page(app: FastAPI, credentials: Credentials, sessions: Sessions,
                    traffic: TrafficWatch) -> None:
     """The page's files under /ui/, its sign-in and sign-out (/ui/session), and the
@@ -37,6 +46,7 @@ def add_fleet_page(app: FastAPI, credentials: Credentials, sessions: Sessions,
     @app.post(SESSION)
     async def sign_in(body: SignIn, request: Request) -> JSONResponse:
         """Sign in with the admin token or a viewer key: a session cookie that reads."""
+        _same_origin(request)
         principal = await credentials.principal(body.credential)
         if principal is None:
             raise HTTPException(401, "that is neither this host's admin token nor a live "
@@ -60,6 +70,7 @@ def add_fleet_page(app: FastAPI, credentials: Credentials, sessions: Sessions,
     @app.delete(SESSION, status_code=204)
     def sign_out(request: Request) -> Response:
         """End this browser's session: the control plane forgets it."""
+        _same_origin(request)
         token = cookie_value(request.scope.get("headers") or [])
         if token:
             sessions.forget(token)
