@@ -98,7 +98,6 @@ class AdminAccess(RequireAdminToken):
         elif principal.reads_only and scope["method"] not in READS:
             await _refuse(send, f"{_read_only(principal, scope)} {self.how_to()}", 403)
         else:
-            scope.setdefault("state", {})["principal"] = principal
             await self.app(scope, receive, send)
 
     async def who(self, scope: MutableMapping[str, Any]) -> tuple[Principal | None, str]:
