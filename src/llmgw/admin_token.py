@@ -125,6 +125,10 @@ class Verifier:
             self._hash, self._seen = text.strip().lower(), seen
         return self._hash
 
+    def current_hash(self) -> str:
+        """The hash the token is checked against now ('' when there is none)."""
+        return self._current()
+
     def problem(self, authorization: str | None) -> str:
         """'' when authorization carries the token; else why it is refused."""
         expected = self._current()
@@ -177,15 +181,13 @@ class RequireAdminToken:
                 f"{where})\" ...")
 
 
-async def _refuse(send: Any, message: str) -> None:
+async def _refuse(send: Any, message: str, status: int = 401) -> None:
     body = json.dumps({"detail": message}).encode()
-    await send({
-        "type": "http.response.start",
-        "status": 401,
-        "headers": [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b'Bearer realm="llmgw admin"')],
-    })
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="llmgw admin"'))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

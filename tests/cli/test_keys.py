@@ -97,3 +97,39 @@ def test_a_name_is_one_live_keys(host) -> None:
     assert clash.returncode != 0 and "a key named 'x' exists" in clash.stderr
     assert llmgw(state, "keys", "rm", "x").returncode == 0
     assert llmgw(state, "keys", "create", "--name", "x").returncode == 0
+
+
+def test_a_viewer_key_reads_the_admin_api_is_refused_writes_and_is_no_gateway_key(
+        host) -> None:
+    """`keys create --viewer` prints a key that GETs the admin API, is 403 on a write and
+    401 at the gateway; `ls --viewer` lists it without the secret; `rm --viewer` ends it."""
+    state, store, gateway = host
+    made = llmgw(state, "keys", "create", "--viewer", "--name", "ops")
+    assert made.returncode == 0, made.stderr
+    secret = made.stdout.splitlines()[0]
+    assert secret.startswith("vk-llmgw-") and "changes nothing" in made.stdout
+    admin_url = f"http://127.0.0.1:{yaml_admin_port(state)}"
+    as_viewer = {"Authorization": f"Bearer {secret}"}
+    assert httpx.get(f"{admin_url}/api/v1/models", headers=as_viewer).status_code == 200
+    write = httpx.post(f"{admin_url}/api/v1/keys", headers=as_viewer, json={"name": "x"})
+    assert write.status_code == 403 and "only reads" in write.json()["detail"]
+    assert models(gateway, secret).status_code == 401
+    listed = llmgw(state, "keys", "ls", "--viewer")
+    assert listed.returncode == 0 and "ops" in listed.stdout and secret not in listed.stdout
+    assert "ops" not in llmgw(state, "keys", "ls").stdout
+    gone = llmgw(state, "keys", "rm", "--viewer", "ops")
+    assert gone.returncode == 0, gone.stderr
+    assert httpx.get(f"{admin_url}/api/v1/models", headers=as_viewer).status_code == 401
+
+
+def test_a_viewer_key_takes_no_gateway_limits(host) -> None:
+    state, _, _ = host
+    refused = llmgw(state, "keys", "create", "--viewer", "--rpm", "5")
+    assert refused.returncode != 0 and "--rpm limit a gateway key" in refused.stderr
+
+
+def yaml_admin_port(state: Path) -> int:
+    import yaml
+
+    config = yaml.safe_load((state / "etc" / "server.yaml").read_text())
+    return int(config["admin_listen"].rsplit(":", 1)[1])

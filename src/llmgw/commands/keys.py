@@ -1,4 +1,5 @@
-"""`llmgw keys create|ls|rm`: the gateway's API keys, each shown once when made."""
+"""`llmgw keys create|ls|rm`: the gateway's API keys, and with --viewer the read-only
+viewer keys of the admin API and the fleet page; each shown once when made."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 from llmgw.commands import _admin
 from llmgw.commands._table import ago, table
-from llmgw.contract.records import PublicKey
+from llmgw.contract.records import PublicKey, PublicViewer
 from llmgw.control.keys import parse_expires
 from llmgw.errors import Error
 
@@ -31,10 +32,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     rm.add_argument("name", help="its name or prefix (sk-llmgw-XXXXXXXX), as ls shows")
     for q, run in ((create, _create), (ls, _ls), (rm, _rm)):
         _admin.add_host_options(q)
+        q.add_argument("--viewer", action="store_true", help="a viewer key instead: it "
+                       "reads the admin API and the fleet page (/ui/), and changes nothing")
         q.set_defaults(run=run)
 
 
 def _create(args: argparse.Namespace) -> int:
+    if args.viewer:
+        return _create_viewer(args)
     if args.rpm < 0 or args.tpm < 0:
         raise Error("--rpm and --tpm are counts per minute: 0 (no limit) or more")
     try:
@@ -51,7 +56,22 @@ def _create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _create_viewer(args: argparse.Namespace) -> int:
+    given = [f"--{o}" for o in ("models", "rpm", "tpm", "expires") if getattr(args, o)]
+    if given:
+        raise Error(f"{', '.join(given)} limit a gateway key; a viewer key reads the whole "
+                    "fleet and changes nothing, so it takes --name alone")
+    with _admin.admin(args) as client:
+        made = _admin.call(client, lambda: client.create_viewer(name=args.name))
+    print(made["key"])
+    print(f"# viewer key {made['name']} ({made['prefix']}): reads the admin API and the "
+          "fleet page (/ui/), changes nothing. It is shown only now; the host keeps its hash.")
+    return 0
+
+
 def _ls(args: argparse.Namespace) -> int:
+    if args.viewer:
+        return _ls_viewers(args)
     with _admin.admin(args) as client:
         found = _admin.call(client, client.keys)
     now = time.time()
@@ -64,7 +84,23 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ls_viewers(args: argparse.Namespace) -> int:
+    with _admin.admin(args) as client:
+        found: list[PublicViewer] = _admin.call(client, client.viewers)
+    now = time.time()
+    print(table(["NAME", "PREFIX", "MADE"],
+                [[v["name"], v["prefix"], ago(now - v["created"])] for v in found],
+                "no viewer keys: `llmgw keys create --viewer` makes one"))
+    return 0
+
+
 def _rm(args: argparse.Namespace) -> int:
+    if args.viewer:
+        with _admin.admin(args) as client:
+            gone_viewer = _admin.call(client, lambda: client.revoke_viewer(args.name))
+        print(f"revoked viewer key {gone_viewer['name']} ({gone_viewer['prefix']}); its "
+              "fleet-page sessions end with it")
+        return 0
     with _admin.admin(args) as client:
         gone = _admin.call(client, lambda: client.revoke_key(args.name))
     print(f"revoked {gone['name']} ({gone['prefix']}); the gateway refuses it from its next "

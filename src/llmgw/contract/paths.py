@@ -23,7 +23,8 @@ class AgentPaths:
 
 
 class AdminPaths:
-    """The admin API's paths; every one but HEALTH needs the admin token."""
+    """The admin API's paths; every one but HEALTH needs the admin token (a viewer key,
+    or a fleet-page session, may GET)."""
 
     HEALTH = "/healthz"
     METRICS = "/metrics"
@@ -34,6 +35,10 @@ class AdminPaths:
     KEYS = "/api/v1/keys"
     DRIFT = "/api/v1/drift"
     CONTROL_PLANES = "/api/v1/control-planes"
+    # Read-only credentials (`llmgw keys create --viewer`), and the gateway's traffic per
+    # model; the fleet page (/ui/) reads these with the others.
+    VIEWERS = "/api/v1/viewers"
+    TRAFFIC = "/api/v1/traffic"
 
     @staticmethod
     def node(node_id: str) -> str:
@@ -50,6 +55,10 @@ class AdminPaths:
     @staticmethod
     def key(name: str) -> str:
         return f"{AdminPaths.KEYS}/{name}"
+
+    @staticmethod
+    def viewer(name: str) -> str:
+        return f"{AdminPaths.VIEWERS}/{name}"
 
     @staticmethod
     def replica_logs(replica_id: str) -> str:

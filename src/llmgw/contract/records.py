@@ -437,3 +437,26 @@ class ControlPlaneView(ControlPlane):
 
     scheduling: bool
     epoch: int
+
+
+class PublicViewer(TypedDict):
+    """A viewer key as the admin API shows it (never its hash): it reads the fleet (the
+    admin API's GETs, the fleet page) and changes nothing."""
+
+    id: str
+    name: str
+    prefix: str
+    created: float
+    revoked: float | None
+
+
+class ViewerRecord(PublicViewer):
+    """A viewer key as stored: with the sha256 of the key (the key is never kept)."""
+
+    hash: str
+
+
+class NewViewer(PublicViewer):
+    """The answer to making a viewer key: the one place its secret shows."""
+
+    key: str

@@ -1,4 +1,5 @@
-"""The admin API (loopback): nodes, the catalog, replicas and gateway keys."""
+"""The admin API (loopback): nodes, the catalog, replicas, gateway and viewer keys, and the
+fleet page (/ui/)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
-from llmgw.admin_token import RequireAdminToken
+from llmgw.contract import AdminPaths
 from llmgw.contract.catalog import Model
 from llmgw.contract.explain import problems
 from llmgw.contract.records import (
@@ -23,14 +24,16 @@ from llmgw.contract.records import (
     JoinToken,
     ModelSpec,
     NewKey,
+    NewViewer,
     NodeRemoval,
     NodeView,
     PublicKey,
     PublicReplica,
+    PublicViewer,
     ReplicaLog,
     ReplicaRecord,
 )
-from llmgw.control import keys
+from llmgw.control import keys, viewers
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import read_file_facts
 from llmgw.control.drift import DriftBoard, add_drift_routes
@@ -39,6 +42,7 @@ from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import held_back
 from llmgw.control.store import Store, StoreError
+from llmgw.control.ui import AdminAccess, Credentials, Sessions, TrafficWatch, add_fleet_page
 
 log = logging.getLogger("llmgw.admin_api")
 
@@ -125,19 +129,47 @@ def create_key(store: Store, request: KeyRequest) -> NewKey:
     raise HTTPException(500, "three new key ids in a row were taken; try again")
 
 
+class ViewerRequest(BaseModel):
+    """A viewer key to make: its name (default viewer-ID)."""
+
+    name: str = ""
+
+
+def create_viewer(store: Store, request: ViewerRequest) -> NewViewer:
+    """Make and store a viewer key (its hash only); the answer is the one place it shows."""
+    for _ in range(3):  # a clash of two 32-bit ids: take another
+        made = viewers.new_viewer_key()
+        name = request.name or f"viewer-{made.id}"
+        try:
+            keys.check_name(name)
+        except ValueError as e:
+            raise HTTPException(422, str(e)) from None
+        clash = store.add_viewer({"id": made.id, "name": name, "prefix": made.prefix,
+                                  "hash": made.hash})
+        if clash == "name":
+            raise HTTPException(409, f"a viewer key named {name!r} exists; `llmgw keys rm "
+                                f"--viewer {name}` first, or choose another name")
+        if not clash:
+            stored = next(v for v in store.viewers() if v["id"] == made.id)
+            return {**viewers.public(stored), "key": made.key}
+    raise HTTPException(500, "three new viewer key ids in a row were taken; try again")
+
+
 def make_admin_app(
     store: Store, *, node_timeout_s: float, token_hash: Path | None,
     metrics: ControlPlaneMetrics | None = None,
     on_node_removed: Callable[[list[str]], None] = lambda serials: None,
     drift: DriftBoard | None = None,
 ) -> FastAPI:
-    """The admin API; every path but /healthz needs the admin token whose sha256 is in
-    token_hash (with none, every such request is refused), /metrics too.
+    """The admin API; every path but /healthz and the fleet page's (/ui/) needs the admin
+    token whose sha256 is in token_hash (with none, every such request is refused),
+    /metrics too; a viewer key or a fleet-page session may GET (ui.access).
 
     on_node_removed gets a removed node's certificate serials (the agent API refuses
     them from then on)."""
     app = FastAPI(title="llmgw admin API", version="1")
-    app.add_middleware(RequireAdminToken, hash_path=token_hash)
+    credentials, sessions = Credentials(token_hash, store), Sessions()
+    app.add_middleware(AdminAccess, credentials=credentials, sessions=sessions)
 
     @app.exception_handler(RequestValidationError)
     async def refused(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -157,6 +189,7 @@ def make_admin_app(
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
     scraper = httpx.AsyncClient()
     add_drift_routes(app, drift or DriftBoard())
+    add_fleet_page(app, credentials, sessions, TrafficWatch(metrics.gateway_url, scraper))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -222,6 +255,27 @@ def make_admin_app(
             raise HTTPException(404, f"no live key named {name!r} (nor with that prefix); "
                                 "GET /api/v1/keys lists them")
         return keys.public(revoked)
+
+    @app.post(AdminPaths.VIEWERS, status_code=201)
+    def add_viewer(request: ViewerRequest) -> NewViewer:
+        """A viewer key: it reads (GET) and changes nothing; its secret is in this answer
+        only (the store keeps its sha256)."""
+        return create_viewer(store, request)
+
+    @app.get(AdminPaths.VIEWERS)
+    def list_viewers() -> list[PublicViewer]:
+        """Live viewer keys; no secrets."""
+        return [viewers.public(v) for v in store.viewers()]
+
+    @app.delete(AdminPaths.viewer("{name}"))
+    def revoke_viewer(name: str) -> PublicViewer:
+        """Revoke a viewer key by name, prefix or id: refused from its next request, and
+        its fleet-page sessions end with it."""
+        revoked = store.revoke_viewer(name)
+        if revoked is None:
+            raise HTTPException(404, f"no live viewer key named {name!r} (nor with that "
+                                "prefix); GET /api/v1/viewers lists them")
+        return viewers.public(revoked)
 
     # Catalog specs leave as stored (a row written by an older release may lack a newer
     # key), so FastAPI does not check them against ModelSpec on the way out.

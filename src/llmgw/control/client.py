@@ -13,10 +13,12 @@ from llmgw.contract.records import (
     JoinToken,
     ModelSpec,
     NewKey,
+    NewViewer,
     NodeRemoval,
     NodeView,
     PublicKey,
     PublicReplica,
+    PublicViewer,
     ReplicaLog,
 )
 from llmgw.errors import APIError
@@ -83,6 +85,17 @@ class AdminClient(JSONClient):
     def revoke_key(self, name: str) -> PublicKey:
         """Revoke the key of this name, prefix or id."""
         return self._call("DELETE", AdminPaths.key(name))
+
+    def create_viewer(self, *, name: str = "") -> NewViewer:
+        """A viewer key (reads only): the answer's `key` is its secret, shown this once."""
+        return self._call("POST", AdminPaths.VIEWERS, json={"name": name})
+
+    def viewers(self) -> list[PublicViewer]:
+        return self._call("GET", AdminPaths.VIEWERS)
+
+    def revoke_viewer(self, name: str) -> PublicViewer:
+        """Revoke the viewer key of this name, prefix or id."""
+        return self._call("DELETE", AdminPaths.viewer(name))
 
     def report_drift(self, host: str, report: DriftReport) -> HostDrift:
         """A host's last round of checks: {checked, promises, failing: [{promise, since,

@@ -111,4 +111,18 @@ leases = sa.Table(
     sa.Column("expires", Time, nullable=False, server_default="0"),
 )
 
-TABLES = (nodes, models, replicas, certs, tokens, keys, control_planes, leases)
+# Viewer keys: read-only credentials for the admin API and the fleet page (their hashes).
+viewers = sa.Table(
+    "viewers", metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("prefix", sa.Text, nullable=False),
+    sa.Column("hash", sa.Text, nullable=False, unique=True),
+    sa.Column("created", Time, nullable=False),
+    sa.Column("revoked", Time),
+    sa.Index("viewers_live_name", "name", unique=True,
+             sqlite_where=sa.text("revoked IS NULL"),
+             postgresql_where=sa.text("revoked IS NULL")),
+)
+
+TABLES = (nodes, models, replicas, certs, tokens, keys, control_planes, leases, viewers)
