@@ -183,6 +183,28 @@ def test_every_dashboard_query_runs_and_the_fleet_gpu_and_gateway_panels_have_se
     assert len(unplaced) >= 3, unplaced
 
 
+def firing(prometheus: str) -> list[dict[str, str]]:
+    alerts = httpx.get(f"{prometheus}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+    return [a["labels"] for a in alerts if a["state"] == "firing"]
+
+
+def test_on_the_healthy_host_only_the_stand_in_gpus_failed_engine_raises_an_alert(
+        host: ThrowawayHost, prometheus: str) -> None:
+    """The stand-in card has no CUDA driver behind it, so the node's llamacpp-cuda fails:
+    LlmgwEngineFailed fires for it, a real alert for a real failure. Nothing else is wrong
+    here, so no other alert fires (promises apart: a failed GPU engine may fail one)."""
+    wait_for("LlmgwEngineFailed for llamacpp-cuda firing",
+             lambda: [a for a in firing(prometheus) if a["alertname"] == "LlmgwEngineFailed"
+                      and a["engine"] == "llamacpp-cuda"], 60)
+    others = [a for a in firing(prometheus)
+              if a["alertname"] not in ("LlmgwEngineFailed", "LlmgwPromiseFailing")]
+    assert others == []
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    evaluated = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    assert len(evaluated[0]["rules"]) == len(rules), "every shipped rule is loaded"
+    assert all(r["health"] == "ok" for r in evaluated[0]["rules"]), evaluated
+
+
 def test_a_stopped_mirror_raises_its_promise_alert_within_the_short_for(
         host: ThrowawayHost, prometheus: str) -> None:
     """Silent while the mirror's promise holds (seen held in Prometheus first); the mirror
