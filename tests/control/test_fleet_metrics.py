@@ -90,8 +90,9 @@ def test_a_card_is_out_when_its_node_says_it_is_lost_or_its_memory_is_unreadable
 
 
 def test_certificates_expiry_from_the_files_served_and_the_nodes_signed(tmp_path: Path) -> None:
-    """The CA and a server certificate by role and path; each node's newest certificate not
-    revoked; a file that cannot be read, and a removed node's (revoked) one, are left out."""
+    """The CA and a server certificate by role and path (the gateway serving with the same
+    file adds nothing); each node's newest certificate not revoked; a file that cannot be
+    read, and a removed node's (revoked) one, are left out."""
     ca = pki.create_ca()
     ca_pem, _ = ca.write(tmp_path, "ca")
     server = pki.issue_server(ca, ["127.0.0.1"], days=10)
@@ -103,7 +104,8 @@ def test_certificates_expiry_from_the_files_served_and_the_nodes_signed(tmp_path
     store.record_heartbeat("n2", {"engines": ["llamacpp"]})
     assert store.remove_node("n2", "removed") is not None
     text = scrape(store, certificates={"ca": str(ca_pem), "server": str(server_pem),
-                                       "gateway": str(tmp_path / "missing.pem"), "none": ""})
+                                       "gateway": str(server_pem),
+                                       "other": str(tmp_path / "missing.pem"), "none": ""})
     name = "llmgw_certificate_expiry_timestamp_seconds"
     assert value(text, name, certificate="server", node="", path=str(server_pem)) == \
         server.cert.not_valid_after_utc.timestamp()

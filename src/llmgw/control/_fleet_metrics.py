@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from llmgw import pki
 from llmgw.contract import EngineState, NodeState
 from llmgw.contract.records import NodeView
+from llmgw.control.store import Store, StoreError
 
 _MIB = 1024 * 1024
 # A card's state, as its node's heartbeat words it, that means the card is out of service.
@@ -94,8 +95,12 @@ def certificate_family(files: Mapping[str, str | Path],
 
 
 def _files(items: Iterable[tuple[str, str | Path]]) -> Iterator[tuple[str, Path]]:
+    """Each file named once, under its first role (the gateway often serves with the
+    server certificate itself)."""
+    seen: set[Path] = set()
     for role, path in items:
-        if path:
+        if path and Path(path) not in seen:
+            seen.add(Path(path))
             yield role, Path(path)
 
 
@@ -103,12 +108,10 @@ class CertificateCollector:
     """The certificate family at scrape time: files (role: path; '' for none) and the
     store's node certificates (left out while the store is away: llmgw_store_up says so)."""
 
-    def __init__(self, files: Mapping[str, str | Path], store: Any) -> None:
+    def __init__(self, files: Mapping[str, str | Path], store: Store) -> None:
         self.files, self.store = files, store
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from llmgw.control.store import StoreError
-
         try:
             nodes = self.store.cert_expiry()
         except StoreError:

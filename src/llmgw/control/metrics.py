@@ -106,11 +106,11 @@ class StateCollector:
 
     def collect(self) -> Iterator[Any]:
         try:
-            families = list(self._read())
+            families, up = list(self._read()), 1
         except StoreError:
-            families = []
+            families, up = [], 0
         yield GaugeMetricFamily("llmgw_store_up", "Whether the store answered this scrape "
-                                "(1), or could not be reached (0)", value=int(bool(families)))
+                                "(1), or could not be reached (0)", value=up)
         yield from families
 
     def _read(self) -> Iterator[Any]:
