@@ -73,16 +73,18 @@ def test_an_engine_state_this_release_does_not_know_is_exported_beside_the_known
     assert value(text, "llmgw_node_engine_state", node="n1", engine="vllm", state="ready") == 0
 
 
-def test_a_card_is_out_when_its_node_says_it_is_lost_or_its_memory_is_unreadable(
+def test_a_card_is_out_when_it_stopped_answering_or_its_memory_is_unreadable(
         tmp_path: Path) -> None:
-    assert card_answers(H100)
-    assert not card_answers({**H100, "state": "lost"})
+    """A heartbeat says a card stopped answering NVML with its `error` (NVML's reason)."""
+    assert card_answers(H100) and card_answers({**H100, "error": ""})
+    assert not card_answers({**H100, "error": "GPU is lost"})
     assert not card_answers({**H100, "unknown": ["memory_mb", "memory_free_mb"]})
     assert card_answers({**H100, "unknown": ["compute_capability"]}), \
         "control: a property other than memory unread leaves the card in service"
     store = Store(tmp_path / "db")
     store.record_heartbeat("n1", {"engines": ["llamacpp"], "gpus": [
-        H100, {**H100, "index": 1, "uuid": "GPU-b", "state": "lost"}]})
+        H100, {**H100, "index": 1, "uuid": "GPU-b", "memory_free_mb": 0,
+               "error": "GPU is lost"}]})
     text = scrape(store)
     up = {dict(labels)["uuid"]: v for (name, labels), v in samples(text).items()
           if name == "llmgw_gpu_up"}

@@ -16,8 +16,6 @@ from llmgw.contract.records import NodeView
 from llmgw.control.store import Store, StoreError
 
 _MIB = 1024 * 1024
-# A card's state, as its node's heartbeat words it, that means the card is out of service.
-CARD_OUT_STATES = frozenset({"lost", "failed", "unanswering", "not_answering", "error"})
 
 
 def node_families(views: list[NodeView]) -> Iterator[GaugeMetricFamily]:
@@ -52,8 +50,8 @@ def gpu_families(views: list[NodeView]) -> Iterator[GaugeMetricFamily]:
     free = GaugeMetricFamily("llmgw_gpu_memory_free_bytes", "Each GPU's free memory at its "
                              "node's last heartbeat", labels=labels)
     up = GaugeMetricFamily("llmgw_gpu_up", "Whether each GPU answered NVML at its node's "
-                           "last heartbeat (1), or is out: lost, or its memory unreadable (0)",
-                           labels=labels)
+                           "last heartbeat (1), or is out: it stopped answering, or its memory "
+                           "could not be read (0)", labels=labels)
     for v in views:
         for gpu in v["gpus"]:
             card: Mapping[str, Any] = gpu
@@ -68,10 +66,10 @@ def gpu_families(views: list[NodeView]) -> Iterator[GaugeMetricFamily]:
 
 
 def card_answers(card: Mapping[str, Any]) -> bool:
-    """False for a card its node reports out (a state in CARD_OUT_STATES) or whose memory
-    NVML could not read (named in `unknown`): nothing can be placed on it."""
-    state = str(card.get("state") or "").lower()
-    return state not in CARD_OUT_STATES and "memory_mb" not in (card.get("unknown") or [])
+    """False for a card that stopped answering NVML at its node's last heartbeat (`error`
+    gives NVML's reason) or whose memory NVML could not read (named in `unknown`): nothing
+    can be placed on it."""
+    return not card.get("error") and "memory_mb" not in (card.get("unknown") or [])
 
 
 def certificate_family(files: Mapping[str, str | Path],
