@@ -43,3 +43,19 @@ def test_metrics_count_downloads_by_state_and_the_bytes_served(start_mirror, tmp
     assert metric(text, "llmgw_mirror_served_bytes_total") == len(data) + 10
     assert metric(text, 'llmgw_mirror_responses_total{status="404"}') == 1
     assert metric(text, 'llmgw_mirror_download_bytes{model="m",version="v1"}') == len(data)
+
+
+def test_the_disk_holding_the_models_dir_is_exported_as_statvfs_says(start_mirror) -> None:
+    """Size and free bytes of the models dir's filesystem (what the disk alert divides);
+    free is what an unprivileged writer has left (f_bavail), so it moves with other writers
+    and is compared within 64 MiB. A dir that cannot be read gives no family."""
+    from llmgw.mirror._metrics import disk_families
+
+    mirror = start_mirror()
+    text = _metrics(mirror)
+    st = os.statvfs(mirror.dir)
+    assert metric(text, "llmgw_mirror_disk_size_bytes") == st.f_blocks * st.f_frsize
+    free = metric(text, "llmgw_mirror_disk_free_bytes")
+    assert abs(free - st.f_bavail * st.f_frsize) < 64 << 20
+    assert 0 < free <= metric(text, "llmgw_mirror_disk_size_bytes")
+    assert list(disk_families(mirror.dir / "no-such-dir")) == []

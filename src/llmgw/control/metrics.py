@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -21,9 +21,10 @@ from prometheus_client.utils import floatToGoString
 
 from llmgw.contract import NodeState, ReplicaState
 from llmgw.contract.records import NodeRecord, ReplicaRecord
+from llmgw.control import _fleet_metrics as fleet
 from llmgw.control.leadership import control_plane_views
 from llmgw.control.nodes import node_view
-from llmgw.control.store import Store
+from llmgw.control.store import Store, StoreError
 
 ENGINE_SCRAPE_TIMEOUT_S = 2.0
 
@@ -96,13 +97,23 @@ class GatewayMetrics:
 
 
 class StateCollector:
-    """Nodes and replicas by state, heartbeat age, and the agents' replica state changes,
-    read from the store at scrape time."""
+    """Nodes and replicas by state, each node's state, engines and GPUs, heartbeat age, and
+    the agents' replica state changes, read from the store at scrape time; and whether the
+    store answered (llmgw_store_up: 0 with nothing read from it when it did not)."""
 
     def __init__(self, store: Store, node_timeout_s: float) -> None:
         self.store, self.node_timeout_s = store, node_timeout_s
 
     def collect(self) -> Iterator[Any]:
+        try:
+            families, up = list(self._read()), 1
+        except StoreError:
+            families, up = [], 0
+        yield GaugeMetricFamily("llmgw_store_up", "Whether the store answered this scrape "
+                                "(1), or could not be reached (0)", value=up)
+        yield from families
+
+    def _read(self) -> Iterator[Any]:
         now = self.store.clock()
         nodes = self.store.nodes()
         views = [node_view(n, now, self.node_timeout_s, self.store.hearing) for n in nodes]
@@ -110,6 +121,7 @@ class StateCollector:
         for state in NodeState:
             by_state.add_metric([state], sum(v["state"] == state for v in views))
         yield by_state
+        yield from fleet.node_families(views)
         age = GaugeMetricFamily("llmgw_node_heartbeat_age_seconds", "Seconds since each "
                                 "node's last heartbeat", labels=["node"])
         for n in nodes:
@@ -194,8 +206,13 @@ def _escape(value: str) -> str:
 
 
 async def engine_metrics(store: Store, client: httpx.AsyncClient) -> str:
-    """Every ready replica's /metrics, fetched at once with its key and relabelled."""
-    ready = [r for r in store.replicas() if r["state"] == ReplicaState.READY and r["endpoint"]]
+    """Every ready replica's /metrics, fetched at once with its key and relabelled (none
+    while the store is away: llmgw_store_up says so)."""
+    try:
+        replicas = store.replicas()
+    except StoreError:
+        replicas = []
+    ready = [r for r in replicas if r["state"] == ReplicaState.READY and r["endpoint"]]
 
     async def one(r: ReplicaRecord) -> str:
         try:
@@ -232,15 +249,19 @@ async def gateway_metrics(client: httpx.AsyncClient, url: str) -> str:
 
 
 class ControlPlaneMetrics:
-    """The control plane's registry (state and heartbeats) and the scrape, which appends
-    the gateway's metrics read from gateway_url (http://HOST:PORT; '' for none)."""
+    """The control plane's registry (state, heartbeats, certificates' expiry) and the
+    scrape, which appends the gateway's metrics read from gateway_url (http://HOST:PORT;
+    '' for none)."""
 
-    def __init__(self, store: Store, node_timeout_s: float, gateway_url: str = "") -> None:
+    def __init__(self, store: Store, node_timeout_s: float, gateway_url: str = "",
+                 certificates: Mapping[str, str] | None = None) -> None:
         self.store = store
         self.gateway_url = gateway_url
         self.registry = CollectorRegistry()
         self.heartbeats = HeartbeatTimer(self.registry)
         self.registry.register(StateCollector(store, node_timeout_s))
+        # The certificate files it serves with, by role (ca, server, gateway).
+        self.registry.register(fleet.CertificateCollector(certificates or {}, store))
 
     async def render(self, client: httpx.AsyncClient) -> bytes:
         own = await asyncio.to_thread(generate_latest, self.registry)

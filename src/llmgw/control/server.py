@@ -150,7 +150,9 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
     store = Store(config.store_at())
     metrics = ControlPlaneMetrics(
         store, config.node_timeout_s,
-        gateway_url=f"http://{connect_host(config.gateway_metrics_listen)}")
+        gateway_url=f"http://{connect_host(config.gateway_metrics_listen)}",
+        certificates={"ca": config.tls.ca, "server": config.tls.cert,
+                      "gateway": config.gateway_tls.cert})
     agent_api = agent_api_server(config, store, metrics)
     admin = make_admin_app(store, node_timeout_s=config.node_timeout_s,
                            token_hash=admin_token_hash, metrics=metrics,

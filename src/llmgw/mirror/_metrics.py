@@ -1,8 +1,10 @@
-"""The mirror's Prometheus metrics: bytes served to nodes, downloads by state."""
+"""The mirror's Prometheus metrics: bytes served to nodes, downloads by state, its disk."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -50,6 +52,20 @@ class MirrorCollector:
         for v in views:
             got.add_metric([v["model"], v["version"]], v["status"].get("bytes") or 0)
         yield got
+        yield from disk_families(self.manager.disk.root)
+
+
+def disk_families(root: Path) -> Iterator[GaugeMetricFamily]:
+    """The filesystem holding the models dir: its size and what is left (as statvfs says
+    for an unprivileged writer); nothing when it cannot be read."""
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return
+    yield GaugeMetricFamily("llmgw_mirror_disk_size_bytes", "Size of the filesystem "
+                            "holding the models dir", value=usage.total)
+    yield GaugeMetricFamily("llmgw_mirror_disk_free_bytes", "Bytes left for the mirror on "
+                            "the filesystem holding the models dir", value=usage.free)
 
 
 def registry(manager: Manager, served: ServedCounter) -> CollectorRegistry:

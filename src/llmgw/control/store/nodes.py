@@ -145,6 +145,14 @@ class NodeStore(Aggregate):
             conn.execute(certs.insert().values(serial=serial, node=node_id,
                                                not_after=not_after))
 
+    def cert_expiry(self) -> dict[str, float]:
+        """When each node's newest certificate not revoked expires (unix time), by node id:
+        the ones this control plane signed (a join or a renewal)."""
+        newest = sa.func.max(certs.c.not_after).label("not_after")
+        return {r["node"]: float(r["not_after"]) for r in self.db.read(
+            sa.select(certs.c.node, newest).where(certs.c.revoked.is_(None))
+            .group_by(certs.c.node).order_by(certs.c.node))}
+
     def revoked_serials(self) -> list[str]:
         return [r["serial"] for r in self.db.read(
             sa.select(certs.c.serial).where(certs.c.revoked.is_not(None))
