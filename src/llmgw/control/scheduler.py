@@ -25,7 +25,6 @@ from llmgw.contract import (
     ReplicaState,
 )
 from llmgw.contract.records import (
-    Geometry,
     GivenUp,
     Gpu,
     ModelSpec,
