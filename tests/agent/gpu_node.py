@@ -18,7 +18,7 @@ import pytest
 from llmgw import pki
 from llmgw.agent.agent import Agent, replica_supervisor
 from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.gpus import discover
+from llmgw.agent.gpus import LiveCards, discover
 from llmgw.agent.replicas import GPU_START_ATTEMPTS, ReplicaSupervisor, stop_engines
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import EngineState
@@ -114,7 +114,9 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llama_server: str,
                          state_dir=str(tmp_path / "agent"), heartbeat_s=0.2,
                          engine=engine_config)
     nvml = standin_nvml(monkeypatch, cards)
-    agent = Agent(config, engine=LlamaCpp(engine_config), discover=lambda: discover(nvml))
+    found = discover(nvml)
+    agent = Agent(config, engine=LlamaCpp(engine_config), discover=lambda: found,
+                  cards=LiveCards(found.gpus, nvml).read)
     assert agent.engine.provision().state == EngineState.READY
     agent.cuda.provision()
     supervisor = replica_supervisor(agent, gpu_start_attempts=gpu_start_attempts)
