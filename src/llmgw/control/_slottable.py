@@ -27,14 +27,14 @@ from prometheus_client.core import CounterMetricFamily
 
 # The reasons a request went where it did (llmgw_route_decisions_total{reason}).
 SLOT = "slot"                      # back to the idle slot that holds its prefix (id_slot)
-SLOT_BUSY_PREFIX = "slot_busy_prefix"      # its slot busy: the idle slot sharing the most
-SLOT_BUSY_LEAST_LOADED = "slot_busy_least_loaded"  # its slot busy, none shares: least loaded
+SLOT_BUSY_PREFIX = "slot_busy_prefix"  # its slot busy: the idle slot sharing the most
+SLOT_BUSY = "slot_busy"            # its slot busy, no idle one shares as much: its replica
 REPLICA = "replica"                # its slot holds another since: its replica's cache has it
 NEW = "new"                        # no known prefix: the least loaded replica
 GUARD = "guard"                    # its replica much busier than the idlest: the idlest
 HOME_FULL = "home_full"            # its replica not free (or not ready): the least loaded
 ROUND_ROBIN = "round_robin"        # gateway_routing: round-robin
-REASONS = (SLOT, SLOT_BUSY_PREFIX, SLOT_BUSY_LEAST_LOADED, REPLICA, NEW, GUARD, HOME_FULL,
+REASONS = (SLOT, SLOT_BUSY_PREFIX, SLOT_BUSY, REPLICA, NEW, GUARD, HOME_FULL,
            ROUND_ROBIN)
 
 

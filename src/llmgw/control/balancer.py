@@ -14,10 +14,12 @@ The rule, in full (what `choose` does):
   engines of a few slots). Otherwise the idlest free replica takes it, ties in turn.
 - Within its replica, a conversation goes to the slot that holds its prefix (the request
   carries llama-server's `id_slot`) when that slot is idle. When it is busy the request does
-  not wait for it: it takes the idle slot sharing the longest prefix with it, else the idlest
-  replica. When the slot holds another conversation since, the request goes to the replica
-  without `id_slot`, and the engine loads the conversation from its prompt cache
-  (`_slottable`'s docstring says why). Each decision is counted by its reason.
+  not wait for it: it takes the idle slot that shares the longest prefix with it, if one
+  shares as much as the busy slot holds; else it goes to its replica unpinned (or, past
+  the guard or with its replica full, to the idlest). When the slot holds another
+  conversation since, the request goes to its replica without `id_slot`, and the engine
+  loads the conversation from its prompt cache (`_slottable`'s docstring says why). Each
+  decision is counted by its reason.
 - With no replica free, a request waits in its model's queue for a slot, at most
   queue_wait_s and behind at most queue_size others; past either it is refused (the
   gateway answers 503 with Retry-After). A slot that frees goes to the first waiter whose
@@ -181,19 +183,21 @@ def route(replicas: list[ReplicaRecord], loads: dict[str, Load],
         return Route(at, None, st.REPLICA)
     if states[slot].idle:
         return Route(at, slot, st.SLOT)
-    return busy_slot(free, loads, lookups) or Route(pick, None, st.SLOT_BUSY_LEAST_LOADED)
+    return busy_slot(free, loads, lookups, st.shared(frozenset((key,)), lookups)) or \
+        Route(at, None, st.SLOT_BUSY)
 
 
 def busy_slot(free: list[ReplicaRecord], loads: dict[str, Load],
-              lookups: tuple[bytes, ...]) -> Route | None:
+              lookups: tuple[bytes, ...], least: int) -> Route | None:
     """For a request whose slot is busy: the idle slot, of a free replica, that shares the
-    longest prefix with it (the first of equals); None if none shares any."""
+    longest prefix with it (the first of equals), at least `least` long (as long as what
+    the busy one holds); None if none does."""
     best: tuple[int, ReplicaRecord, int] | None = None
     for r in free:
         for i, state in enumerate(loads[r["id"]].states):
             if state.idle:
                 depth = st.shared(state.holder, lookups)
-                if depth and (best is None or depth > best[0]):
+                if depth >= least and (best is None or depth > best[0]):
                     best = (depth, r, i)
     return Route(best[1], best[2], st.SLOT_BUSY_PREFIX) if best else None
 
