@@ -161,8 +161,13 @@ def route(replicas: list[ReplicaRecord], loads: dict[str, Load],
     no replica is free. home: (key, replica, slot) its longest known prefix was last
     sent to; lookups: its prefix keys, longest first."""
     for r in replicas:
-        if r["id"] not in loads:
-            loads[r["id"]] = Load()
+        load = loads.get(r["id"])
+        if load is None:
+            load = loads[r["id"]] = Load()
+        endpoint = r.get("endpoint", "")
+        if load.endpoint != endpoint:
+            # Another engine behind this replica (restarted, moved): its slots hold nothing.
+            load.endpoint, load.states = endpoint, [Slot() for _ in load.states]
     free = [r for r in replicas if loads[r["id"]].free]
     if not free:
         return None
@@ -302,10 +307,6 @@ class Balancer:
         load = self.loads.get(replica["id"])
         if load is None:
             load = self.loads[replica["id"]] = Load()
-        endpoint = replica.get("endpoint", "")
-        if load.endpoint != endpoint:
-            # Another engine behind this replica (restarted, moved): nothing is in its slots.
-            load.endpoint, load.states = endpoint, [Slot() for _ in load.states]
         load.in_flight += 1
         load.peak = max(load.peak, load.in_flight)
         lease = Lease(self, model, replica, found.reason)
