@@ -161,13 +161,13 @@ def route(replicas: list[ReplicaRecord], loads: dict[str, Load],
     no replica is free. home: (key, replica, slot) its longest known prefix was last
     sent to; lookups: its prefix keys, longest first."""
     for r in replicas:
-        load = loads.get(r["id"])
-        if load is None:
-            load = loads[r["id"]] = Load()
+        seen = loads.get(r["id"])
+        if seen is None:
+            seen = loads[r["id"]] = Load()
         endpoint = r.get("endpoint", "")
-        if load.endpoint != endpoint:
+        if seen.endpoint != endpoint:
             # Another engine behind this replica (restarted, moved): its slots hold nothing.
-            load.endpoint, load.states = endpoint, [Slot() for _ in load.states]
+            seen.endpoint, seen.states = endpoint, [Slot() for _ in seen.states]
     free = [r for r in replicas if loads[r["id"]].free]
     if not free:
         return None
@@ -217,6 +217,10 @@ class Lease:
         self.balancer, self.model, self.replica, self.reason = balancer, model, replica, reason
         self.slot: int | None = None
         self.tracked: int | None = None
+        # What leasing changed in the table, put back if nothing is sent: the slot, what it
+        # held, and (the conversation's key, where the table had it before).
+        self.undo: tuple[Slot, frozenset[bytes],
+                         tuple[bytes, tuple[str, int | None] | None] | None] | None = None
         self._held = True
 
     def body(self, raw: bytes) -> bytes:
@@ -237,6 +241,11 @@ class Lease:
             self.balancer._release(self, ran=False)
             self.balancer._turn -= 1
             self.balancer.decisions[self.reason] -= 1
+            if self.undo is not None:  # nothing reached the slot: it holds what it held
+                state, holder, home = self.undo
+                state.holder = holder
+                if home is not None:
+                    self.balancer.homes.put_back(*home)
 
 
 @dataclass
@@ -324,8 +333,11 @@ class Balancer:
             state = load.states[tracked]
             state.leased += 1
             state.touched = True
+            lease.undo = (state, state.holder, None)
             state.holder = frozenset(conv.lookups) if conv is not None else frozenset()
         if conv is not None:
+            if lease.undo is not None:
+                lease.undo = (*lease.undo[:2], (conv.record, self.homes.table.get(conv.record)))
             self.homes.remember(conv.record, lease.replica["id"], tracked)
 
     async def _wait(self, model: str, queue: deque[_Waiter], waiter: _Waiter) -> Lease:
