@@ -3,19 +3,24 @@ count of the prompt tokens they computed.
 
 Run on demand, not in the suite:
 
-    python bench/routing.py [--rounds 4] [--conversations 8] [--turns 6] [--model tiny]
+    python bench/routing.py [--rounds 4] [--replicas 2] [--parallel 4] [--mixed] [--model tiny]
 
-Two llama-server replicas (each one thread, --parallel slots, one KV buffer for its slots
-and its host-memory prompt cache, which is what llama-server does with its default slot
-count; --metrics as the agent starts them) behind two gateway processes over one store:
-one with `gateway_routing: round-robin`, one with `balanced`, the same gateway code.
+--replicas llama-server replicas (each one thread, --parallel slots, 4 by default as
+llama-server's own default, one KV buffer for its slots and its host-memory prompt cache,
+which is what llama-server does with its default slot count; --metrics and the flags the
+control plane adds (control/engine_args: --slot-prompt-similarity 0
+--no-cache-idle-slots) as the agent starts them; --engine-args go first and win) behind
+two gateway processes over one store: one with `gateway_routing: round-robin`, one with
+`balanced` (which pins a conversation to its slot, `id_slot`), the same gateway code.
 
 Every conversation opens with the same system prompt (--system-tokens, counted by the
 engine's /tokenize) and a few words of its own, then runs --turns streamed turns, each
 sending the whole history so far, the model's answers included. A phase runs
---conversations of them at once, more than the two engines' slots together, so a slot
+--conversations of them at once (by default twice the engines' slots together), so a slot
 serves several conversations in turn and what is still cached for a conversation depends
-on where its earlier turns went. The system prompt is put in each engine's cache once
+on where its earlier turns went. --mixed adds as many one-shot requests (the system prompt
+and a question of their own, no history), one after another beside each conversation: half
+the requests are one-shot. The system prompt is put in each engine's cache once
 before the phases (one request to each engine directly); every phase's conversations are
 new text otherwise. Phases alternate, round robin first in every other round.
 
@@ -25,7 +30,9 @@ answers' own `timings.prompt_n` summed beside it as a check), TTFT (time to the 
 streamed token, p50 and p99) and throughput (completion tokens over the phase's wall time;
 each answer is --max-tokens long, `ignore_eos`). The ratios are medians of the rounds'
 balanced/round-robin ratios (a round's two phases run back to back, so the load drifting
-on a shared machine skews them least). The last line is:
+on a shared machine skews them least), TTFT p99's among them; the balanced gateway's
+routing decisions (llmgw_route_decisions_total) over the run are printed before the
+last line, which is:
 
     routing/round-robin: prompt tokens 0.NNx, TTFT p50 0.NNx, throughput N.NNx
 

@@ -22,8 +22,11 @@ The rule, in full (what `choose` does):
   decision is counted by its reason.
 - With no replica free, a request waits in its model's queue for a slot, at most
   queue_wait_s and behind at most queue_size others; past either it is refused (the
-  gateway answers 503 with Retry-After). A slot that frees goes to the first waiter whose
-  conversation's home it is, else to the first in line.
+  gateway answers 503 with Retry-After). A slot that frees goes to the first in line of
+  the waiters it belongs to: those whose conversation lives on its replica and those
+  whose conversation lives on no ready one (new ones among them), in their order, so a
+  new conversation is not passed over for as long as conversations keep coming back;
+  with none such, to the first in line (a slot never idles while a request waits).
 """
 
 from __future__ import annotations
@@ -403,11 +406,19 @@ class Balancer:
     def _next(self, queue: deque[_Waiter], freed: str | None) -> _Waiter | None:
         while queue and queue[0].future.done():
             queue.popleft()
+        if not queue:
+            return None
         if freed is not None:
             for waiter in queue:
-                if not waiter.future.done() and self._home(waiter.conv) == freed:
+                if not waiter.future.done() and self._belongs(waiter, freed):
                     return waiter
-        return queue[0] if queue else None
+        return queue[0]
+
+    def _belongs(self, waiter: _Waiter, freed: str) -> bool:
+        """Whether a slot of replica `freed` is the waiter's to take in its turn: its
+        conversation lives there, or nowhere ready (a new one goes anywhere)."""
+        home = self._home(waiter.conv)
+        return home is None or home == freed or all(r["id"] != home for r in waiter.replicas)
 
     def polling(self, replica_id: str) -> None:
         """A poll of the replica goes out now."""
