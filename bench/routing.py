@@ -407,9 +407,9 @@ def parse() -> argparse.Namespace:
     args = parser.parse_args()
     args.conversations = args.conversations or 2 * args.replicas * args.parallel
     if args.conversations <= args.replicas * args.parallel:
-        parser.error(f"--conversations {args.conversations} must exceed the engines' "
-                     f"{args.replicas * args.parallel} slots, or every conversation keeps "
-                     "a slot")
+        print(f"note: {args.conversations} conversations for the engines' "
+              f"{args.replicas * args.parallel} slots: every conversation can keep a slot "
+              "(what balanced routing pins); the default is twice the slots", flush=True)
     return args
 
 
