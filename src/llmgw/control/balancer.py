@@ -210,6 +210,17 @@ def busy_slot(free: list[ReplicaRecord], loads: dict[str, Load],
     return Route(best[1], best[2], st.SLOT_BUSY_PREFIX) if best else None
 
 
+@dataclass(frozen=True)
+class _Undo:
+    """What a lease changed in the table, put back if nothing is sent (Lease.unused): the
+    slot it counted and what that held, the conversation's key and its entry before."""
+
+    slot: Slot | None
+    holder: frozenset[bytes]
+    key: bytes | None
+    home: tuple[str, int | None] | None
+
+
 class Lease:
     """A replica taken for one request; release() once its answer was relayed (or failed).
     slot: the slot of it the request is pinned to (sent as id_slot), or None; tracked: the
@@ -220,10 +231,7 @@ class Lease:
         self.balancer, self.model, self.replica, self.reason = balancer, model, replica, reason
         self.slot: int | None = None
         self.tracked: int | None = None
-        # What leasing changed in the table, put back if nothing is sent: the slot, what it
-        # held, and (the conversation's key, where the table had it before).
-        self.undo: tuple[Slot, frozenset[bytes],
-                         tuple[bytes, tuple[str, int | None] | None] | None] | None = None
+        self.undo: _Undo | None = None
         self._held = True
 
     def body(self, raw: bytes) -> bytes:
@@ -244,11 +252,12 @@ class Lease:
             self.balancer._release(self, ran=False)
             self.balancer._turn -= 1
             self.balancer.decisions[self.reason] -= 1
-            if self.undo is not None:  # nothing reached the slot: it holds what it held
-                state, holder, home = self.undo
-                state.holder = holder
-                if home is not None:
-                    self.balancer.homes.put_back(*home)
+            undo = self.undo  # nothing reached the engine: the table as it was
+            if undo is not None:
+                if undo.slot is not None:
+                    undo.slot.holder = undo.holder
+                if undo.key is not None:
+                    self.balancer.homes.put_back(undo.key, undo.home)
 
 
 @dataclass
@@ -332,15 +341,15 @@ class Balancer:
         holds the conversation from now on."""
         tracked = slot if slot is not None else st.engine_pick(load.states)
         lease.slot, lease.tracked = slot, tracked
-        if tracked is not None:
-            state = load.states[tracked]
+        state = load.states[tracked] if tracked is not None else None
+        lease.undo = _Undo(state, state.holder if state else frozenset(),
+                           conv.record if conv else None,
+                           self.homes.table.get(conv.record) if conv else None)
+        if state is not None:
             state.leased += 1
             state.touched = True
-            lease.undo = (state, state.holder, None)
             state.holder = frozenset(conv.lookups) if conv is not None else frozenset()
         if conv is not None:
-            if lease.undo is not None:
-                lease.undo = (*lease.undo[:2], (conv.record, self.homes.table.get(conv.record)))
             self.homes.remember(conv.record, lease.replica["id"], tracked)
 
     async def _wait(self, model: str, queue: deque[_Waiter], waiter: _Waiter) -> Lease:
