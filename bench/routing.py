@@ -3,19 +3,24 @@ count of the prompt tokens they computed.
 
 Run on demand, not in the suite:
 
-    python bench/routing.py [--rounds 4] [--conversations 8] [--turns 6] [--model tiny]
+    python bench/routing.py [--rounds 4] [--replicas 2] [--parallel 4] [--mixed] [--model tiny]
 
-Two llama-server replicas (each one thread, --parallel slots, one KV buffer for its slots
-and its host-memory prompt cache, which is what llama-server does with its default slot
-count; --metrics as the agent starts them) behind two gateway processes over one store:
-one with `gateway_routing: round-robin`, one with `balanced`, the same gateway code.
+--replicas llama-server replicas (each one thread, --parallel slots, 4 by default as
+llama-server's own default, one KV buffer for its slots and its host-memory prompt cache,
+which is what llama-server does with its default slot count; --metrics and the flags the
+control plane adds (control/engine_args: --slot-prompt-similarity 0
+--no-cache-idle-slots) as the agent starts them; --engine-args go first and win) behind
+two gateway processes over one store: one with `gateway_routing: round-robin`, one with
+`balanced` (which pins a conversation to its slot, `id_slot`), the same gateway code.
 
 Every conversation opens with the same system prompt (--system-tokens, counted by the
 engine's /tokenize) and a few words of its own, then runs --turns streamed turns, each
 sending the whole history so far, the model's answers included. A phase runs
---conversations of them at once, more than the two engines' slots together, so a slot
+--conversations of them at once (by default twice the engines' slots together), so a slot
 serves several conversations in turn and what is still cached for a conversation depends
-on where its earlier turns went. The system prompt is put in each engine's cache once
+on where its earlier turns went. --mixed adds as many one-shot requests (the system prompt
+and a question of their own, no history), one after another beside each conversation: half
+the requests are one-shot. The system prompt is put in each engine's cache once
 before the phases (one request to each engine directly); every phase's conversations are
 new text otherwise. Phases alternate, round robin first in every other round.
 
@@ -25,7 +30,9 @@ answers' own `timings.prompt_n` summed beside it as a check), TTFT (time to the 
 streamed token, p50 and p99) and throughput (completion tokens over the phase's wall time;
 each answer is --max-tokens long, `ignore_eos`). The ratios are medians of the rounds'
 balanced/round-robin ratios (a round's two phases run back to back, so the load drifting
-on a shared machine skews them least). The last line is:
+on a shared machine skews them least), TTFT p99's among them; the balanced gateway's
+routing decisions (llmgw_route_decisions_total) over the run are printed before the
+last line, which is:
 
     routing/round-robin: prompt tokens 0.NNx, TTFT p50 0.NNx, throughput N.NNx
 
@@ -50,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +177,13 @@ def serve_gateway(work: Path, port: int, routing: str) -> None:
     app = make_gateway_app(Store(work / "control.db"),
                            ServerConfig(gateway_routing=routing),  # type: ignore[arg-type]
                            upstream=Upstream())
+
+    def write_decisions() -> None:
+        while True:
+            (work / f"decisions-{routing}.json").write_text(json.dumps(app.balancer.decisions))
+            time.sleep(0.5)
+
+    threading.Thread(target=write_decisions, daemon=True).start()
     Http1Server(app, f"127.0.0.1:{port}", fast=FastPath(app)).run()
 
 
@@ -279,18 +294,34 @@ async def conversation(client: httpx.AsyncClient, url: str, system: str, opening
                                                  f"{rng.choice(WORDS)}?"}]
 
 
+async def one_shots(client: httpx.AsyncClient, url: str, system: str, name: str,
+                    rng: random.Random, args: argparse.Namespace, phase: Phase) -> None:
+    """--mixed: as many single requests as a conversation has turns, one after another,
+    each the system prompt and a question of its own (no history)."""
+    for t in range(args.turns):
+        question = f"One-shot {name}-{t}: " + " ".join(rng.choice(WORDS)
+                                                        for _ in range(args.context_words))
+        await turn(client, url, [{"role": "system", "content": system},
+                                 {"role": "user", "content": question}],
+                   args.max_tokens, phase)
+
+
 async def run_phase(url: str, system: str, seed: int, args: argparse.Namespace) -> Phase:
     phase, rng = Phase(), random.Random(seed)
     openings = [f"Chat {seed}-{i}, notes: " + " ".join(rng.choice(WORDS)
                                                        for _ in range(args.context_words))
                 for i in range(args.conversations)]
     started = time.perf_counter()
-    limits = httpx.Limits(max_connections=args.conversations)
+    limits = httpx.Limits(max_connections=2 * args.conversations)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        work = [conversation(client, url, system, o, random.Random(seed * 100 + i), args,
+                             phase) for i, o in enumerate(openings)]
+        if args.mixed:
+            work += [one_shots(client, url, system, f"{seed}-{i}",
+                               random.Random(seed * 100 + 50 + i), args, phase)
+                     for i in range(args.conversations)]
         async with asyncio.timeout(PHASE_DEADLINE_S):
-            await asyncio.gather(*(conversation(client, url, system, o,
-                                                random.Random(seed * 100 + i), args, phase)
-                                   for i, o in enumerate(openings)))
+            await asyncio.gather(*work)
     phase.wall_s = time.perf_counter() - started
     return phase
 
@@ -313,7 +344,7 @@ def p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def report(phases: dict[str, list[Phase]]) -> None:
+def report(phases: dict[str, list[Phase]], decisions: dict[str, int]) -> None:
     """Each mode over all its phases, each round's ratios, the goals, the last line."""
     print(f"{'routing':<13}{'computed':>10}{'cached':>9}{'TTFT p50 ms':>13}{'p99 ms':>9}"
           f"{'tokens/s':>10}{'failed':>8}   each phase (computed / TTFT p50 ms / tokens/s)")
@@ -333,13 +364,19 @@ def report(phases: dict[str, list[Phase]]) -> None:
     rounds = list(zip(phases["balanced"], phases["round-robin"], strict=True))
     ratios = [(b.computed / r.computed,
                med(b.ttft_s) / med(r.ttft_s),
-               b.tokens_per_s / r.tokens_per_s) for b, r in rounds]
+               b.tokens_per_s / r.tokens_per_s,
+               p(b.ttft_s, 0.99) / p(r.ttft_s, 0.99)) for b, r in rounds]
     print("each round, balanced/round-robin: " + "; ".join(
-        f"prompt tokens {c:.2f}x TTFT {t:.2f}x tokens/s {s:.2f}x" for c, t, s in ratios))
-    computed, ttft, rate = (statistics.median(x) for x in zip(*ratios, strict=True))
-    met = [computed <= 0.5, ttft <= 0.6, rate >= 1.0]
-    print("goals (prompt tokens <= 0.5x, TTFT p50 <= 0.6x, throughput >= 1.0x): "
-          f"{'met' if all(met) else 'NOT met: ' + str(met)}")
+        f"prompt tokens {c:.2f}x TTFT {t:.2f}x (p99 {t99:.2f}x) tokens/s {s:.2f}x"
+        for c, t, s, t99 in ratios))
+    computed, ttft, rate, ttft99 = (statistics.median(x) for x in zip(*ratios, strict=True))
+    if decisions:
+        print("balanced's routing decisions (llmgw_route_decisions_total): " + ", ".join(
+            f"{reason} {n}" for reason, n in decisions.items() if n))
+    print(f"TTFT p99 {ttft99:.2f}x (median of the rounds; goal: at most 1.20x)")
+    met = [computed <= 0.5, ttft <= 0.6, rate >= 1.0, ttft99 <= 1.2]
+    print("goals (prompt tokens <= 0.5x, TTFT p50 <= 0.6x, throughput >= 1.0x, "
+          f"TTFT p99 <= 1.2x): {'met' if all(met) else 'NOT met: ' + str(met)}")
     print(f"routing/round-robin: prompt tokens {computed:.2f}x, TTFT p50 {ttft:.2f}x, "
           f"throughput {rate:.2f}x")
 
@@ -349,8 +386,12 @@ def parse() -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("tiny", "gemma"), default="tiny")
     parser.add_argument("--rounds", type=int, default=4, help="phases per mode")
-    parser.add_argument("--conversations", type=int, default=8,
-                        help="conversations per phase, all at once")
+    parser.add_argument("--conversations", type=int, default=0,
+                        help="conversations per phase, all at once (default: twice the "
+                        "engines' slots)")
+    parser.add_argument("--mixed", action="store_true",
+                        help="beside each conversation, as many one-shot requests: half the "
+                        "requests are one-shot")
     parser.add_argument("--turns", type=int, default=6, help="turns per conversation")
     parser.add_argument("--system-tokens", type=int, default=1000,
                         help="the shared system prompt's length")
@@ -358,15 +399,17 @@ def parse() -> argparse.Namespace:
                         help="words of each conversation's own opening")
     parser.add_argument("--max-tokens", type=int, default=16, help="per answer")
     parser.add_argument("--replicas", type=int, default=2, help="engines")
-    parser.add_argument("--parallel", type=int, default=2, help="slots per engine")
+    parser.add_argument("--parallel", type=int, default=4,
+                        help="slots per engine (llama-server's own default is 4)")
     parser.add_argument("--threads", type=int, default=1, help="threads per engine")
     parser.add_argument("--engine-args", default="",
                         help="more flags for both llama-servers, as one string")
     args = parser.parse_args()
+    args.conversations = args.conversations or 2 * args.replicas * args.parallel
     if args.conversations <= args.replicas * args.parallel:
-        parser.error(f"--conversations {args.conversations} must exceed the engines' "
-                     f"{args.replicas * args.parallel} slots, or every conversation keeps "
-                     "a slot")
+        print(f"note: {args.conversations} conversations for the engines' "
+              f"{args.replicas * args.parallel} slots: every conversation can keep a slot "
+              "(what balanced routing pins); the default is twice the slots", flush=True)
     return args
 
 
@@ -377,12 +420,15 @@ def main() -> None:
     args = parse()
     procs: list[subprocess.Popen[bytes]] = []
     phases: dict[str, list[Phase]] = {mode: [] for mode in MODES}
+    work = Path(tempfile.mkdtemp(prefix="llmgw-routing-"))
     try:
-        engines, urls, flags = start(Path(tempfile.mkdtemp(prefix="llmgw-routing-")), args, procs)
+        engines, urls, flags = start(work, args, procs)
         system, tokens = system_prompt(engines, args.system_tokens)
         print(f"model {args.model}; {args.replicas} engines x {args.parallel} slots, "
               f"{args.threads} thread(s) each; {args.conversations} conversations at once x "
-              f"{args.turns} turns a phase; system prompt {tokens} tokens; "
+              f"{args.turns} turns a phase"
+              f"{' and as many one-shot requests' if args.mixed else ''}; system prompt "
+              f"{tokens} tokens; "
               f"{args.max_tokens} tokens an answer; engine flags {shlex.join(flags)}",
               flush=True)
         warm(engines, system)
@@ -397,12 +443,14 @@ def main() -> None:
                       f"{phase.tokens_per_s:.1f} tokens/s, prompt tokens computed "
                       f"{phase.computed} (timings {phase.prompt_n}), cached {phase.cached}, "
                       f"{phase.failed} failed", flush=True)
+        time.sleep(1)  # the gateway's last write of its decisions
+        decisions = json.loads((work / "decisions-balanced.json").read_text())
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(10)
-    report(phases)
+    report(phases, decisions)
 
 
 if __name__ == "__main__":

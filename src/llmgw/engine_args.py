@@ -19,6 +19,7 @@ _WITH_VALUE = [
     ("-c", "--ctx-size"), ("-n", "--predict", "--n-predict"), ("-b", "--batch-size"),
     ("-ub", "--ubatch-size"), ("--keep",), ("-np", "--parallel"), ("-cram", "--cache-ram"),
     ("--cache-reuse",), ("-dt", "--defrag-thold"), ("-to", "--timeout"),
+    ("-sps", "--slot-prompt-similarity"),
     # threads and scheduling
     ("-t", "--threads"), ("-tb", "--threads-batch"), ("--threads-http",), ("--prio",),
     ("--prio-batch",), ("--poll",), ("--poll-batch",), ("--numa",), ("-lm", "--load-mode"),
@@ -47,6 +48,7 @@ _SWITCHES = [
     ("--context-shift",), ("--no-context-shift",), ("-kvo", "--kv-offload"),
     ("-nkvo", "--no-kv-offload"), ("-cmoe", "--cpu-moe"), ("--embedding", "--embeddings"),
     ("--rerank", "--reranking"), ("--cache-prompt",), ("--no-cache-prompt",), ("--jinja",),
+    ("--cache-idle-slots",), ("--no-cache-idle-slots",),
     ("--no-jinja",), ("--warmup",), ("--no-warmup",), ("--metrics",),
 ]
 TAKES_VALUE: dict[str, bool] = {

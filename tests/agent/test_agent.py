@@ -101,7 +101,8 @@ def test_heartbeat_carries_the_inventory_and_hands_assignments_to_the_workload(
     told = workload.told[-1]
     # The profile's args, and what the control plane adds to every engine's.
     assert [(a["id"], a["model"], a["args"]) for a in told] == [
-        ("r1", "m", ["-c", "512", "--threads-http", str(HTTP_THREADS)])]
+        ("r1", "m", ["-c", "512", "--slot-prompt-similarity", "0", "--no-cache-idle-slots",
+                     "--threads-http", str(HTTP_THREADS)])]
 
 
 class _DownClient:

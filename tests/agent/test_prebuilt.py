@@ -156,8 +156,11 @@ def test_prebuilt_engine_refuses_an_unknown_flag_with_2(prebuilt_engine: str) ->
 @slow
 def test_prebuilt_engine_serves_chat_streaming_metrics_slots_behind_its_key(
         prebuilt_supervisor: ReplicaSupervisor, served_gguf: tuple[str, str]) -> None:
+    # With the flags the control plane adds to a chat replica's (engine_args.SLOT_ARGS):
+    # xllamacpp's parameters must have their fields.
     r = ready_replica(prebuilt_supervisor, *served_gguf,
-                      ["--ctx-size", "512", "--threads", "1", "--threads-http", "8"])
+                      ["--ctx-size", "512", "--threads", "1", "--threads-http", "8",
+                       "--slot-prompt-similarity", "0", "--no-cache-idle-slots"])
     base, key = r["endpoint"], {"Authorization": f"Bearer {r['api_key']}"}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).status_code == 401

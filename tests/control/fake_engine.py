@@ -30,8 +30,10 @@ class FakeEngine:
         return f"http://127.0.0.1:{self.port}"
 
     def slots_answer(self) -> list[dict[str, Any]]:
-        return [{"id": i, "n_ctx": 2048, "is_processing": i < self.running}
-                for i in range(self.slots)]
+        """Every slot holds a prompt (n_prompt_tokens), as a real engine's after its first
+        requests; the first `running` are busy."""
+        return [{"id": i, "n_ctx": 2048, "is_processing": i < self.running,
+                 "n_prompt_tokens": 100} for i in range(self.slots)]
 
 
 def _answer(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:

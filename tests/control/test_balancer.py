@@ -212,6 +212,35 @@ def test_a_freed_slot_goes_to_a_waiter_at_home_there_before_the_first_in_line() 
     assert run(main()) == ("r1", False)
 
 
+@pytest.mark.parametrize("new_first", [True, False])
+def test_a_new_conversation_in_line_is_not_passed_over_for_a_returning_one(
+        new_first: bool) -> None:
+    """A new conversation (no home) first in line takes the freed slot before a returning
+    one at home there: a slot is its to take in its turn, so it is not passed over for as
+    long as conversations keep coming back (TTFT p99). The negative control: the
+    returning one first in line goes first."""
+    async def main() -> list[str]:
+        balancer = Balancer(queue_wait_s=5)
+        balancer.observe("r1", 1, 0)
+        balancer.observe("r2", 1, 0)
+        on_r1 = conversation([(b"x-session-id", b"a")], b"")
+        new = conversation([(b"x-session-id", b"new")], b"")
+        held1 = await balancer.acquire("m", [R1, R2], on_r1, set())
+        held2 = await balancer.acquire("m", [R1, R2], None, set())
+        assert held1 and held2 and held1.replica == R1
+        order = [new, on_r1] if new_first else [on_r1, new]
+        waiting = []
+        for conv in order:
+            waiting.append(asyncio.ensure_future(balancer.acquire("m", [R1, R2], conv, set())))
+            await asyncio.sleep(0.01)
+        held1.release()
+        await asyncio.sleep(0.01)
+        return ["new" if w is waiting[order.index(new)] else "returning"
+                for w in waiting if w.done()]
+
+    assert run(main()) == (["new"] if new_first else ["returning"])
+
+
 def test_a_freed_slot_goes_to_the_first_in_line_when_none_is_at_home_there() -> None:
     async def main() -> str:
         balancer = Balancer(queue_wait_s=5)

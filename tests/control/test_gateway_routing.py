@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 from llmgw.config import ServerConfig
+from llmgw.control import _slottable as st
 from llmgw.control._upstream import Upstream
+from llmgw.control.engine_args import engine_args
 from llmgw.control.gateway import Gateway, make_gateway_app
 from llmgw.control.store import Store
 from llmgw.netaddr import free_port
@@ -136,6 +138,38 @@ def test_each_turn_of_a_conversation_goes_back_to_the_replica_that_served_it(
         assert seen == [{"cats", "dogs"}, {"cats", "dogs"}]
     else:
         assert sorted(seen, key=sorted) == [{"cats"}, {"dogs"}]
+
+
+def test_each_turn_is_sent_with_the_slot_that_holds_its_conversation(store) -> None:
+    """Turn 1 is new and sent as it came; turns 2 and 3 carry the id_slot of the slot the
+    engine took for it (the last of its idle slots, under llama-server's LRU), on the same
+    replica."""
+    with fake_engine(4) as e1, fake_engine(4) as e2:
+        ready(store, "r1", e1)
+        ready(store, "r2", e2)
+        with gateway(store) as (app, gw):
+            wait_polled(app, "r1", "r2")
+            history = ["cats"]
+            for turn in range(3):
+                assert gw.post("/v1/chat/completions", json=chat(*history)).is_success
+                history += [f"answer {turn}", f"question {turn}"]
+    bodies = [json.loads(b) for b in e1.bodies + e2.bodies]
+    assert [b.get("id_slot") for b in bodies] == [None, 3, 3]
+    assert len(e1.bodies) in (0, 3), "one replica took every turn"
+    assert app.balancer.decisions[st.SLOT] == 2
+
+
+def test_a_clients_own_id_slot_is_refused_since_the_gateway_owns_slots(store) -> None:
+    """400 naming id_slot, nothing sent to an engine; the negative control: the same body
+    without it is served."""
+    with fake_engine(4) as e1:
+        ready(store, "r1", e1)
+        with gateway(store) as (_, gw):
+            refused = gw.post("/v1/chat/completions", json={**chat("a"), "id_slot": 0})
+            served = gw.post("/v1/chat/completions", json=chat("a"))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "id_slot"
+    assert refused.json()["error"]["code"] == "id_slot_not_allowed"
+    assert served.status_code == 200 and len(e1.bodies) == 1
 
 
 def test_a_session_goes_elsewhere_once_its_replica_is_much_busier_than_the_idlest(
@@ -276,3 +310,113 @@ def test_a_replica_ready_since_the_routers_last_read_takes_the_request(store) ->
         ready(store, "r1", e1)
         after = gw.post("/v1/chat/completions", json=chat("b"))
     assert before.status_code == 503 and after.status_code == 200
+
+
+@pytest.fixture(scope="module")
+def slot_engines(llama_server, tiny_gguf) -> Iterator[list[str]]:
+    """Module: two real llama-servers on the tiny GGUF (2 slots each, key "k") with the
+    flags the control plane gives a chat replica (engine_args: similarity 0, idle slots
+    kept); their endpoints."""
+    flags = engine_args({"name": "m", "routing_profile": "chat"},  # type: ignore[arg-type]
+                        {"args": ["--parallel", "2", "-t", "1", "--ctx-size", "4096"]})
+    procs, endpoints = [], []
+    try:
+        for _ in range(2):
+            port = free_port()
+            procs.append(subprocess.Popen(
+                [llama_server, "-m", str(tiny_gguf[0]), "--host", "127.0.0.1", "--port",
+                 str(port), "--api-key", "k", *flags],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            endpoints.append(f"http://127.0.0.1:{port}")
+        for endpoint, proc in zip(endpoints, procs, strict=True):
+            wait_until(f"{endpoint}/health", lambda e=endpoint: _healthy(e), proc.poll)
+        yield endpoints
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _put_replicas(store: Store, endpoints: list[str]) -> None:
+    for i, endpoint in enumerate(endpoints):
+        store.put_replica({"id": f"r{i + 1}", "model": "m", "node": "n1", "profile": "cpu",
+                           "state": "ready", "endpoint": endpoint, "api_key": "k"})
+
+
+def _talk(gw: httpx.Client, openings: list[str], turns: int) -> list[tuple[str, list[float]]]:
+    """Conversations taking turns, each turn sending the whole history at temperature 0;
+    every answer in the order given, with its tokens' log-probabilities (the tiny model's
+    random weights repeat a few characters whatever they are sent, but the numbers behind
+    them follow every token of the prompt)."""
+    histories, answers = [[o] for o in openings], []
+    for turn in range(turns):
+        for history in histories:
+            r = gw.post("/v1/chat/completions", json={**chat(*history), "max_tokens": 12,
+                                                     "temperature": 0, "logprobs": True})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            answers.append((choice["message"]["content"],
+                            [t["logprob"] for t in choice["logprobs"]["content"]]))
+            history += [answers[-1][0], f"and after turn {turn}?"]
+    return answers
+
+
+def test_answers_at_temperature_0_are_the_same_pinned_to_slots_as_under_round_robin(
+        store, slot_engines) -> None:
+    """Three conversations of three turns through a balanced gateway, which pins their
+    later turns to their slots, and through a round-robin one, on the same real engines:
+    the same answers, word for word, and the same log-probabilities. The negative control:
+    another opening changes the log-probabilities tenfold more than the routing does, so
+    they do follow what the engines were sent."""
+    _put_replicas(store, slot_engines)
+    openings = [f"conversation {i} about the harbor, the lighthouse and its keeper"
+                for i in range(3)]
+    with gateway(store) as (app, gw):
+        wait_polled(app, "r1", "r2")
+        pinned = _talk(gw, openings, 3)
+        pins = app.balancer.decisions[st.SLOT]
+    with gateway(store, gateway_routing="round-robin") as (_, gw):
+        rotated = _talk(gw, openings, 3)
+        other = _talk(gw, ["a list of apples, pears and plums from the market"], 3)
+    assert pins >= 4, f"later turns were pinned to their slots: {app.balancer.decisions}"
+    assert [text for text, _ in pinned] == [text for text, _ in rotated]
+    # Not to the last bit: llama.cpp's sums come out a few 1e-4 apart when a prompt is
+    # computed in other pieces (some of it from a cache, as under either routing).
+    assert _apart(pinned, rotated) < 2e-3
+    assert _apart(other, rotated[0::3]) > 2e-2
+
+
+def _apart(one: list[tuple[str, list[float]]], two: list[tuple[str, list[float]]]) -> float:
+    return max(abs(a - b) for (_, x), (_, y) in zip(one, two, strict=True)
+               for a, b in zip(x, y, strict=True))
+
+
+@pytest.mark.parametrize("rule", [True, False])
+def test_a_request_whose_slot_is_busy_does_not_wait_for_it(
+        store, slot_engines, monkeypatch, rule) -> None:
+    """A conversation's turn runs long in its slot (1,800 tokens); the same turn sent
+    again meanwhile is not pinned behind it: it runs in the replica's other slot and is
+    answered while the long one still runs. The negative control, the rule removed (a
+    slot this gateway has a request on counts as idle): it is pinned to the busy slot,
+    and llama-server makes it wait until the long one ends."""
+    if not rule:
+        monkeypatch.setattr(st.Slot, "idle", property(lambda self: not self.others))
+    _put_replicas(store, slot_engines)
+    history = [f"the keeper's log, rule {rule}"]
+    with gateway(store) as (app, gw), ThreadPoolExecutor(1) as pool:
+        wait_polled(app, "r1", "r2")
+        first = gw.post("/v1/chat/completions", json={**chat(*history), "max_tokens": 4})
+        history += [first.json()["choices"][0]["message"]["content"], "go on"]
+        long = pool.submit(gw.post, "/v1/chat/completions", json={
+            **chat(*history), "max_tokens": 1800, "ignore_eos": True})
+        loads = app.balancer.loads
+        wait_until("the long turn in flight", lambda: sum(
+            load.in_flight for load in loads.values()) == 1, lambda: loads)
+        again = gw.post("/v1/chat/completions", json={**chat(*history), "max_tokens": 4})
+        long_done_first = long.done()
+        assert again.status_code == long.result().status_code == 200
+    decided = app.balancer.decisions
+    if rule:
+        assert not long_done_first and decided[st.SLOT_BUSY] == 1, decided
+    else:
+        assert long_done_first and decided[st.SLOT] == 2, decided

@@ -65,8 +65,8 @@ class FastPath:
             return False
         replica = lease.replica
         assert ex.raw is not None, "an exchange is sent once check() has taken its body"
-        if self.gateway.upstream.send_now(replica["endpoint"], ex.scope["path"], ex.raw,
-                                          replica["api_key"],
+        if self.gateway.upstream.send_now(replica["endpoint"], ex.scope["path"],
+                                          lease.body(ex.raw), replica["api_key"],
                                           _Relay(self.gateway, cycle, ex, lease).done) is None:
             lease.unused()
             return False

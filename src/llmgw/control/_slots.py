@@ -21,11 +21,24 @@ POLL_TIMEOUT_S = 2.0
 
 def slots_of(answer: Any) -> tuple[int, int] | None:
     """(slots, busy) from a `/slots` answer: a list with one object per slot."""
+    seen = slot_states(answer)
+    return None if seen is None else (len(seen), sum(busy for busy, _ in seen))
+
+
+def slot_states(answer: Any) -> list[tuple[bool, int]] | None:
+    """Each slot's (busy, tokens it holds) from a `/slots` answer, in the order of their
+    ids (a slot that never ran lists no `n_prompt_tokens`: it holds none)."""
     if not isinstance(answer, list) or not answer:
         return None
     if not all(isinstance(s, dict) and "is_processing" in s for s in answer):
         return None
-    return len(answer), sum(bool(s["is_processing"]) for s in answer)
+    if sorted(s.get("id", i) for i, s in enumerate(answer)) == list(range(len(answer))):
+        answer = sorted(answer, key=lambda s: s.get("id", 0))
+    return [(bool(s["is_processing"]), _count(s.get("n_prompt_tokens"))) for s in answer]
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 class SlotPoller:
@@ -53,17 +66,19 @@ class SlotPoller:
         for replica in replicas:
             self.balancer.polling(replica["id"])
         answers = await asyncio.gather(*(self._slots(r) for r in replicas))
-        for replica, answer in zip(replicas, answers, strict=True):
-            slots, busy = answer or (None, 0)
-            self.balancer.observe(replica["id"], slots, busy)
+        for replica, seen in zip(replicas, answers, strict=True):
+            if seen is None:
+                self.balancer.observe(replica["id"], None, 0)
+            else:
+                self.balancer.observe(replica["id"], len(seen), sum(b for b, _ in seen), seen)
         self.balancer.prune({r["id"] for r in replicas})
         self.balancer.wake()
 
-    async def _slots(self, replica: ReplicaRecord) -> tuple[int, int] | None:
+    async def _slots(self, replica: ReplicaRecord) -> list[tuple[bool, int]] | None:
         try:
             async with asyncio.timeout(POLL_TIMEOUT_S):
                 status, body = await _get(replica["endpoint"], "/slots", replica["api_key"])
-            found = slots_of(json.loads(body)) if status == 200 else None
+            found = slot_states(json.loads(body)) if status == 200 else None
             problem = f"HTTP {status}" if found is None else ""
         except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as e:
             found, problem = None, repr(e)

@@ -1,5 +1,6 @@
-"""Which ready replica takes a request: least in flight within each one's slots, a
-conversation back to the replica that holds its prompt cache, and a bounded queue beyond.
+"""Which ready replica takes a request, and which of its slots: least in flight within each
+one's slots, a conversation back to the slot (or else the replica) that holds its prompt
+cache, and a bounded queue beyond.
 
 The rule, in full (what `choose` does):
 - A replica is free while its requests in flight (this gateway's, plus what its engine
@@ -11,10 +12,21 @@ The rule, in full (what `choose` does):
   BUSIER_BY_ABS requests above it AND more than BUSIER_BY_REL times its load (the guard of
   SGLang's cache-aware router, balance_abs_threshold and balance_rel_threshold, scaled to
   engines of a few slots). Otherwise the idlest free replica takes it, ties in turn.
+- Within its replica, a conversation goes to the slot that holds its prefix (the request
+  carries llama-server's `id_slot`) when that slot is idle. When it is busy the request does
+  not wait for it: it takes the idle slot that shares the longest prefix with it, if one
+  shares as much as the busy slot holds; else it goes to its replica unpinned (or, past
+  the guard or with its replica full, to the idlest). When the slot holds another
+  conversation since, the request goes to its replica without `id_slot`, and the engine
+  loads the conversation from its prompt cache (`_slottable`'s docstring says why). Each
+  decision is counted by its reason.
 - With no replica free, a request waits in its model's queue for a slot, at most
   queue_wait_s and behind at most queue_size others; past either it is refused (the
-  gateway answers 503 with Retry-After). A slot that frees goes to the first waiter whose
-  conversation's home it is, else to the first in line.
+  gateway answers 503 with Retry-After). A slot that frees goes to the first in line of
+  the waiters it belongs to: those whose conversation lives on its replica and those
+  whose conversation lives on no ready one (new ones among them), in their order, so a
+  new conversation is not passed over for as long as conversations keep coming back;
+  with none such, to the first in line (a slot never idles while a request waits).
 """
 
 from __future__ import annotations
@@ -23,13 +35,15 @@ import asyncio
 import hashlib
 import json
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llmgw.config import ServerConfig
 from llmgw.contract.records import ReplicaRecord
+from llmgw.control import _slottable as st
+from llmgw.control._slottable import Homes, Slot
 from llmgw.errors import Error
 
 # server.yaml's defaults, where each is spelled (the balancer's own defaults are these).
@@ -111,6 +125,10 @@ class Load:
     # The most of this gateway's requests in flight while a poll was out: the engine's
     # busy slots are counted at some moment then, so the rest are surely others'.
     peak: int = 0
+    # Each slot as this gateway sees it (none until a poll listed them), and the endpoint
+    # they are of: an engine restarted on another port has empty slots.
+    states: list[Slot] = field(default_factory=list)
+    endpoint: str = ""
 
     @property
     def total(self) -> int:
@@ -125,30 +143,100 @@ def choose(replicas: list[ReplicaRecord], loads: dict[str, Load], affine: str | 
            turn: int) -> ReplicaRecord | None:
     """The replica to take a request (the rule in the module's docstring), None if none is
     free."""
+    found = route(replicas, loads, (b"", affine, None) if affine else None, (), turn)
+    return found.replica if found else None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request goes: its replica, the slot it is pinned to (id_slot) or None, and
+    why (one of _slottable.REASONS)."""
+
+    replica: ReplicaRecord
+    slot: int | None
+    reason: str
+
+
+def route(replicas: list[ReplicaRecord], loads: dict[str, Load],
+          home: tuple[bytes, str, int | None] | None, lookups: tuple[bytes, ...],
+          turn: int) -> Route | None:
+    """The replica and slot to take a request (the rule in the module's docstring), None if
+    no replica is free. home: (key, replica, slot) its longest known prefix was last
+    sent to; lookups: its prefix keys, longest first."""
     for r in replicas:
-        if r["id"] not in loads:
-            loads[r["id"]] = Load()
+        seen = loads.get(r["id"])
+        if seen is None:
+            seen = loads[r["id"]] = Load()
+        endpoint = r.get("endpoint", "")
+        if seen.endpoint != endpoint:
+            # Another engine behind this replica (restarted, moved): its slots hold nothing.
+            seen.endpoint, seen.states = endpoint, [Slot() for _ in seen.states]
     free = [r for r in replicas if loads[r["id"]].free]
     if not free:
         return None
     least = min(loads[r["id"]].total for r in free)
     idlest = [r for r in free if loads[r["id"]].total == least]
     pick = idlest[turn % len(idlest)]
-    home = next((r for r in free if r["id"] == affine), None)
     if home is None:
-        return pick
-    load = loads[home["id"]].total
+        return Route(pick, None, st.NEW)
+    key, rid, slot = home
+    at = next((r for r in free if r["id"] == rid), None)
+    if at is None:
+        return Route(pick, None, st.HOME_FULL)
+    load = loads[rid].total
     if load - least > BUSIER_BY_ABS and load > BUSIER_BY_REL * least:
-        return pick
-    return home
+        return Route(pick, None, st.GUARD)
+    states = loads[rid].states
+    if slot is None or slot >= len(states) or key not in states[slot].holder:
+        return Route(at, None, st.REPLICA)
+    if states[slot].idle:
+        return Route(at, slot, st.SLOT)
+    return busy_slot(free, loads, lookups, st.shared(frozenset((key,)), lookups)) or \
+        Route(at, None, st.SLOT_BUSY)
+
+
+def busy_slot(free: list[ReplicaRecord], loads: dict[str, Load],
+              lookups: tuple[bytes, ...], least: int) -> Route | None:
+    """For a request whose slot is busy: the idle slot, of a free replica, that shares the
+    longest prefix with it (the first of equals), at least `least` long (as long as what
+    the busy one holds); None if none does."""
+    best: tuple[int, ReplicaRecord, int] | None = None
+    for r in free:
+        for i, state in enumerate(loads[r["id"]].states):
+            if state.idle:
+                depth = st.shared(state.holder, lookups)
+                if depth >= least and (best is None or depth > best[0]):
+                    best = (depth, r, i)
+    return Route(best[1], best[2], st.SLOT_BUSY_PREFIX) if best else None
+
+
+@dataclass(frozen=True)
+class _Undo:
+    """What a lease changed in the table, put back if nothing is sent (Lease.unused): the
+    slot it counted and what that held, the conversation's key and its entry before."""
+
+    slot: Slot | None
+    holder: frozenset[bytes]
+    key: bytes | None
+    home: tuple[str, int | None] | None
 
 
 class Lease:
-    """A replica taken for one request; release() once its answer was relayed (or failed)."""
+    """A replica taken for one request; release() once its answer was relayed (or failed).
+    slot: the slot of it the request is pinned to (sent as id_slot), or None; tracked: the
+    slot the gateway counts it on (the pinned one, or the one the engine will take)."""
 
-    def __init__(self, balancer: Balancer, model: str, replica: ReplicaRecord) -> None:
-        self.balancer, self.model, self.replica = balancer, model, replica
+    def __init__(self, balancer: Balancer, model: str, replica: ReplicaRecord,
+                 reason: str = st.NEW) -> None:
+        self.balancer, self.model, self.replica, self.reason = balancer, model, replica, reason
+        self.slot: int | None = None
+        self.tracked: int | None = None
+        self.undo: _Undo | None = None
         self._held = True
+
+    def body(self, raw: bytes) -> bytes:
+        """The request's body as the replica gets it: with `"id_slot"` when pinned."""
+        return raw if self.slot is None else with_slot(raw, self.slot)
 
     def release(self) -> None:
         if self._held:
@@ -160,8 +248,16 @@ class Lease:
         turn it took is given back, so the request's next pick is the one it would have
         been (ties among the idlest go in turn)."""
         if self._held:
-            self.release()
+            self._held = False
+            self.balancer._release(self, ran=False)
             self.balancer._turn -= 1
+            self.balancer.decisions[self.reason] -= 1
+            undo = self.undo  # nothing reached the engine: the table as it was
+            if undo is not None:
+                if undo.slot is not None:
+                    undo.slot.holder = undo.holder
+                if undo.key is not None:
+                    self.balancer.homes.put_back(undo.key, undo.home)
 
 
 @dataclass
@@ -184,8 +280,10 @@ class Balancer:
         self.routing = routing
         self.queue_size, self.queue_wait_s = queue_size, queue_wait_s
         self.loads: dict[str, Load] = {}
-        self._homes: OrderedDict[bytes, str] = OrderedDict()
-        self._affinity_entries = affinity_entries
+        self.homes = Homes(affinity_entries)
+        # Requests routed, by reason (_slottable.REASONS): llmgw_route_decisions_total.
+        self.decisions: dict[str, int] = dict.fromkeys(st.REASONS, 0)
+        self._clock = 0
         self._queues: dict[str, deque[_Waiter]] = {}
         self._turn = 0
 
@@ -218,20 +316,41 @@ class Balancer:
              conv: Conversation | None) -> Lease | None:
         turn = self._turn
         if self.routing == "round-robin":
-            replica: ReplicaRecord | None = replicas[turn % len(replicas)]
+            found: Route | None = Route(replicas[turn % len(replicas)], None, st.ROUND_ROBIN)
         else:
-            replica = choose(replicas, self.loads, self._home(conv), turn)
-        if replica is None:
+            home = self.homes.find(conv.lookups) if conv is not None else None
+            found = route(replicas, self.loads, home, conv.lookups if conv else (), turn)
+        if found is None:
             return None  # no turn taken: the next try, or a freed slot's, gets this one
         self._turn += 1
+        self.decisions[found.reason] += 1
+        replica = found.replica
         load = self.loads.get(replica["id"])
         if load is None:
             load = self.loads[replica["id"]] = Load()
         load.in_flight += 1
         load.peak = max(load.peak, load.in_flight)
+        lease = Lease(self, model, replica, found.reason)
+        if self.routing == "balanced":
+            self._take_slot(lease, load, found.slot, conv)
+        return lease
+
+    def _take_slot(self, lease: Lease, load: Load, slot: int | None,
+                   conv: Conversation | None) -> None:
+        """Count the lease on its slot (pinned, or the one the engine will take), which
+        holds the conversation from now on."""
+        tracked = slot if slot is not None else st.engine_pick(load.states)
+        lease.slot, lease.tracked = slot, tracked
+        state = load.states[tracked] if tracked is not None else None
+        lease.undo = _Undo(state, state.holder if state else frozenset(),
+                           conv.record if conv else None,
+                           self.homes.table.get(conv.record) if conv else None)
+        if state is not None:
+            state.leased += 1
+            state.touched = True
+            state.holder = frozenset(conv.lookups) if conv is not None else frozenset()
         if conv is not None:
-            self._remember(conv.record, replica["id"])
-        return Lease(self, model, replica)
+            self.homes.remember(conv.record, lease.replica["id"], tracked)
 
     async def _wait(self, model: str, queue: deque[_Waiter], waiter: _Waiter) -> Lease:
         if len(queue) >= self.queue_size:
@@ -258,27 +377,24 @@ class Balancer:
                 queue.remove(waiter)
 
     def _home(self, conv: Conversation | None) -> str | None:
-        if conv is None:
-            return None
-        for key in conv.lookups:
-            if key in self._homes:
-                return self._homes[key]
-        return None
-
-    def _remember(self, key: bytes, replica_id: str) -> None:
-        self._homes[key] = replica_id
-        self._homes.move_to_end(key)
-        if len(self._homes) > self._affinity_entries:
-            self._homes.popitem(last=False)
+        found = self.homes.find(conv.lookups) if conv is not None else None
+        return found[1] if found else None
 
     def forget(self, conv: Conversation | None, replica_id: str) -> None:
         """A replica that failed a conversation's request is no longer its home."""
-        for key in conv.lookups if conv is not None else ():
-            if self._homes.get(key) == replica_id:
-                del self._homes[key]
+        if conv is not None:
+            self.homes.forget(conv.lookups, replica_id)
 
-    def _release(self, lease: Lease) -> None:
-        self.loads[lease.replica["id"]].in_flight -= 1
+    def _release(self, lease: Lease, ran: bool = True) -> None:
+        load = self.loads[lease.replica["id"]]
+        load.in_flight -= 1
+        if lease.tracked is not None and lease.tracked < len(load.states):
+            state = load.states[lease.tracked]
+            state.leased = max(0, state.leased - 1)
+            state.touched = True
+            if ran:  # the engine's slot was used now: it goes last in its LRU order
+                self._clock += 1
+                state.used = self._clock
         self._hand_over(lease.model, lease.replica["id"])
 
     def _hand_over(self, model: str, freed: str | None = None) -> None:
@@ -299,25 +415,45 @@ class Balancer:
     def _next(self, queue: deque[_Waiter], freed: str | None) -> _Waiter | None:
         while queue and queue[0].future.done():
             queue.popleft()
+        if not queue:
+            return None
         if freed is not None:
             for waiter in queue:
-                if not waiter.future.done() and self._home(waiter.conv) == freed:
+                if not waiter.future.done() and self._belongs(waiter, freed):
                     return waiter
-        return queue[0] if queue else None
+        return queue[0]
+
+    def _belongs(self, waiter: _Waiter, freed: str) -> bool:
+        """Whether a slot of replica `freed` is the waiter's to take in its turn: its
+        conversation lives there, or nowhere ready (a new one goes anywhere)."""
+        home = self._home(waiter.conv)
+        return home is None or home == freed or all(r["id"] != home for r in waiter.replicas)
 
     def polling(self, replica_id: str) -> None:
         """A poll of the replica goes out now."""
         load = self.loads.setdefault(replica_id, Load())
         load.peak = load.in_flight
+        for state in load.states:
+            state.touched = bool(state.leased)
 
-    def observe(self, replica_id: str, slots: int | None, busy: int) -> None:
-        """A poll's answer: the replica's slots and how many were busy (None: unknown).
-        Busy slots beyond this gateway's peak in flight while the poll was out are others'
-        (counting against the gateway's in flight now instead took requests that had just
-        ended for others', and held slots that were free for a whole poll interval)."""
+    def observe(self, replica_id: str, slots: int | None, busy: int,
+                seen: list[tuple[bool, int]] | None = None) -> None:
+        """A poll's answer: the replica's slots and how many were busy (None: unknown), and
+        each slot's (busy, tokens it holds) where the answer said. Busy slots beyond this
+        gateway's peak in flight while the poll was out are others' (counting against the
+        gateway's in flight now instead took requests that had just ended for others', and
+        held slots that were free for a whole poll interval)."""
         load = self.loads.setdefault(replica_id, Load())
         load.slots = slots
         load.others = max(0, busy - max(load.peak, load.in_flight)) if slots is not None else 0
+        if seen is None or len(seen) != len(load.states):
+            # A first poll, or another engine: slots the gateway knows nothing of.
+            load.states = [Slot() for _ in seen or ()]
+        for state, (processing, tokens) in zip(load.states, seen or (), strict=True):
+            if not state.touched:
+                state.others = processing and not state.leased
+                if not tokens and not processing:
+                    state.holder = frozenset()  # cleared (a restart, or purged for room)
 
     def prune(self, ready: set[str]) -> None:
         """Forget the loads of replicas no longer ready (none of their requests left): one
@@ -339,3 +475,10 @@ class Balancer:
 
 def _handed(future: asyncio.Future[Lease]) -> bool:
     return future.done() and not future.cancelled()
+
+
+def with_slot(raw: bytes, slot: int) -> bytes:
+    """A JSON object's bytes (UTF-8, with a member: Exchange.check saw its "model") with
+    `"id_slot": slot` as its first member; the rest byte for byte."""
+    at = raw.index(b"{")
+    return b"%s{\"id_slot\":%d,%s" % (raw[:at], slot, raw[at + 1:])

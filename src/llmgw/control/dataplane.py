@@ -33,6 +33,7 @@ from llmgw._http1_limits import Limits
 from llmgw._serving import on_stop_signals
 from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.control._fastpath import FastPath
+from llmgw.control._slottable import RouteDecisions
 from llmgw.control.gateway import make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import SchemaError, Store
@@ -320,6 +321,7 @@ async def serve_worker(config_path: Path) -> None:
     registry = CollectorRegistry()
     _info(registry, config)
     app = make_gateway_app(store, config, metrics=GatewayMetrics(registry))
+    registry.register(RouteDecisions(app.balancer.decisions))
     servers = [Http1Server(app, drain_s=config.gateway_drain_s,
                            certfile=config.gateway_tls.cert, keyfile=config.gateway_tls.key,
                            fast=FastPath(app), limits=gateway_limits(config)),

@@ -19,15 +19,33 @@ DEFAULT_POOLING = "mean"
 HTTP_THREADS = MAX_CONNECTIONS_PER_REPLICA + 16
 
 
+# The gateway owns a chat replica's slots (control/_slottable.py): it pins a conversation
+# to the slot that holds it (id_slot) and otherwise lets the engine place it. With a
+# similarity of 0 the engine then takes its least recently used idle slot and always
+# moves states through its prompt cache in RAM (the slot's out, the request's best match
+# in), where the default 0.1 took any slot sharing a system prompt and recomputed the
+# conversation from there; and with idle slots not saved and cleared on each new task
+# (llama-server clears them when its slots share one KV buffer, the default with 4 slots),
+# a slot still holds its conversation when it comes back. bench/README.md has the
+# measurements.
+SLOT_ARGS = {("-sps", "--slot-prompt-similarity"): ["--slot-prompt-similarity", "0"],
+             ("--cache-idle-slots", "--no-cache-idle-slots"): ["--no-cache-idle-slots"]}
+
+
 def engine_args(model: ModelSpec, profile: ProfileSpec) -> list[str]:
     """A profile that sets --threads-http itself keeps its value (and the probe may then
-    wait behind the gateway's connections again)."""
+    wait behind the gateway's connections again); one that sets a flag of SLOT_ARGS
+    keeps its own."""
     args = list(profile["args"])
     if model["routing_profile"] == "embedding":
         if "--embeddings" not in args and "--embedding" not in args:
             args.append("--embeddings")
         if "--pooling" not in args:
             args += ["--pooling", DEFAULT_POOLING]
+    else:
+        for spellings, added in SLOT_ARGS.items():
+            if not any(a in args for a in spellings):
+                args += added
     if "--threads-http" not in args:
         args += ["--threads-http", str(HTTP_THREADS)]
     return args

@@ -261,7 +261,7 @@ class Gateway:
             replica = lease.replica
             try:
                 response = await self.upstream.post(replica["endpoint"], ex.scope["path"],
-                                                    raw, replica["api_key"])
+                                                    lease.body(raw), replica["api_key"])
             except ConnectFailed as e:
                 lease.release()
                 log.warning("replica %s of %s could not take the request, trying the next: "
@@ -358,6 +358,11 @@ class Exchange:
         if len(raw) > gw.max_body_bytes:
             raise gw._too_large()
         body, self.requested, self.stream = _parse(raw)
+        if "id_slot" in body:
+            raise GatewayError(400, "the request sets \"id_slot\": this gateway chooses each "
+                               "replica's slot itself (a conversation goes back to the slot "
+                               "that holds it); send the request without it",
+                               "invalid_request_error", "id_slot_not_allowed", "id_slot")
         model = gw.router.resolve(self.requested)
         if model is None or not self.caller.may_use(model, gw.router.names()):
             raise GatewayError(404, f"The model '{self.requested}' does not exist; GET "
@@ -370,7 +375,9 @@ class Exchange:
         if gw.balancer.routing == "balanced":
             gw.slots.ensure_running()
             # With one replica there is no choice to make: its conversations need no keys.
-            if len(gw.router.ready(self.name)) > 1:
+            # A body in another encoding than UTF-8 (JSON allows UTF-16 and 32) gets no
+            # id_slot (Lease.body), so it gets no conversation either.
+            if len(gw.router.ready(self.name)) > 1 and raw.lstrip().startswith(b"{"):
                 self.conv = conversation(self.scope["headers"], raw, body)
 
     def lease_now(self) -> Lease | None:
