@@ -152,11 +152,17 @@ def _no_free_card(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
     mine = [g for g in node["gpus"] if g.get("class") == profile["gpu_class"]]
     if not mine:
         return f"{node['id']} has no {profile['gpu_class']} GPU"
-    states = [f"{_card_name(g)} stopped answering NVML ({g['error']})" if g.get("error")
-              else f"{_card_name(g)} is taken by "
-                   f"{used.holders.get(str(g.get('uuid')), 'a replica')}"
-              for g in mine]
+    states = [_card_state(g, used) for g in mine]
     return f"{node['id']} has no free {profile['gpu_class']} GPU: {'; '.join(states)}"
+
+
+def _card_state(card: Gpu, used: _Used) -> str:
+    uuid = str(card.get("uuid"))
+    if card.get("error"):
+        return f"{_card_name(card)} stopped answering NVML ({card['error']})"
+    if uuid in used.uuids and uuid not in used.holders:
+        return f"{_card_name(card)} is held back"
+    return f"{_card_name(card)} is taken by {used.holders.get(uuid, 'a replica')}"
 
 
 def _gpus_for(model: ModelSpec, profile: ProfileSpec, node: NodeView,
@@ -278,7 +284,7 @@ def place(
             if not why and profile["gpu_class"]:
                 held = _held_back(model, profile, node)
                 gpus, why = _gpus_for(model, profile, node, _Used(
-                    used.uuids | set(held), used.by_class, used.memory_mb))
+                    used.uuids | set(held), used.by_class, used.memory_mb, used.holders))
                 if why and held:
                     why += " (" + "; ".join(held.values()) + ")"
             if not why:
