@@ -117,7 +117,7 @@ class AdminAccess(RequireAdminToken):
         session = self.sessions.find(token) if token else None
         if session is None:
             return None, ("the fleet page's session has ended (signed out, expired, or the "
-                          "control plane restarted)" if token else "no admin token was sent")
+                          "control plane restarted)" if token else self.verifier.problem(""))
         gone = await self.credentials.still(session)
         if gone:
             self.sessions.forget(token)
