@@ -204,6 +204,14 @@ def test_signed_in_it_shows_the_node_its_gpu_and_the_starter_turning_ready(
     assert "ready" in engines["llamacpp"] and "llamacpp-cuda" in engines
     warnings = node.locator(".warning").all_inner_texts()
     assert any(w.startswith("!! ") and "llamacpp-cuda" in w for w in warnings), warnings
+    # Why the starter is on CPU on a node with a GPU: its GPU engine failed (the stand-in
+    # card has no CUDA driver), as the admin API's held_back says, in the replica's row.
+    (replica,) = live_replicas(host)
+    assert replica["profile"] == "cpu" and "(llamacpp-cuda) is not ready" in replica["held_back"]
+    why = page.locator(f"tr[data-replica='{replica['id']}'] .why")
+    until("the starter's row to say why it is not on the GPU",
+          lambda: "(llamacpp-cuda) is not ready" in why.inner_text(), 10,
+          last=lambda: why.inner_text())
 
 
 def test_the_page_shows_traffic_promises_and_keys_and_a_picture_is_kept(page, host) -> None:

@@ -112,7 +112,7 @@ function drawModels(models, replicas) {
     box.appendChild(table(["REPLICA", "NODE", "PROFILE", "STATE", "SINCE", "WHY"], mine.map((r) => ({
       data: { replica: r.id, state: r.state },
       cells: [r.id, r.node || "–", r.profile || "–", stateEl("span", r.state), ago(r.updated),
-              el("span", r.reason || r.why || r.err || "", "why")],
+              el("span", r.err || r.held_back || "", "why")],
     })), "no replicas"));
     return box;
   });
