@@ -68,7 +68,7 @@ class AgentClient:
 
     def _client(self) -> httpx.Client:
         verify: _httpclient.Verify = (client_context(self.tls) if self._transport is None
-                                         else True)
+                                      else True)
         limits = httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_S)
         return _httpclient.client(self.server, verify=verify, timeout=self._timeout,
                                   transport=self._transport, limits=limits)
