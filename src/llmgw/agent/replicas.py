@@ -30,6 +30,7 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
+from llmgw import _httpclient
 from llmgw._files import atomic_write, last_lines
 from llmgw.agent import engine_log, sizing
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, GIVE_UP_FREE_GROWTH_MB, ReplicaState
@@ -194,7 +195,7 @@ class ReplicaSupervisor:
         self.bind_host = bind_host
         self.interface = interface
         self.clock = clock
-        self.http = http or httpx.Client(timeout=httpx.Timeout(30.0, read=300.0))
+        self.http = http or _httpclient.client(timeout=httpx.Timeout(30.0, read=300.0))
         self.probe_timeout_s = probe_timeout_s
         # 0: never give a GPU placement up (restarted with backoff, as a CPU one is).
         self.gpu_start_attempts = gpu_start_attempts

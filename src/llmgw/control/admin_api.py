@@ -9,13 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
-import httpx
 from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
+from llmgw import _httpclient
 from llmgw.contract import AdminPaths
 from llmgw.contract.catalog import Model
 from llmgw.contract.explain import problems
@@ -187,7 +187,8 @@ def make_admin_app(
                       f"{store.why(e)}; nothing was changed; the control plane reconnects "
                       "by itself, so try again once the database answers"})
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
-    scraper = httpx.AsyncClient()
+    # httpx's own default wait; each scrape names its own (ENGINE_SCRAPE_TIMEOUT_S).
+    scraper = _httpclient.async_client(timeout=5.0)
     add_drift_routes(app, drift or DriftBoard())
     add_fleet_page(app, credentials, sessions, TrafficWatch(metrics.gateway_url, scraper))
 
