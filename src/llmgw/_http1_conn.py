@@ -2,10 +2,10 @@
 
 An asyncio protocol: the sans-IO parser's events (`_http1_parse`) become ASGI cycles
 (`_http1_cycle`), one request at a time, in order (pipelined ones wait, their reading
-paused). What the parser refuses is answered
-only after the answers ahead of it, and nothing behind it is read. Expect: 100-continue,
-a client that leaves (http.disconnect), write backpressure, sendfile, the scope's TLS
-extension and a drain that loses no request on the wire are kept here.
+paused). What the parser refuses is answered only after the answers ahead of it, and
+nothing behind it is read. Here too: Expect: 100-continue, a client that leaves
+(http.disconnect), the deadlines, write backpressure, sendfile, the scope's TLS extension
+and a drain that loses no request on the wire.
 """
 
 from __future__ import annotations
