@@ -43,8 +43,9 @@ from urllib.parse import unquote
 import httptools
 
 from llmgw._asgi import Lifespan, Message, Scope
+from llmgw._http1_close import close_transport
 from llmgw._http1_limits import Limits
-from llmgw._serving import close_transport, run_service
+from llmgw._service import run_service
 from llmgw.config import parse_listen
 
 log = logging.getLogger("llmgw.http")

@@ -30,7 +30,7 @@ from llmgw import __version__
 from llmgw._asgi import Receive, Scope, Send
 from llmgw._http1 import Http1Server
 from llmgw._http1_limits import Limits
-from llmgw._serving import on_stop_signals
+from llmgw._service import on_stop_signals
 from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.control._fastpath import FastPath
 from llmgw.control._slottable import RouteDecisions
