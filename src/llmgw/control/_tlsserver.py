@@ -1,7 +1,7 @@
 """The agent API's server: TLS admission, then llmgw's HTTP/1.1 core, on one event loop in a
 thread of its own (no thread per connection).
 
-Not uvicorn: the handshake is admitted here, before a connection may cost anything, and
+Not the core's own listener: the handshake is admitted here, before a connection may cost anything, and
 identity comes from it (the core hands the verified client certificate's CN and serial
 to the app in the scope's TLS extension). Every node reaches this port, and a client
 without a certificate may connect (to join), so a connection is admitted in three steps:
