@@ -286,9 +286,10 @@ BODY_FRAMING_SLACK_BYTES = 1 << 20
 
 def gateway_limits(config: ServerConfig) -> Limits:
     """The HTTP core's limits for the gateway: gateway_http, with the body limit on the
-    wire above gateway_max_body_bytes unless gateway_http.max_body_bytes is set."""
-    limits = config.gateway_http.limits()
-    if "max_body_bytes" not in config.gateway_http.model_fields_set:
+    wire above gateway_max_body_bytes unless gateway_http.max_body_bytes is set (to other
+    than its default)."""
+    limits = config.gateway_http
+    if limits.max_body_bytes == Limits().max_body_bytes:
         limits = replace(limits, max_body_bytes=max(
             limits.max_body_bytes, config.gateway_max_body_bytes + BODY_FRAMING_SLACK_BYTES))
     return limits

@@ -97,7 +97,7 @@ def agent_api_server(config: ServerConfig, store: Store,
     if metrics is not None:
         api.heartbeat_timer = metrics.heartbeats.seconds.time
     return AgentAPIServer(host, port, mtls_context(*tls), api, tls=tls,
-                          limits=config.agent_http.limits())
+                          limits=config.agent_http)
 
 
 def _live_control_planes(store: Store, config: ServerConfig) -> Callable[[], list[str]]:
