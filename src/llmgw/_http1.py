@@ -35,7 +35,7 @@ from llmgw._asgi import Lifespan
 from llmgw._http1_conn import IDLE_DRAIN_S, SENDFILE_CHUNK_BYTES, _Connection
 from llmgw._http1_cycle import BODY_READ_AHEAD_BYTES, Cycle
 from llmgw._http1_limits import Limits
-from llmgw._serving import run_service
+from llmgw._service import run_service
 from llmgw.config import parse_listen
 
 __all__ = ["BODY_READ_AHEAD_BYTES", "DEFAULT_LIMITS", "IDLE_DRAIN_S", "KEEP_ALIVE_S",

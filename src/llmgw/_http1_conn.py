@@ -19,9 +19,9 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from llmgw._asgi import Scope
+from llmgw._http1_close import close_transport
 from llmgw._http1_cycle import BODY_READ_AHEAD_BYTES, Cycle, plain_answer
 from llmgw._http1_parse import RequestParser
-from llmgw._serving import close_transport
 
 if TYPE_CHECKING:
     from llmgw._http1 import Http1Server

@@ -5,6 +5,7 @@ Error
  ├── config.ConfigError
  ├── admin_token.AdminTokenError
  ├── services.ServiceError
+ ├── _service.ListenError (a service cannot listen on its address)
  ├── install.InstallError
  ├── accounts.AccountError
  ├── agent._build.BuildError
