@@ -17,7 +17,7 @@ from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
-from llmgw.control.engine_args import HTTP_THREADS
+from llmgw.engine_args import HTTP_THREADS
 from llmgw.control.nodes import node_view
 from llmgw.control.store import Store
 from tests.agent.conftest import FakeBinary

@@ -17,7 +17,7 @@ import pytest
 from llmgw.config import ServerConfig
 from llmgw.control import _slottable as st
 from llmgw.control._upstream import Upstream
-from llmgw.control.engine_args import engine_args
+from llmgw.engine_args import engine_args
 from llmgw.control.gateway import Gateway, make_gateway_app
 from llmgw.control.store import Store
 from llmgw.netaddr import free_port

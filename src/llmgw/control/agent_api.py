@@ -35,7 +35,7 @@ from llmgw.contract.records import (
 )
 from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.drift import DriftBoard, Report
-from llmgw.control.engine_args import engine_args
+from llmgw.engine_args import engine_args
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import needed_engine
 from llmgw.control.store import Store, StoreError
