@@ -70,9 +70,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llmgw.config import ServerConfig
 from llmgw.contract.records import ModelSpec, ProfileSpec  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
-from llmgw.engine_args import engine_args  # noqa: E402
 from llmgw.control.gateway import make_gateway_app  # noqa: E402
 from llmgw.control.store import Store  # noqa: E402
+from llmgw.engine_args import engine_args  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402
 
 MODES = ("round-robin", "balanced")
