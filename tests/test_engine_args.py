@@ -135,3 +135,13 @@ def test_an_embedding_model_gets_embeddings_and_a_pooling_type_unless_its_profil
     assert not set(SLOTS) & set(engine_args(model, profile())), "no slots to own"
     assert engine_args(model, profile("--pooling", "cls"))[:3] == [
         "--pooling", "cls", "--embeddings"]
+
+
+def test_the_engine_args_are_one_module() -> None:
+    """What a profile may pass and what an engine starts with live side by side, so the
+    flags the control plane adds are checked by the same list (no second engine_args)."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    assert [str(p.relative_to(src)) for p in src.rglob("engine_args.py")] == \
+        ["llmgw/engine_args.py"]
