@@ -47,7 +47,8 @@ from bench.gateway_overhead import (  # noqa: E402
     request_body,
     wait_ok,
 )
-from llmgw.agent.replicas import ReplicaSupervisor, stop_engines  # noqa: E402
+from llmgw.agent.engine_process import stop_engines  # noqa: E402
+from llmgw.agent.replicas import ReplicaSupervisor  # noqa: E402
 from llmgw.control.store import Store  # noqa: E402
 from llmgw.engine_args import engine_args  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402

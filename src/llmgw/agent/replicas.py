@@ -1,5 +1,8 @@
-"""The replica supervisor: weights downloaded and checked, llama-server started, watched,
-restarted with backoff, and adopted again after the agent itself restarts.
+"""The replica supervisor, one job: this node's replicas held to what the control plane
+assigns, through their lifecycle (downloading, starting, ready, failed with backoff, given
+up, retired, adopted again after the agent restarts). What it drives lives beside it: the
+weights (llmgw.agent._weights), the engine's process and record (llmgw.agent.engine_process),
+its probes (llmgw.agent._probe), its slots (llmgw.agent.sizing).
 
 A replica placed on GPUs whose engine exits before it is ever ready GPU_START_ATTEMPTS
 times in a row (out of memory while loading, a CUDA error) is given up: not started again,
@@ -13,26 +16,31 @@ engines still serving and adopts them instead of starting second copies.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import secrets
-import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import httpx
 
 from llmgw._files import atomic_write, last_lines
-from llmgw.agent import engine_log, sizing
-from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, GIVE_UP_FREE_GROWTH_MB, ReplicaState
+from llmgw.agent import _probe, _weights, engine_log, sizing
+from llmgw.agent.engine_process import (
+    Record,
+    engine_for,
+    pid_is_engine,
+    placement,
+    read_record,
+    terminate,
+)
+from llmgw.contract import GIVE_UP_FREE_GROWTH_MB, ReplicaState
 from llmgw.contract.records import (
     Assignment,
     GivenUp,
@@ -47,9 +55,7 @@ from llmgw.netaddr import free_port
 
 log = logging.getLogger("llmgw.replicas")
 
-ENGINE_NAME = "llama-server"
 MAX_BACKOFF_S = 30.0
-STOP_GRACE_S = 10.0
 _LOG_TAIL = 8
 # How far back the engine's log is read for why a start failed.
 _REASON_LINES = 200
@@ -75,26 +81,6 @@ GIVE_UP_FOR_S = 600.0
 
 
 @dataclass
-class Record:
-    """What survives the agent: enough to find, check and stop a running engine."""
-
-    id: str
-    model: str
-    profile: str
-    source: str
-    sha256: str
-    args: list[str]
-    weights: str = ""
-    pid: int = 0
-    port: int = 0
-    api_key: str = ""
-    # The engine it runs on (llamacpp, llamacpp-cuda) and its GPUs (NVML UUIDs, in order;
-    # none for a CPU profile). Absent from a record written before GPUs were placed.
-    engine: str = CPU_ENGINE
-    gpus: list[str] = field(default_factory=list)
-
-
-@dataclass
 class Replica:
     record: Record
     state: ReplicaState = ReplicaState.DOWNLOADING
@@ -110,58 +96,6 @@ class Replica:
     # state -> how many times the replica entered it: a flap cannot hide between two polls.
     changes: dict[str, int] = field(default_factory=dict)
     worker: threading.Thread | None = field(default=None, repr=False)
-
-
-_LAYERS_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
-# Every layer: llama.cpp caps it at the model's layer count.
-ALL_LAYERS = "999"
-
-
-def engine_for(assignment: Assignment) -> str:
-    """The engine a replica runs on: one placed on GPUs needs llama.cpp built with CUDA,
-    whatever engine its profile names (profiles name the engine family, `llamacpp`)."""
-    return CUDA_ENGINE if assignment.get("gpus") else assignment.get("engine") or CPU_ENGINE
-
-
-def placement(gpus: list[str], known: list[Gpu],
-              args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
-    """The flags and environment that hold an engine to its GPUs, or to the CPU alone.
-
-    With GPUs: CUDA_VISIBLE_DEVICES names them by UUID (so the engine sees those and no
-    other, numbered CUDA0.. in that order), --device names all it sees and every layer is
-    offloaded unless the profile's args say how many. Without: no GPU visible, --device
-    none and no layer offloaded, since llama.cpp otherwise offloads to any GPU it finds.
-    A UUID this node's NVML did not report is refused: the engine would start elsewhere."""
-    layers_given = any(a in _LAYERS_FLAGS for a in args)
-    if not gpus:
-        return (["--device", "none", *([] if layers_given else ["--n-gpu-layers", "0"])],
-                {"CUDA_VISIBLE_DEVICES": ""})
-    here = {str(g.get("uuid", "")) for g in known}
-    missing = [u for u in gpus if u not in here]
-    if missing:
-        raise ValueError(f"the control plane placed this replica on {', '.join(missing)}, "
-                         f"which this node does not have (its GPUs: "
-                         f"{', '.join(sorted(here)) or 'none'}); the next heartbeat corrects "
-                         "the placement")
-    devices = ",".join(f"CUDA{i}" for i in range(len(gpus)))
-    return (["--device", devices, *([] if layers_given else ["--n-gpu-layers", ALL_LAYERS])],
-            {"CUDA_VISIBLE_DEVICES": ",".join(gpus)})
-
-
-def pid_is_engine(pid: int, port: int) -> bool:
-    """Whether pid is alive (not a zombie) and is a llama-server on port."""
-    if pid <= 0:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
-        return False
-    words = [a.decode(errors="replace") for a in argv]
-    # Two words: the prebuilt engine's launcher is a script, run as `python .../llama-server`.
-    return any(w.endswith(ENGINE_NAME) for w in words[:2]) and str(port) in words
 
 
 class ReplicaSupervisor:
@@ -285,7 +219,7 @@ class ReplicaSupervisor:
         """Take over engines a previous agent started; forget records whose engine is gone."""
         for path in sorted(self.dir.glob("*.json")):
             try:
-                record = Record(**json.loads(path.read_text()))
+                record = read_record(path)
             except (OSError, ValueError, TypeError) as e:
                 log.warning("ignoring unreadable replica record %s: %s", path, e)
                 continue
@@ -329,31 +263,8 @@ class ReplicaSupervisor:
 
     def fetch_weights(self, record: Record) -> Path:
         """The model file, downloaded once into the weights cache and checked."""
-        url = urlparse(record.source)
-        # Never file://: the agent runs as root and would hand any file to an engine.
-        if url.scheme not in ("http", "https"):
-            raise ValueError(f"the agent downloads weights only over http(s), from the "
-                             f"mirror or a URL, not {record.source}; put the file in the "
-                             "mirror with `llmgw mirror import`")
-        name = Path(unquote(url.path)).name or "model.gguf"
-        target = self.weights_dir / (record.sha256 or record.model) / name
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{name}.part")
-        digest = hashlib.sha256()
-        with self.http.stream("GET", record.source) as response:
-            response.raise_for_status()
-            with open(tmp, "wb") as f:
-                for chunk in response.iter_bytes(1 << 20):
-                    digest.update(chunk)
-                    f.write(chunk)
-        if record.sha256 and digest.hexdigest() != record.sha256:
-            tmp.unlink(missing_ok=True)
-            raise ValueError(f"{record.source} has sha256 {digest.hexdigest()}, the catalog "
-                             f"says {record.sha256}; the mirror's copy is wrong or was replaced")
-        os.replace(tmp, target)
-        return target
+        return _weights.fetch(self.http, self.weights_dir, record.source, record.sha256,
+                              record.model)
 
     def start_engine(self, replica: Replica) -> None:
         record = replica.record
@@ -487,23 +398,7 @@ class ReplicaSupervisor:
                          r.record.id, r.probe_failures, PROBE_FAILURES_TO_LEAVE, why)
 
     def _health(self, record: Record) -> tuple[str, str]:
-        """One probe of GET /health: (ok | loading | refused | slow, what was seen)."""
-        url = f"{self.endpoint(record)}/health"
-        try:
-            # A fresh connection each time: the probe runs once a heartbeat (5 s), exactly
-            # llama-server's keep-alive timeout, so a kept connection can be closed by the
-            # engine just as the probe reuses it; and a refusal then means what it says.
-            response = self.http.get(url, timeout=self.probe_timeout_s,
-                                     headers={"Connection": "close"})
-        except httpx.ConnectError as e:
-            return "refused", f"{url} refused the connection: {e}"
-        except httpx.HTTPError as e:
-            return "slow", f"{url}: {type(e).__name__} {e}".rstrip()
-        if response.status_code == 200:
-            return "ok", ""
-        if response.status_code == 503:
-            return "loading", "llama-server is loading the model (503)"
-        return "slow", f"{url} answered {response.status_code}"
+        return _probe.health(self.http, self.endpoint(record), self.probe_timeout_s)
 
     def stop(self, rid: str, *, wait: bool = False) -> threading.Thread | None:
         """Stop a replica no longer assigned here, in the background: once the gateway no
@@ -548,47 +443,4 @@ class ReplicaSupervisor:
         return f"still busy after {RETIRE_DRAIN_S:.0f}s"
 
     def _requests_under_way(self, record: Record) -> int | None:
-        try:
-            response = self.http.get(f"{self.endpoint(record)}/metrics", timeout=5.0,
-                                     headers={"Authorization": f"Bearer {record.api_key}"})
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        busy = 0
-        for line in response.text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("llamacpp:requests_processing", "llamacpp:requests_deferred"):
-                busy += int(float(value or 0))
-        return busy
-
-
-def terminate(pid: int, port: int, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """SIGTERM the engine, SIGKILL it after a grace period."""
-    if not pid_is_engine(pid, port):
-        return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    while pid_is_engine(pid, port) and time.monotonic() < deadline:
-        if proc is not None:
-            proc.poll()
-        time.sleep(0.1)
-    if pid_is_engine(pid, port):
-        os.kill(pid, signal.SIGKILL)
-    if proc is not None:
-        proc.wait(timeout=5)
-
-
-def stop_engines(state_dir: Path) -> list[str]:
-    """Stop every engine recorded under state_dir (used by `llmgw down`)."""
-    stopped = []
-    for path in sorted((Path(state_dir) / "replicas").glob("*.json")):
-        try:
-            record = Record(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue
-        if pid_is_engine(record.pid, record.port):
-            terminate(record.pid, record.port)
-            stopped.append(f"{record.id} (pid {record.pid})")
-        path.unlink(missing_ok=True)
-    return stopped
+        return _probe.requests_under_way(self.http, self.endpoint(record), record.api_key)
