@@ -200,3 +200,53 @@ def test_gpus_without_a_known_capability_are_not_built_for(
     with pytest.raises(BuildError, match="no compute capability"):
         _build.CudaBuild("0.3.36", stand_ins["tree"], tmp_path / "cache", node("13.0", ""),
                          search_path=str(stand_ins["bin"]), pip=FakePip(), roots=[]).run()
+
+
+# --- the one driver both builds run ---
+
+
+def _driver(target: Path, stand_ins: dict[str, Path], said: list[str]) -> _build.Driver:
+    return _build.Driver(target, on_progress=said.append,
+                         search_path=f"{stand_ins['bin']}:/usr/bin:/bin")
+
+
+def _cpu_configure(tree: Path, build: Path) -> list[str]:
+    return _cmake.cmake_configure_args(tree, build)
+
+
+def test_the_driver_builds_once_and_says_each_stage(
+        tmp_path: Path, stand_ins: dict[str, Path]) -> None:
+    """Unpacked, configured, built with its progress, installed, logged; run again with the
+    binary there, it runs nothing (the cmake calls stay two)."""
+    said: list[str] = []
+    target = tmp_path / "cache" / "engines" / "llamacpp" / "0.3.36"
+    driver = _driver(target, stand_ins, said)
+    assert driver.run(lambda: stand_ins["tree"], _cpu_configure, lambda: 2)
+    assert said == ["unpacking llama.cpp", "configuring", "0%", "50%", "100%"]
+    assert os.access(target / "llama-server", os.X_OK)
+    assert (target / "build.log").read_text().count("$ cmake") == 2
+    assert not list(target.parent.glob("build-*")), "the work dir is gone"
+    assert not _driver(target, stand_ins, said).run(lambda: stand_ins["tree"], _cpu_configure,
+                                                    lambda: 2)
+    assert len(stand_ins["calls"].read_text().splitlines()) == 2
+
+
+def test_a_driver_stopped_before_it_runs_builds_nothing(
+        tmp_path: Path, stand_ins: dict[str, Path]) -> None:
+    """The agent going away while a build waits for its lock or its source: no command
+    runs (negative control: the test above, not stopped, builds)."""
+    target = tmp_path / "cache" / "engines" / "llamacpp" / "0.3.36"
+    driver = _driver(target, stand_ins, [])
+    driver.stop()
+    with pytest.raises(BuildError, match="the agent is stopping"):
+        driver.run(lambda: stand_ins["tree"], _cpu_configure, lambda: 2)
+    assert not (target / "llama-server").exists() and not stand_ins["calls"].exists()
+
+
+def test_the_build_sequence_is_written_once() -> None:
+    """Only the driver runs build commands: the CPU engine and CudaBuild hand it their
+    configure lines (no second sequence, no build_cuda)."""
+    agent = Path(_build.__file__).parent
+    runs = {p.name: p.read_text().count("Runner(") for p in sorted(agent.glob("*.py"))}
+    assert {name: n for name, n in runs.items() if n} == {"_build.py": 1}
+    assert not hasattr(_build, "build_cuda")
