@@ -270,9 +270,10 @@ class CudaBuild:
 
     The toolchain comes from _cuda.find_toolchain (a system toolkit, completed or assembled
     in the cache); the build targets the compute capabilities NVML reports, at nice 19,
-    with jobs bounded by cores and memory; it is cached per version, CUDA major and
-    architecture set (llmgw.agent.cache.cuda_build), one build of each at a time. Every failure is a
-    BuildError with a one-line reason; stop() ends a running build. The source may be a
+    with jobs bounded by cores and memory, through the one Driver; it is cached per
+    version, CUDA major and architecture set (llmgw.agent.cache.cuda_build), one build of
+    each at a time. Every failure is a BuildError with a one-line reason; stop() ends a
+    running build. The source may be a
     way to get it (a download): it is asked for only once the driver, the tools and the
     toolchain allow a build, so a node that cannot build says why before any download."""
 
