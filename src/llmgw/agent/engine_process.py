@@ -1,6 +1,6 @@
 """A replica's engine process as the node sees it: the record that survives the agent (pid,
-port, key, placement), the flags and environment that hold it to its GPUs, whether a pid
-is still it, and its stop (SIGTERM, then SIGKILL)."""
+port, key, placement), its command line and environment (what holds it to its GPUs),
+whether a pid is still it, and its stop (SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,26 @@ def placement(gpus: list[str], known: list[Gpu],
     devices = ",".join(f"CUDA{i}" for i in range(len(gpus)))
     return (["--device", devices, *([] if layers_given else ["--n-gpu-layers", ALL_LAYERS])],
             {"CUDA_VISIBLE_DEVICES": ",".join(gpus)})
+
+
+def command(engine: str, record: Record, bind_host: str, args: list[str],
+            flags: list[str]) -> list[str]:
+    """The engine's command line: its model, listener and key, then its args, then the
+    placement's flags. --metrics: the control plane scrapes each ready replica's /metrics.
+    The placement comes last: llama.cpp takes the last --device, and the catalog's may not
+    override the GPUs the scheduler counted."""
+    return [engine, "-m", record.weights, "--host", bind_host, "--port", str(record.port),
+            "--api-key", record.api_key, "--metrics", *args, *flags]
+
+
+def environment(devices: dict[str, str], interface: str) -> dict[str, str]:
+    """The engine's environment: this process's, the placement's devices, and the
+    management interface for NCCL and Gloo where the node names one."""
+    env = {**os.environ, **devices}
+    if interface:
+        env["NCCL_SOCKET_IFNAME"] = interface
+        env["GLOO_SOCKET_IFNAME"] = interface
+    return env
 
 
 def pid_is_engine(pid: int, port: int) -> bool:

@@ -7,7 +7,8 @@ its probes (llmgw.agent._probe), its slots (llmgw.agent.sizing).
 A replica placed on GPUs whose engine exits before it is ever ready GPU_START_ATTEMPTS
 times in a row (out of memory while loading, a CUDA error) is given up: not started again,
 and reported (`given_up` in the heartbeat, with the reason read from the engine's log) for
-GIVE_UP_FOR_S, so the control plane places the model on its next profile meanwhile.
+GIVE_UP_FOR_S (llmgw.agent._giveups), so the control plane places the model on its next
+profile meanwhile.
 
 Each replica's pid, port and key live in STATE/replicas/ID.json, written before the
 engine is considered started, so an agent that comes back (kill -9, upgrade) finds its
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import subprocess
 import threading
@@ -32,18 +32,20 @@ import httpx
 
 from llmgw._files import atomic_write, last_lines
 from llmgw.agent import _probe, _weights, engine_log, sizing
+from llmgw.agent._giveups import GIVE_UP_FOR_S, GiveUps, given_up
 from llmgw.agent.engine_process import (
     Record,
+    command,
     engine_for,
+    environment,
     pid_is_engine,
     placement,
     read_record,
     terminate,
 )
-from llmgw.contract import GIVE_UP_FREE_GROWTH_MB, ReplicaState
+from llmgw.contract import ReplicaState
 from llmgw.contract.records import (
     Assignment,
-    GivenUp,
     Gpu,
     Inventory,
     ReplicaReport,
@@ -64,20 +66,10 @@ _REASON_LINES = 200
 # and one slow answer said nothing about whether the engine serves.
 PROBE_FAILURES_TO_LEAVE = 3
 PROBE_TIMEOUT_S = 5.0
-# A replica taken off this node: requests the gateway routed just before it left the table
-# get this long to arrive, then those under way at most RETIRE_DRAIN_S to finish (the
-# gateway's own drain bound), before its engine is stopped.
-RETIRE_GRACE_S = 1.0
-RETIRE_DRAIN_S = 30.0
 MAX_PROBES_AT_ONCE = 16
 # A replica on GPUs is given up after this many failed starts in a row (each an engine that
 # exited before it was ever ready), with the backoff above between them: 1 s, then 2 s.
 GPU_START_ATTEMPTS = 3
-# How long a given-up placement is reported: the control plane places no replica of that
-# model and profile on those cards meanwhile (unless a card's free memory grows by
-# contract GIVE_UP_FREE_GROWTH_MB), then may try them again. An agent that restarts
-# forgets its give-ups and tries again.
-GIVE_UP_FOR_S = 600.0
 
 
 @dataclass
@@ -133,8 +125,8 @@ class ReplicaSupervisor:
         # 0: never give a GPU placement up (restarted with backoff, as a CPU one is).
         self.gpu_start_attempts = gpu_start_attempts
         self.give_up_for_s = give_up_for_s
-        # Placements given up (replica id -> what the heartbeat says, and since when).
-        self.given_up: dict[str, tuple[GivenUp, float]] = {}
+        # Placements given up, reported for give_up_for_s.
+        self.give_ups = GiveUps(give_up_for_s, clock)
         self.replicas: dict[str, Replica] = {}
         # Replicas stopping in the background (stop()), until their engine is gone.
         self.retiring: dict[str, threading.Thread] = {}
@@ -168,24 +160,11 @@ class ReplicaSupervisor:
                 for rid, r in self.replicas.items()}
         return {"replica_state_changes": changes,
                 "replica_logs": engine_log.tails(self.dir),
-                "given_up": self._given_up()}
-
-    def _given_up(self) -> list[GivenUp]:
-        """The placements given up within give_up_for_s (older ones forgotten)."""
-        with self._lock:
-            now = self.clock()
-            for rid in [rid for rid, (_, at) in self.given_up.items()
-                        if now - at >= self.give_up_for_s]:
-                del self.given_up[rid]
-            return [entry for entry, _ in self.given_up.values()]
+                "given_up": self.give_ups.current()}
 
     def warnings(self) -> list[str]:
         """A line per placement given up: which replica, which cards, why, and what then."""
-        return [f"replica {e['replica']} of {e['model']} ({e['profile']}) was given up on "
-                f"GPU {', '.join(e['gpus'])} after {e['starts']} failed starts: {e['reason']}; "
-                f"{e['model']} goes to its next profile, and this card is tried again after "
-                f"{self.give_up_for_s / 60:.0f} min or once it has "
-                f"{GIVE_UP_FREE_GROWTH_MB} MiB more free" for e in self._given_up()]
+        return self.give_ups.warnings()
 
     def set_state(self, replica: Replica, state: ReplicaState, why: str = "") -> None:
         """Every change of state is logged with its reason and counted."""
@@ -278,16 +257,8 @@ class ReplicaSupervisor:
         args = self.sized(record)
         record.port = free_port(self.bind_host)
         record.api_key = secrets.token_urlsafe(24)
-        # --metrics: the control plane scrapes each ready replica's /metrics. The placement
-        # comes last: llama.cpp takes the last --device, and the catalog's may not override
-        # the GPUs the scheduler counted.
-        argv = [engine, "-m", record.weights, "--host", self.bind_host, "--port",
-                str(record.port), "--api-key", record.api_key, "--metrics", *args.args,
-                *flags]
-        env = {**os.environ, **devices}
-        if self.interface:
-            env["NCCL_SOCKET_IFNAME"] = self.interface
-            env["GLOO_SOCKET_IFNAME"] = self.interface
+        argv = command(engine, record, self.bind_host, args.args, flags)
+        env = environment(devices, self.interface)
         with open(self.dir / f"{record.id}.log", "ab") as out:
             # Its own session: the engine outlives the agent and is adopted again.
             replica.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
@@ -325,14 +296,7 @@ class ReplicaSupervisor:
         record = replica.record
         reason = engine_log.failure_reason(
             engine_log.tail(self.dir / f"{record.id}.log", lines=_REASON_LINES)) or why
-        free = {str(g.get("uuid")): int(g.get("memory_free_mb", g.get("memory_mb", 0)))
-                for g in self.cards() if g.get("uuid") in record.gpus}
-        entry: GivenUp = {"replica": record.id, "model": record.model,
-                          "profile": record.profile, "gpus": list(record.gpus),
-                          "reason": reason, "starts": replica.failed_starts,
-                          "free_mb": free, "since": time.time()}
-        with self._lock:
-            self.given_up[record.id] = (entry, self.clock())
+        self.give_ups.add(given_up(record, reason, replica.failed_starts, self.cards()))
         replica.gave_up = True
         self.set_state(replica, ReplicaState.FAILED,
                        f"given up after {replica.failed_starts} failed starts on GPU "
@@ -403,7 +367,7 @@ class ReplicaSupervisor:
     def stop(self, rid: str, *, wait: bool = False) -> threading.Thread | None:
         """Stop a replica no longer assigned here, in the background: once the gateway no
         longer sends it requests (it left the table before this node was told), its engine
-        finishes those under way (idle, or RETIRE_DRAIN_S at most), then stops."""
+        finishes those under way (idle, or _probe.RETIRE_DRAIN_S at most), then stops."""
         with self._lock:
             replica = self.replicas.pop(rid, None)
         if replica is None:
@@ -429,18 +393,4 @@ class ReplicaSupervisor:
                  replica.state)
 
     def _wait_idle(self, record: Record) -> str:
-        """Until the engine's slots are idle (llama-server's /metrics), after a grace in
-        which requests the gateway routed just before it dropped the replica arrive."""
-        time.sleep(RETIRE_GRACE_S)
-        deadline = time.monotonic() + RETIRE_DRAIN_S
-        while time.monotonic() < deadline:
-            busy = self._requests_under_way(record)
-            if busy is None:
-                return "its load cannot be read (no /metrics)"
-            if busy == 0:
-                return "its slots are idle"
-            time.sleep(0.25)
-        return f"still busy after {RETIRE_DRAIN_S:.0f}s"
-
-    def _requests_under_way(self, record: Record) -> int | None:
-        return _probe.requests_under_way(self.http, self.endpoint(record), record.api_key)
+        return _probe.wait_idle(self.http, self.endpoint(record), record.api_key)
