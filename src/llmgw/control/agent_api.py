@@ -35,10 +35,10 @@ from llmgw.contract.records import (
 )
 from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.drift import DriftBoard, Report
-from llmgw.control.engine_args import engine_args
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import needed_engine
 from llmgw.control.store import Store, StoreError
+from llmgw.engine_args import engine_args
 
 log = logging.getLogger("llmgw.agent_api")
 
