@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from llmgw.errors import Error
+
 # Each entry: the spellings of one flag, and whether it takes a value.
 _WITH_VALUE = [
     # context, batching, slots
@@ -59,7 +61,7 @@ TAKES_VALUE: dict[str, bool] = {
 _VALUE = re.compile(r"^-?[A-Za-z0-9_.,:+][A-Za-z0-9_.,:+-]{0,63}$")
 
 
-class EngineArgsError(ValueError):
+class EngineArgsError(Error, ValueError):
     """A profile's args hold a flag or value the engine may not be given."""
 
 

@@ -21,6 +21,7 @@ from llmgw.contract.catalog import ModelSpec as ModelSpec
 from llmgw.contract.catalog import ProfileSpec as ProfileSpec
 from llmgw.contract.catalog import ScalingSpec as ScalingSpec
 from llmgw.contract.explain import problems
+from llmgw.errors import Error
 
 T = TypeVar("T")
 _OPEN = ConfigDict(extra="allow")
@@ -358,7 +359,7 @@ REPORTS: TypeAdapter[ReplicaReports] = TypeAdapter(ReplicaReports)
 DRIFT_REPORT: TypeAdapter[DriftReport] = TypeAdapter(DriftReport)
 
 
-class RecordError(ValueError):
+class RecordError(Error, ValueError):
     """A record the store refuses; the message names each bad key and what it allows."""
 
 
