@@ -19,6 +19,8 @@ Error
  │    └── agent.client.Unreachable (no answer in time: another control plane may give one)
  ├── agent.join.JoinError
  ├── control_plane_join.ControlPlaneJoinError (a bundle that does not open, a fleet on SQLite)
+ ├── control.store.StoreError (a read or a write the store could not do: away, busy, broken)
+ │    └── control.store.StoreConflict (a unique key refused a write: the name is taken)
  ├── control.store.LeaseLost (a fenced write found the scheduler lease another's)
  ├── control.store._db.SchemaError (the store's schema is not the one this code reads)
  ├── control.store.copy.CopyError (a copy of a store that does not read back the same)
@@ -48,9 +50,7 @@ Error
 Outside it, on purpose:
 - a private class (a leading _) is a signal within its module that never leaves it;
 - agent.prebuilt_server.UsageError: that script runs in the prebuilt engine's own venv,
-  which has no llmgw to import;
-- control.store.StoreError is SQLAlchemy's SQLAlchemyError: what the store raises when it
-  cannot be read or written.
+  which has no llmgw to import.
 """
 
 from __future__ import annotations
