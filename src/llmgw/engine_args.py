@@ -20,6 +20,8 @@ from llmgw.control._upstream import MAX_CONNECTIONS_PER_REPLICA
 if TYPE_CHECKING:
     from llmgw.contract.records import ModelSpec, ProfileSpec
 
+from llmgw.errors import Error
+
 # Each entry: the spellings of one flag, and whether it takes a value.
 _WITH_VALUE = [
     # context, batching, slots
@@ -66,7 +68,7 @@ TAKES_VALUE: dict[str, bool] = {
 _VALUE = re.compile(r"^-?[A-Za-z0-9_.,:+][A-Za-z0-9_.,:+-]{0,63}$")
 
 
-class EngineArgsError(ValueError):
+class EngineArgsError(Error, ValueError):
     """A profile's args hold a flag or value the engine may not be given."""
 
 
