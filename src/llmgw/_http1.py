@@ -53,8 +53,8 @@ BACKLOG = 4096
 
 class Http1Server:
     """Serves app on listen (HOST:PORT) or on sockets handed to serve(); HTTPS with
-    certfile (the chain, leaf first) and keyfile. The same switches as uvicorn's Server,
-    so a process runs either: `started` once it listens, `should_exit = True` to stop.
+    certfile (the chain, leaf first) and keyfile. `started` once it listens,
+    `should_exit = True` to stop (a service's signal handler sets it: `_service`).
 
     On stop: no new connections; requests under way (streams too) get drain_s to finish,
     idle connections are closed without losing a request on the wire; then whatever is
