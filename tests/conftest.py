@@ -47,7 +47,7 @@ def llama_server() -> str:
 
     engine = LlamaCpp(EngineConfig())
     status = engine.provision()
-    assert status.state == "ready", f"no llama-server for the tests: {status.detail}"
+    assert status["state"] == "ready", f"no llama-server for the tests: {status['detail']}"
     assert engine.found is not None
     return str(engine.found.path)
 

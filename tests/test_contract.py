@@ -118,43 +118,69 @@ def test_one_explainer_names_key_found_value_and_rule_for_models_and_typed_dicts
     assert problems(row_error.value).startswith("state is 'paused': Input should be")
 
 
-def mirrored_records(classes: list[type]) -> list[str]:
-    """Pairs of a pydantic model and a TypedDict with the same keys (two or more): one
-    record written twice, which can drift apart."""
+def record_fields(c: type) -> frozenset[str] | None:
+    """The field names of a record class that is not a TypedDict: a pydantic model, a
+    dataclass or a NamedTuple; None for any other class."""
+    import dataclasses
+
     from pydantic import BaseModel
+
+    if issubclass(c, BaseModel):
+        return frozenset(c.model_fields)
+    if dataclasses.is_dataclass(c):
+        return frozenset(f.name for f in dataclasses.fields(c))
+    if issubclass(c, tuple) and hasattr(c, "_fields"):  # a NamedTuple
+        return frozenset(c._fields)
+    return None
+
+
+def mirrored_records(classes: list[type]) -> list[str]:
+    """Pairs of a record class (pydantic model, dataclass or NamedTuple) and a TypedDict
+    with the same keys (two or more): one record written twice, which can drift apart."""
     from typing_extensions import is_typeddict  # typing's misses typing_extensions' TypedDict
 
-    models = {c: frozenset(c.model_fields) for c in classes
-              if issubclass(c, BaseModel) and len(c.model_fields) >= 2}
     dicts = {c: frozenset(c.__required_keys__ | c.__optional_keys__) for c in classes
              if is_typeddict(c)}
-    return sorted(f"{m.__module__}.{m.__name__} = {d.__module__}.{d.__name__}"
-                  for m, keys in models.items() for d, same in dicts.items() if keys == same)
+    records = {c: keys for c in classes
+               if not is_typeddict(c) and (keys := record_fields(c)) and len(keys) >= 2}
+    return sorted(f"{r.__module__}.{r.__name__} = {d.__module__}.{d.__name__}"
+                  for r, keys in records.items() for d, same in dicts.items() if keys == same)
 
 
 def test_each_record_is_defined_once() -> None:
-    """The catalog model, the drift report: one TypedDict carries the fields, their rules
-    and defaults; no pydantic model beside it repeats them."""
+    """The catalog model, the drift report, an engine's status, a model version in the
+    mirror: one TypedDict carries the fields, their rules and defaults; no pydantic model,
+    dataclass or NamedTuple beside it repeats them."""
     from tests.sourceclasses import classes_of, llmgw_modules
 
     assert mirrored_records(classes_of(llmgw_modules())) == []
 
 
-def test_negative_control_a_model_mirroring_a_typed_dict_is_seen(tmp_path: Path) -> None:
+def test_negative_control_a_record_mirroring_a_typed_dict_is_seen(tmp_path: Path) -> None:
+    """A model, a dataclass and a NamedTuple each repeating a TypedDict's keys are seen;
+    one with a key more, and a class that is no record, are not."""
     import importlib.util
 
     from tests.sourceclasses import classes_of
 
     (tmp_path / "twice.py").write_text(
+        "from dataclasses import dataclass\nfrom typing import NamedTuple\n"
         "from pydantic import BaseModel\nfrom typing_extensions import TypedDict\n"
         "class Report(BaseModel):\n    checked: float\n    promises: int\n    failing: list\n"
         "class DriftReport(TypedDict):\n    checked: float\n    promises: int\n"
-        "    failing: list\n")
+        "    failing: list\n"
+        "class EngineStatus(TypedDict, total=False):\n    engine: str\n    state: str\n"
+        "@dataclass(frozen=True)\nclass Status:\n    engine: str\n    state: str = ''\n"
+        "class Pair(NamedTuple):\n    engine: str\n    state: str\n"
+        "@dataclass\nclass Wider:\n    engine: str\n    state: str\n    detail: str\n"
+        "class Plain:\n    engine = 'e'\n    state = 's'\n")
     spec = importlib.util.spec_from_file_location("twice", tmp_path / "twice.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert mirrored_records(classes_of([module])) == ["twice.Report = twice.DriftReport"]
+    assert mirrored_records(classes_of([module])) == [
+        "twice.Pair = twice.EngineStatus", "twice.Report = twice.DriftReport",
+        "twice.Status = twice.EngineStatus"]
 
 
 def test_what_a_new_model_leaves_out_it_gets_as_declared_and_so_does_an_old_row() -> None:

@@ -71,8 +71,8 @@ def _mirror_import(args: argparse.Namespace) -> int:
     with mirror_client(layout, timeout=30.0) as mirror:
         done = mirror.upload(Path(args.file), model=args.model, version=args.version,
                              sha256=args.sha256)
-    print(f"{done.model}/{done.version} {done.status.state}: {done.url} "
-          f"(sha256 {done.status.sha256})")
+    print(f"{done['model']}/{done['version']} {done['status']['state']}: {done['url']} "
+          f"(sha256 {done['status']['sha256']})")
     return 0
 
 

@@ -118,7 +118,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llama_server: str,
     found = discover(nvml)
     agent = Agent(config, engine=LlamaCpp(engine_config), discover=lambda: found,
                   cards=LiveCards(found.gpus, nvml).read)
-    assert agent.engine.provision().state == EngineState.READY
+    assert agent.engine.provision()["state"] == EngineState.READY
     agent.cuda.provision()
     supervisor = replica_supervisor(agent, gpu_start_attempts=gpu_start_attempts)
     agent.workload = supervisor

@@ -13,7 +13,7 @@ from llmgw.agent import agent as agent_mod
 from llmgw.agent.agent import MAX_BACKOFF_S, Agent, backoff_s
 from llmgw.agent.client import AgentAPIError, AgentClient
 from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.engines import Status
+from llmgw.agent.engines import engine_status
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
@@ -169,23 +169,26 @@ def test_a_gpu_node_reports_both_engines_and_serves_only_on_the_ready_ones(
     """The heartbeat carries each engine's provision state; `engines` names only the
     ready ones, so the scheduler places nothing on a GPU engine still being made."""
     agent = _gpu_agent(tmp_path)
-    agent.engine._status = Status(CPU_ENGINE, "v", EngineState.READY, "")
+    agent.engine._status = engine_status(CPU_ENGINE, "v", EngineState.READY)
     beat = agent.inventory()
     assert [p["engine"] for p in beat["provision"]] == [CPU_ENGINE, CUDA_ENGINE]
+    # As sent before, to the key: a CPU engine's entry has no gpus or left_out.
+    assert beat["provision"][0] == {"engine": CPU_ENGINE, "version": "v",
+                                    "state": EngineState.READY, "detail": ""}
     assert beat["engines"] == [CPU_ENGINE]
-    agent.cuda._status = Status(CUDA_ENGINE, "v", EngineState.READY, "")
+    agent.cuda._status = engine_status(CUDA_ENGINE, "v", EngineState.READY)
     assert agent.inventory()["engines"] == [CPU_ENGINE, CUDA_ENGINE]
 
 
 def test_the_gpu_engine_being_made_or_failed_is_a_warning_and_ready_is_none(
         tmp_path: Path) -> None:
     agent = _gpu_agent(tmp_path)
-    agent.cuda._status = Status(CUDA_ENGINE, "v", EngineState.BUILDING, "40%")
+    agent.cuda._status = engine_status(CUDA_ENGINE, "v", EngineState.BUILDING, "40%")
     assert any("being made (building: 40%)" in w and "llmgw status" in w
                for w in agent.warnings())
-    agent.cuda._status = Status(CUDA_ENGINE, "v", EngineState.FAILED, "no cmake")
+    agent.cuda._status = engine_status(CUDA_ENGINE, "v", EngineState.FAILED, "no cmake")
     assert any("failed: no cmake" in w for w in agent.warnings())
-    agent.cuda._status = Status(CUDA_ENGINE, "v", EngineState.READY, "")
+    agent.cuda._status = engine_status(CUDA_ENGINE, "v", EngineState.READY)
     assert agent.warnings() == []
 
 

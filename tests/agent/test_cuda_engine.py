@@ -20,7 +20,7 @@ from llmgw.agent import cache
 from llmgw.agent._build import BuildError
 from llmgw.agent.cuda_engine import CudaEngine, cuda_devices
 from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.engines import Status
+from llmgw.agent.engines import engine_status
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import EngineConfig
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
@@ -50,7 +50,7 @@ def lister(directory: Path, names: dict[str, str], log: Path | None = None) -> P
 def ready_cpu(tmp_path: Path) -> LlamaCpp:
     cpu = LlamaCpp(EngineConfig(cache_dir=str(tmp_path / "cache")),
                    search_path=str(tmp_path / "empty"))
-    cpu._status = Status(CPU_ENGINE, cpu.source_version, EngineState.READY, "")
+    cpu._status = engine_status(CPU_ENGINE, cpu.source_version, EngineState.READY)
     return cpu
 
 
@@ -74,13 +74,14 @@ def test_llama_servers_device_list_is_read_as_cuda_names() -> None:
 
 def test_switched_off_builds_nothing_and_says_so(tmp_path: Path) -> None:
     e = cuda_engine(tmp_path, never, [H100], cuda="off")
-    assert e.status.state == EngineState.SWITCHED_OFF and "engine.cuda: off" in e.status.detail
+    status = e.status
+    assert status["state"] == EngineState.SWITCHED_OFF and "engine.cuda: off" in status["detail"]
     assert e.start() is None and not e.wanted()
 
 
 def test_a_node_without_gpus_has_no_gpu_engine(tmp_path: Path) -> None:
     e = cuda_engine(tmp_path, never, [])
-    assert e.status.state == EngineState.ABSENT and e.start() is None
+    assert e.status["state"] == EngineState.ABSENT and e.start() is None
 
 
 def test_a_built_engine_is_ready_once_each_gpu_alone_is_listed(tmp_path: Path) -> None:
@@ -97,7 +98,7 @@ def test_a_built_engine_is_ready_once_each_gpu_alone_is_listed(tmp_path: Path) -
 
     e = cuda_engine(tmp_path, build, [H100, L4])
     status = e.provision()
-    assert status.state == EngineState.READY, status
+    assert status["state"] == EngineState.READY, status
     assert e.found is not None and e.found.path == built and e.ready()
     assert seen.read_text().split() == ["GPU-aaaa", "GPU-bbbb"]
     assert progress == ["called"]
@@ -108,17 +109,17 @@ def test_negative_control_a_cpu_build_lists_no_cuda_device_and_fails_in_one_line
     cpu_only = lister(tmp_path / "cpu", {})
     e = cuda_engine(tmp_path, lambda on_progress: cpu_only, [H100])
     status = e.provision()
-    assert status.state == EngineState.FAILED
-    assert "names no CUDA device" in status.detail and "GPU-aaaa" in status.detail
-    assert "the node serves on CPU meanwhile" in status.detail
-    assert "\n" not in status.detail
+    assert status["state"] == EngineState.FAILED
+    assert "names no CUDA device" in status["detail"] and "GPU-aaaa" in status["detail"]
+    assert "the node serves on CPU meanwhile" in status["detail"]
+    assert "\n" not in status["detail"]
 
 
 def test_a_device_that_is_not_the_card_nvml_named_fails(tmp_path: Path) -> None:
     wrong = lister(tmp_path / "wrong", {"GPU-aaaa": "NVIDIA L4"})
     status = cuda_engine(tmp_path, lambda on_progress: wrong, [H100]).provision()
-    assert status.state == EngineState.FAILED
-    assert "'NVIDIA L4'" in status.detail and "NVIDIA H100" in status.detail
+    assert status["state"] == EngineState.FAILED
+    assert "'NVIDIA L4'" in status["detail"] and "NVIDIA H100" in status["detail"]
 
 
 def test_a_failed_build_is_one_line_and_leaves_the_cpu_engine_serving(tmp_path: Path) -> None:
@@ -127,23 +128,23 @@ def test_a_failed_build_is_one_line_and_leaves_the_cpu_engine_serving(tmp_path: 
 
     e = cuda_engine(tmp_path, fails, [H100])
     status = e.provision()
-    assert status.state == EngineState.FAILED
-    assert status.detail.startswith("cmake failed (1): / * An ALIAS target is missing / see")
-    assert e.cpu.status.state == EngineState.READY
+    assert status["state"] == EngineState.FAILED
+    assert status["detail"].startswith("cmake failed (1): / * An ALIAS target is missing / see")
+    assert e.cpu.status["state"] == EngineState.READY
 
 
 def test_a_configured_cuda_server_is_checked_and_used_without_a_build(tmp_path: Path) -> None:
     given = lister(tmp_path / "given", {"GPU-aaaa": "NVIDIA H100 80GB HBM3"})
     e = cuda_engine(tmp_path, never, [H100], cuda_server=str(given))
-    assert e.provision().state == EngineState.READY
+    assert e.provision()["state"] == EngineState.READY
     assert e.found is not None and e.found.origin == "configured"
 
 
 def test_a_configured_cuda_server_that_is_not_there_says_which_key(tmp_path: Path) -> None:
     e = cuda_engine(tmp_path, never, [H100], cuda_server=str(tmp_path / "nope"))
     status = e.provision()
-    assert status.state == EngineState.FAILED
-    assert "engine.cuda_server" in status.detail and "nope" in status.detail
+    assert status["state"] == EngineState.FAILED
+    assert "engine.cuda_server" in status["detail"] and "nope" in status["detail"]
 
 
 def test_the_build_waits_for_the_cpu_engine(tmp_path: Path) -> None:
@@ -156,14 +157,14 @@ def test_the_build_waits_for_the_cpu_engine(tmp_path: Path) -> None:
         return built
 
     e = cuda_engine(tmp_path, build, [H100])
-    e.cpu._status = Status(CPU_ENGINE, "v", EngineState.BUILDING, "40%")
+    e.cpu._status = engine_status(CPU_ENGINE, "v", EngineState.BUILDING, "40%")
     thread = e.start()
     assert thread is not None
     assert not started.wait(1.0), "the GPU build began while the CPU engine was building"
-    assert e.status.state == EngineState.PENDING
-    e.cpu._status = Status(CPU_ENGINE, "v", EngineState.READY, "")
+    assert e.status["state"] == EngineState.PENDING
+    e.cpu._status = engine_status(CPU_ENGINE, "v", EngineState.READY)
     thread.join(timeout=30)
-    assert started.is_set() and e.status.state == EngineState.READY
+    assert started.is_set() and e.status["state"] == EngineState.READY
 
 
 def test_a_failed_engine_is_tried_again_only_when_its_cache_changed(
@@ -179,7 +180,7 @@ def test_a_failed_engine_is_tried_again_only_when_its_cache_changed(
 
     monkeypatch.setattr("llmgw.agent.cuda_engine.RETRY_LOOK_S", 0.0)
     e = cuda_engine(tmp_path, flaky, [H100])
-    assert e.provision().state == EngineState.FAILED
+    assert e.provision()["state"] == EngineState.FAILED
     assert not e.retry_if_cache_changed(), "tried again with nothing changed"
     stamp = time.time() + 5
     elsewhere = e.cache_dir / "toolchains"  # a folder of the cache that nothing makes
@@ -192,8 +193,8 @@ def test_a_failed_engine_is_tried_again_only_when_its_cache_changed(
     assert e.retry_if_cache_changed()
     assert e._thread is not None
     e._thread.join(timeout=30)
-    assert e.status.state == EngineState.READY and len(calls) == 2
-    assert e.status.engine == CUDA_ENGINE
+    assert e.status["state"] == EngineState.READY and len(calls) == 2
+    assert e.status["engine"] == CUDA_ENGINE
 
 
 def _standin_nvml() -> object:
@@ -230,12 +231,12 @@ def test_a_driver_too_old_for_any_toolkit_says_so_before_any_download(
     monkeypatch.setattr(_cuda, "pip_install", lambda req, target: fetched.append(repr(req)))
     found = discover(nvml=_standin_nvml())
     cpu = LlamaCpp(EngineConfig(cache_dir=str(tmp_path / "cache")))
-    cpu._status = Status(CPU_ENGINE, cpu.source_version, EngineState.READY, "")
+    cpu._status = engine_status(CPU_ENGINE, cpu.source_version, EngineState.READY)
     status = CudaEngine(EngineConfig(cache_dir=str(tmp_path / "cache")), found, cpu=cpu
                         ).provision()
-    assert status.state == EngineState.FAILED and "\n" not in status.detail
-    said_driver = "runs CUDA 11.8" in status.detail and "update the driver" in status.detail
-    assert said_driver == (driver == "11080"), status.detail
+    assert status["state"] == EngineState.FAILED and "\n" not in status["detail"]
+    said_driver = "runs CUDA 11.8" in status["detail"] and "update the driver" in status["detail"]
+    assert said_driver == (driver == "11080"), status["detail"]
     if driver == "11080":
         assert fetched == [], "nothing may be fetched before the driver's reason"
 
@@ -244,18 +245,17 @@ def test_a_card_that_fails_its_check_is_left_out_and_the_engine_serves_the_other
         tmp_path: Path) -> None:
     only_l4 = lister(tmp_path / "l4", {"GPU-bbbb": "NVIDIA L4"})
     status = cuda_engine(tmp_path, lambda on_progress: only_l4, [H100, L4]).provision()
-    assert status.state == EngineState.READY, status
-    assert status.gpus == ("GPU-bbbb",)
-    assert [uuid for uuid, _ in status.left_out] == ["GPU-aaaa"]
-    assert "names no CUDA device" in dict(status.left_out)["GPU-aaaa"]
-    assert status.as_dict()["gpus"] == ["GPU-bbbb"]
-    assert "1 of 2 GPU(s) passed its check; 1 left out: GPU-aaaa" in status.detail
+    assert status["state"] == EngineState.READY, status
+    assert status["gpus"] == ["GPU-bbbb"]
+    assert list(status["left_out"]) == ["GPU-aaaa"]
+    assert "names no CUDA device" in status["left_out"]["GPU-aaaa"]
+    assert "1 of 2 GPU(s) passed its check; 1 left out: GPU-aaaa" in status["detail"]
 
 
 def test_negative_control_every_card_failing_its_check_fails_the_engine_naming_each(
         tmp_path: Path) -> None:
     none = lister(tmp_path / "none", {})
     status = cuda_engine(tmp_path, lambda on_progress: none, [H100, L4]).provision()
-    assert status.state == EngineState.FAILED
-    assert "GPU-aaaa" in status.detail and "GPU-bbbb" in status.detail
-    assert "gpus" not in status.as_dict()
+    assert status["state"] == EngineState.FAILED
+    assert "GPU-aaaa" in status["detail"] and "GPU-bbbb" in status["detail"]
+    assert "gpus" not in status

@@ -9,7 +9,7 @@ import pytest
 
 from llmgw.agent import _build
 from llmgw.agent.engine import PINNED_VERSION, LlamaCpp
-from llmgw.agent.engines import recorded_engine, version_of
+from llmgw.agent.engines import Found, record, recorded_engine, version_of
 from llmgw.config import EngineConfig
 from tests.agent.conftest import FakeBinary
 
@@ -24,7 +24,7 @@ def test_configured_binary_comes_first(tmp_path: Path, fake_llama_server: FakeBi
     on_path = fake_llama_server(tmp_path / "bin", build="2222")
     e = engine(tmp_path, str(on_path.parent), llama_server=str(configured))
     status = e.provision()
-    assert (status.state, status.version) == ("ready", "b1111"), status
+    assert (status["state"], status["version"]) == ("ready", "b1111"), status
     assert e.found is not None and e.found.origin == "configured"
 
 
@@ -32,7 +32,7 @@ def test_path_comes_before_the_cache(tmp_path: Path, fake_llama_server: FakeBina
     on_path = fake_llama_server(tmp_path / "bin", build="2222")
     e = engine(tmp_path, str(on_path.parent))
     fake_llama_server(e.cached_binary.parent)
-    assert e.provision().version == "b2222"
+    assert e.provision()["version"] == "b2222"
     assert e.found is not None and e.found.path == on_path
 
 
@@ -44,27 +44,45 @@ def test_cached_build_is_reused_without_building(
     cached = fake_llama_server(e.cached_binary.parent)
     assert cached == tmp_path / "cache" / "engines" / "llamacpp" / PINNED_VERSION / "llama-server"
     status = e.provision()
-    assert (status.state, status.version) == ("ready", PINNED_VERSION), status
+    assert (status["state"], status["version"]) == ("ready", PINNED_VERSION), status
     assert e.found is not None and e.found.origin == "cache"
     assert recorded_engine(tmp_path / "state") == {
         "engine": "llamacpp", "version": PINNED_VERSION, "path": str(cached), "origin": "cache",
     }
 
 
+# engine.json byte for byte as the agent wrote it before its engine status became one
+# record (contract.records.EngineStatus): what an upgraded agent, and the node's checks, read.
+OLDER_ENGINE_JSON = ('{\n  "engine": "llamacpp",\n  "version": "b1111",\n'
+                     '  "path": "/opt/llama-server",\n  "origin": "configured"\n}\n')
+
+
+def test_engine_json_of_an_older_agent_reads_and_is_written_the_same(tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "engine.json").write_text(OLDER_ENGINE_JSON)
+    assert recorded_engine(tmp_path / "old") == {
+        "engine": "llamacpp", "version": "b1111", "path": "/opt/llama-server",
+        "origin": "configured"}
+    record(tmp_path / "new", Found(Path("/opt/llama-server"), "b1111", "configured"))
+    assert (tmp_path / "new" / "engine.json").read_text() == OLDER_ENGINE_JSON
+    (tmp_path / "old" / "engine.json").write_text(OLDER_ENGINE_JSON[:-4])  # the control
+    assert recorded_engine(tmp_path / "old") is None
+
+
 def test_configured_binary_that_is_missing_fails_with_the_fix(tmp_path: Path) -> None:
     e = engine(tmp_path, str(tmp_path / "empty"), llama_server=str(tmp_path / "nope"))
     status = e.provision()
-    assert status.state == "failed"
-    assert "engine.llama_server in agent.yaml names" in status.detail
-    assert "restart the agent" in status.detail
+    assert status["state"] == "failed"
+    assert "engine.llama_server in agent.yaml names" in status["detail"]
+    assert "restart the agent" in status["detail"]
 
 
 def test_no_binary_and_no_tools_is_unsupported_said_plainly(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     status = engine(tmp_path, str(tmp_path / "empty")).provision()
-    assert status.state == "unsupported"
-    assert "cmake" in status.detail and "C++ compiler" in status.detail
-    assert "engine.llama_server" in status.detail
+    assert status["state"] == "unsupported"
+    assert "cmake" in status["detail"] and "C++ compiler" in status["detail"]
+    assert "engine.llama_server" in status["detail"]
 
 
 def test_binary_that_does_not_answer_fails_the_check(
@@ -73,8 +91,8 @@ def test_binary_that_does_not_answer_fails_the_check(
     e = engine(tmp_path, str(tmp_path / "empty"))
     fake_llama_server(e.cached_binary.parent, rc=3)
     status = e.provision()
-    assert status.state == "failed" and "--version did not answer" in status.detail
-    assert f"remove {e.cached_binary.parent}" in status.detail
+    assert status["state"] == "failed" and "--version did not answer" in status["detail"]
+    assert f"remove {e.cached_binary.parent}" in status["detail"]
     assert recorded_engine(tmp_path / "state") is None
 
 
@@ -121,7 +139,7 @@ def test_build_reports_states_from_a_fake_cmake(tmp_path: Path) -> None:
 
     e._say = spy  # type: ignore[method-assign]
     status = e.provision()
-    assert status.state == "ready", (status, seen)
+    assert status["state"] == "ready", (status, seen)
     assert "building 50%" in seen and "building 100%" in seen, seen
     assert seen.index("building 50%") < seen.index("building 100%")
     assert seen[-2].startswith("checking") and seen[-1].startswith("ready")
@@ -136,8 +154,8 @@ def test_failed_build_names_its_log(tmp_path: Path) -> None:
     e = LlamaCpp(EngineConfig(cache_dir=str(tmp_path / "cache"), source=str(source)),
                  search_path=str(tools))
     status = e.provision()
-    assert status.state == "failed", status
-    assert "error: boom" in status.detail and "build.log" in status.detail
+    assert status["state"] == "failed", status
+    assert "error: boom" in status["detail"] and "build.log" in status["detail"]
 
 
 def _fake_source(tree: Path) -> Path:

@@ -30,13 +30,13 @@ def test_engine_builds_from_the_pinned_source_and_answers(tmp_path: Path) -> Non
     seen: list[str] = []
     engine.start()
     started = time.monotonic()
-    while engine.status.state not in ("ready", "failed", "unsupported"):
-        line = f"{engine.status.state} {engine.status.detail}"
+    while engine.status["state"] not in ("ready", "failed", "unsupported"):
+        line = f"{engine.status['state']} {engine.status['detail']}"
         if not seen or seen[-1] != line:
             seen.append(line)
         time.sleep(1)
     took = time.monotonic() - started
-    assert engine.status.state == "ready", (engine.status, seen[-5:])
+    assert engine.status["state"] == "ready", (engine.status, seen[-5:])
     assert any(s.startswith("building ") and s.endswith("%") for s in seen), seen
     assert engine.found is not None and engine.found.origin == "built"
     rc, out = run_quietly([str(engine.cached_binary), "--version"])

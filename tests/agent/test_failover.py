@@ -21,7 +21,7 @@ from llmgw.agent.agent import Agent
 from llmgw.agent.client import AgentClient, NodeRemoved, Unreachable
 from llmgw.agent.control_planes import FILE, ControlPlanes, current_server
 from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.engines import Status
+from llmgw.agent.engines import engine_status
 from llmgw.agent.gpus import Discovery
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import CPU_ENGINE, AgentPaths, EngineState, NodeState
@@ -58,7 +58,7 @@ class Fleet:
                              heartbeat_s=0.1, failover_timeout_s=FAILOVER_S,
                              engine=EngineConfig(cache_dir=str(self.tmp / "cache")))
         agent = Agent(config, engine=LlamaCpp(config.engine), discover=lambda: Discovery())
-        agent.engine._status = Status(CPU_ENGINE, "v", EngineState.READY, "")
+        agent.engine._status = engine_status(CPU_ENGINE, "v", EngineState.READY)
         return agent
 
     def freeze(self, i: int) -> None:

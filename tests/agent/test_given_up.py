@@ -53,7 +53,7 @@ def test_an_engine_out_of_memory_on_its_gpu_is_given_up_and_the_model_serves_on_
     engine, starts = oom_engine(tmp_path / "cuda")
     with cluster(tmp_path, monkeypatch, llama_server, served_gguf, cuda_server=engine,
                  starts=starts) as c:
-        assert c.agent.cuda.status.state == EngineState.READY, c.agent.cuda.status
+        assert c.agent.cuda.status["state"] == EngineState.READY, c.agent.cuda.status
         c.until("the GPU profile to be placed first", lambda: bool(c.live()), 30)
         assert c.live()[0][0] == "gpu-h100-80gb", "the GPU profile is tried first"
         c.until("the model to serve on its CPU profile",

@@ -20,7 +20,7 @@ import pytest
 from llmgw import pki
 from llmgw.agent.agent import Agent
 from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.engines import Status
+from llmgw.agent.engines import engine_status
 from llmgw.agent.gpus import LiveCards, discover
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
@@ -97,8 +97,8 @@ def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Node]:
     found = discover(nvml=nvml)
     agent = Agent(config, engine=LlamaCpp(config.engine), discover=lambda: found,
                   cards=LiveCards(found.gpus, nvml).read)
-    agent.engine._status = Status(CPU_ENGINE, "v", EngineState.READY, "")
-    agent.cuda._status = Status(CUDA_ENGINE, "v", EngineState.READY, "")
+    agent.engine._status = engine_status(CPU_ENGINE, "v", EngineState.READY)
+    agent.cuda._status = engine_status(CUDA_ENGINE, "v", EngineState.READY)
     try:
         yield Node(agent, store, state)
     finally:

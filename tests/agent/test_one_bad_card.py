@@ -57,7 +57,7 @@ def serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llama_server: str,
     engine, starts = listing_engine(tmp_path / "cuda", llama_server, names)
     with cluster(tmp_path, monkeypatch, llama_server, served_gguf, cuda_server=engine,
                  starts=starts, cards=TWO_H100) as c:
-        assert c.agent.cuda.status.state == EngineState.READY, c.agent.cuda.status
+        assert c.agent.cuda.status["state"] == EngineState.READY, c.agent.cuda.status
         c.until("the model to serve on a GPU", lambda: c.live() == [("gpu-h100-80gb", "ready")],
                 90)
         (replica,) = [r for r in c.store.replicas() if r["state"] == "ready"]

@@ -81,9 +81,9 @@ def test_a_wheel_pip_cannot_get_fails_xllamacpp_naming_the_log(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     status = engine(tmp_path, "xllamacpp").provision()
-    assert status.state == "failed", status
-    assert "installing the xllamacpp" in status.detail and "install.log" in status.detail
-    assert "engine.prebuilt: off" in status.detail
+    assert status["state"] == "failed", status
+    assert "installing the xllamacpp" in status["detail"] and "install.log" in status["detail"]
+    assert "engine.prebuilt: off" in status["detail"]
 
 
 def test_auto_builds_when_the_wheel_cannot_be_had(
@@ -91,7 +91,7 @@ def test_auto_builds_when_the_wheel_cannot_be_had(
     """The build path takes over: here it finds no cmake, so the node says so."""
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     status = engine(tmp_path, "auto").provision()
-    assert status.state == "unsupported" and "cmake" in status.detail, status
+    assert status["state"] == "unsupported" and "cmake" in status["detail"], status
 
 
 def test_a_launcher_from_another_llmgw_is_rewritten(tmp_path: Path) -> None:
@@ -111,9 +111,9 @@ def prebuilt_engine() -> str:
     installs the wheel into ~/.cache/llmgw the first time); skipped where it cannot."""
     e = LlamaCpp(EngineConfig(prebuilt="xllamacpp"))
     status = e.provision()
-    if status.state != "ready" and "wheel failed" in status.detail:
-        pytest.skip(f"the xllamacpp wheel is not installable here: {status.detail}")
-    assert status.state == "ready", status.detail
+    if status["state"] != "ready" and "wheel failed" in status["detail"]:
+        pytest.skip(f"the xllamacpp wheel is not installable here: {status['detail']}")
+    assert status["state"] == "ready", status["detail"]
     assert e.found is not None and e.found.origin.startswith("prebuilt")
     return str(e.found.path)
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from llmgw import admin_token
-from llmgw.mirror import MirrorClient, MirrorError, MirrorModel
+from llmgw.contract.records import MirrorVersion
+from llmgw.mirror import MirrorClient, MirrorError
 from llmgw.waiting import Probe, wait_until
 from tests.hosts import free_port
 
@@ -80,13 +81,14 @@ class MirrorProcess:
             os.kill(self.proc.pid, sig)
         return self.proc.wait(timeout_s)
 
-    def wait_for(self, model: str, version: str, state: str, timeout_s: float = 60) -> MirrorModel:
-        seen: list[MirrorModel] = []
+    def wait_for(self, model: str, version: str, state: str,
+                 timeout_s: float = 60) -> MirrorVersion:
+        seen: list[MirrorVersion] = []
 
         def look() -> Probe:
             with self.client() as c:
                 seen.append(c.status(model, version))
-            return Probe(seen[-1].status.state == state, repr(seen[-1].status))
+            return Probe(seen[-1]["status"]["state"] == state, repr(seen[-1]["status"]))
 
         wait_until(f"{model}/{version} to be {state}", look, timeout_s=timeout_s, interval_s=0.05)
         return seen[-1]

@@ -37,7 +37,7 @@ def _serve(tmp_path: Path) -> tuple[MirrorProcess, str, bytes]:
     with mirror.client() as api:
         api.upload(src, model="m", version="v1")
     model = mirror.wait_for("m", "v1", PRESENT)
-    return mirror, model.url, data
+    return mirror, model["url"], data
 
 
 @pytest.fixture(scope="module")

@@ -35,9 +35,9 @@ def test_metrics_count_downloads_by_state_and_the_bytes_served(start_mirror, tmp
         api.fetch(source=src.as_uri(), model="m", version="v1",
                   sha256=hashlib.sha256(data).hexdigest())
     done = mirror.wait_for("m", "v1", PRESENT)
-    assert httpx.get(done.url).content == data
-    assert httpx.get(done.url, headers={"Range": "bytes=0-9"}).status_code == 206
-    assert httpx.get(done.url + "-nope").status_code == 404
+    assert httpx.get(done["url"]).content == data
+    assert httpx.get(done["url"], headers={"Range": "bytes=0-9"}).status_code == 206
+    assert httpx.get(done["url"] + "-nope").status_code == 404
     text = _metrics(mirror)
     assert metric(text, 'llmgw_mirror_downloads{state="present"}') == 1
     assert metric(text, "llmgw_mirror_served_bytes_total") == len(data) + 10

@@ -58,7 +58,7 @@ def test_the_management_api_runs_on_llmgws_core_and_sigterm_stops_it_cleanly(
         big.write_bytes(b"GGUF" + bytes(Limits().max_body_bytes + 1000))
         done = client.upload(big, model="big", version="1",
                              sha256=hashlib.sha256(big.read_bytes()).hexdigest())
-        assert done.status.state == "present", done
+        assert done["status"]["state"] == "present", done
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()[-3000:]
     finally:

@@ -91,8 +91,8 @@ class Agent:
             "cpus": host.cpus(),
             "memory_mb": host.memory_mb(),
             "labels": dict(self.config.labels),
-            "engines": [s.engine for s in statuses if s.state == EngineState.READY],
-            "provision": [s.as_dict() for s in statuses],
+            "engines": [s["engine"] for s in statuses if s["state"] == EngineState.READY],
+            "provision": statuses,
             "interface": interface,
             "addr": addr,
             "warnings": [*self.warnings(), *gpu_discovery.lost_card_warnings(cards)],
@@ -104,7 +104,7 @@ class Agent:
         """Discovery's warnings, and the GPU engine's while it is made or when it failed."""
         status = self.cuda.status
         return [*self.discovery.warnings,
-                *cuda_warnings(status.state, status.detail, dict(status.left_out)),
+                *cuda_warnings(status["state"], status["detail"], status.get("left_out", {})),
                 *self.workload.warnings()]
 
     def renew_if_due(self) -> bool:
@@ -191,7 +191,7 @@ class Agent:
             stop.wait(min(left, 0.25))
 
     def _states(self) -> tuple[str, str]:
-        return self.engine.status.state, self.cuda.status.state
+        return self.engine.status["state"], self.cuda.status["state"]
 
     def run(self, stop: threading.Event) -> None:
         """Heartbeat until stop is set; the engines are provisioned in the background."""

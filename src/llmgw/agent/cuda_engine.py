@@ -26,13 +26,13 @@ from llmgw.agent.engines import (
     EngineUnavailable,
     Found,
     Reporting,
-    Status,
+    engine_status,
     one_line,
     run_quietly,
 )
 from llmgw.config import EngineConfig
 from llmgw.contract import CUDA_ENGINE, ENGINE_GAVE_UP, EngineState
-from llmgw.contract.records import Gpu
+from llmgw.contract.records import EngineStatus, Gpu
 from llmgw.errors import Error
 
 log = logging.getLogger("llmgw.agent.engine")
@@ -79,20 +79,21 @@ class CudaEngine(Reporting):
         self._failed_at: tuple[float, ...] | None = None
         self._looked = 0.0
 
-    def _initial(self) -> Status:
+    def _initial(self) -> EngineStatus:
         if self.config.cuda == "off":
-            return Status(CUDA_ENGINE, self.version, EngineState.SWITCHED_OFF,
-                          "engine.cuda: off in agent.yaml; this node serves on CPU")
+            return engine_status(CUDA_ENGINE, self.version, EngineState.SWITCHED_OFF,
+                                 "engine.cuda: off in agent.yaml; this node serves on CPU")
         if not self.gpus:
-            return Status(CUDA_ENGINE, self.version, EngineState.ABSENT, "no NVIDIA GPU here")
-        return Status(CUDA_ENGINE, self.version, EngineState.PENDING,
-                      f"made once the CPU engine ({ENGINE}) is ready")
+            return engine_status(CUDA_ENGINE, self.version, EngineState.ABSENT,
+                                 "no NVIDIA GPU here")
+        return engine_status(CUDA_ENGINE, self.version, EngineState.PENDING,
+                             f"made once the CPU engine ({ENGINE}) is ready")
 
     def wanted(self) -> bool:
         return self.config.cuda != "off" and bool(self.gpus)
 
     def _say(self, state: str, detail: str = "") -> None:
-        self._report(Status(CUDA_ENGINE, self.version, state, detail))
+        self._report(engine_status(CUDA_ENGINE, self.version, state, detail))
 
     def start(self) -> threading.Thread | None:
         """Make the engine in a background thread (nothing where it is not wanted)."""
@@ -111,13 +112,13 @@ class CudaEngine(Reporting):
 
     def _after_cpu(self) -> None:
         # One build at a time: a CUDA build beside the CPU one would slow the first answer.
-        while not self._stopped.is_set() and self.cpu.status.state \
+        while not self._stopped.is_set() and self.cpu.status["state"] \
                 not in (EngineState.READY, *ENGINE_GAVE_UP):
             self._stopped.wait(0.25)
         if not self._stopped.is_set():
             self.provision()
 
-    def provision(self) -> Status:
+    def provision(self) -> EngineStatus:
         """Find or build the engine, check it; end in ready or failed (one line why)."""
         try:
             found = self._obtain()
@@ -134,10 +135,10 @@ class CudaEngine(Reporting):
         passed = [str(g.get("uuid", "")) for g in self.gpus
                   if str(g.get("uuid", "")) not in left_out]
         out = f"; {len(left_out)} left out: {', '.join(left_out)}" if left_out else ""
-        self._report(Status(CUDA_ENGINE, self.version, EngineState.READY,
-                            f"{found.path} ({found.origin}), {len(passed)} of "
-                            f"{len(self.gpus)} GPU(s) passed its check{out}",
-                            gpus=tuple(passed), left_out=tuple(left_out.items())))
+        self._report(engine_status(CUDA_ENGINE, self.version, EngineState.READY,
+                                   f"{found.path} ({found.origin}), {len(passed)} of "
+                                   f"{len(self.gpus)} GPU(s) passed its check{out}",
+                                   gpus=passed, left_out=left_out))
         return self.status
 
     def _obtain(self) -> Found:
@@ -195,7 +196,7 @@ class CudaEngine(Reporting):
     def retry_if_cache_changed(self) -> bool:
         """A failed engine is made again when its cache changed since it failed (someone
         removed a broken build or put a toolkit there); looked at every RETRY_LOOK_S."""
-        if self.status.state != EngineState.FAILED or self._failed_at is None:
+        if self.status["state"] != EngineState.FAILED or self._failed_at is None:
             return False
         now = time.monotonic()
         if now - self._looked < RETRY_LOOK_S:

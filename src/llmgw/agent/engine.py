@@ -28,7 +28,7 @@ from llmgw.agent.engines import (
     EngineUnavailable,
     Found,
     Reporting,
-    Status,
+    engine_status,
     one_line,
     record,
     run_quietly,
@@ -36,6 +36,7 @@ from llmgw.agent.engines import (
 )
 from llmgw.config import EngineConfig
 from llmgw.contract import CPU_ENGINE, EngineState
+from llmgw.contract.records import EngineStatus
 from llmgw.errors import Error
 
 log = logging.getLogger("llmgw.agent.engine")
@@ -66,12 +67,12 @@ class LlamaCpp(Reporting):
             cache.user_root()
         )
         self.found: Found | None = None
-        super().__init__(Status(ENGINE, self.source_version, EngineState.PENDING, ""))
+        super().__init__(engine_status(ENGINE, self.source_version, EngineState.PENDING))
         self._thread: threading.Thread | None = None
         self._driver: _build.Driver | None = None
 
     def _say(self, state: str, detail: str = "", version: str | None = None) -> None:
-        self._report(Status(ENGINE, version or self.status.version, state, detail))
+        self._report(engine_status(ENGINE, version or self.status["version"], state, detail))
 
     # --- where the cache is ---
 
@@ -96,7 +97,7 @@ class LlamaCpp(Reporting):
         if self._driver is not None:
             self._driver.stop()
 
-    def provision(self) -> Status:
+    def provision(self) -> EngineStatus:
         """Find or build the engine, check it, and end in ready, failed or unsupported."""
         try:
             found = self._obtain()

@@ -33,24 +33,18 @@ class EngineUnavailable(Error):
         self.detail = detail
 
 
-@dataclass(frozen=True)
-class Status:
-    engine: str
-    version: str
-    state: str
-    detail: str = ""
-    # The GPU engine's cards: those that passed its check, and those left out with why
-    # (None: not checked card by card, as the CPU engine).
-    gpus: tuple[str, ...] | None = None
-    left_out: tuple[tuple[str, str], ...] = ()
-
-    def as_dict(self) -> EngineStatus:
-        status: EngineStatus = {"engine": self.engine, "version": self.version,
-                                "state": self.state, "detail": self.detail}
-        if self.gpus is not None:
-            status["gpus"] = list(self.gpus)
-            status["left_out"] = dict(self.left_out)
-        return status
+def engine_status(engine: str, version: str, state: str, detail: str = "", *,
+                  gpus: list[str] | None = None,
+                  left_out: dict[str, str] | None = None) -> EngineStatus:
+    """An engine's status as the heartbeat sends it. gpus and left_out are the GPU engine's
+    cards: those that passed its check, and those left out with why; both absent where
+    it did not check card by card (the CPU engine)."""
+    status: EngineStatus = {"engine": engine, "version": version, "state": state,
+                            "detail": detail}
+    if gpus is not None:
+        status["gpus"] = list(gpus)
+        status["left_out"] = dict(left_out or {})
+    return status
 
 
 @dataclass(frozen=True)
@@ -94,22 +88,24 @@ def run_quietly(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int,
 class Reporting:
     """An engine's status, read by the heartbeat while a thread of the engine's own sets it."""
 
-    def __init__(self, status: Status) -> None:
+    def __init__(self, status: EngineStatus) -> None:
         self._status = status
         self._lock = threading.Lock()
 
     @property
-    def status(self) -> Status:
+    def status(self) -> EngineStatus:
+        """A copy: what a reader holds does not change under it."""
         with self._lock:
-            return self._status
+            return self._status.copy()
 
     def ready(self) -> bool:
-        return self.status.state == EngineState.READY
+        return self.status.get("state") == EngineState.READY
 
-    def _report(self, status: Status) -> None:
+    def _report(self, status: EngineStatus) -> None:
         with self._lock:
             self._status = status
-        log.info("%s %s: %s %s", status.engine, status.version, status.state, status.detail)
+        log.info("%s %s: %s %s", status.get("engine"), status.get("version"),
+                 status.get("state"), status.get("detail"))
 
 
 class EngineRecord(TypedDict):

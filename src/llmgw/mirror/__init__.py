@@ -7,10 +7,8 @@ from llmgw.mirror.client import (
     DOWNLOADING,
     FAILED,
     PRESENT,
-    FetchStatus,
     MirrorClient,
     MirrorError,
-    MirrorModel,
     MirrorNotFound,
 )
 
@@ -18,10 +16,8 @@ __all__ = [
     "DOWNLOADING",
     "FAILED",
     "PRESENT",
-    "FetchStatus",
     "MirrorClient",
     "MirrorError",
-    "MirrorModel",
     "MirrorNotFound",
     "hub_endpoint",
 ]

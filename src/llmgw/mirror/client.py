@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -25,55 +24,15 @@ __all__ = [
     "DOWNLOADING",
     "FAILED",
     "PRESENT",
-    "FetchStatus",
     "MirrorClient",
     "MirrorError",
-    "MirrorModel",
     "MirrorNotFound",
 ]
 
 
-@dataclass(frozen=True)
-class FetchStatus:
-    """Where a download stands: state is downloading, present or failed."""
-
-    state: str
-    bytes: int = 0
-    total: int | None = None
-    sha256: str | None = None
-    err: str = ""
-
-    @property
-    def percent(self) -> int | None:
-        """Whole percent done, or None while the size is unknown."""
-        if self.state == PRESENT:
-            return 100
-        if not self.total:
-            return None
-        return min(100, self.bytes * 100 // self.total)
-
-
-@dataclass(frozen=True)
-class MirrorModel:
-    """A model version in the mirror: url is where nodes download it from."""
-
-    model: str
-    version: str
-    url: str
-    status: FetchStatus
-
-    @classmethod
-    def from_json(cls, data: MirrorVersion) -> MirrorModel:
-        s = data["status"]
-        status = FetchStatus(
-            state=s["state"], bytes=s.get("bytes") or 0, total=s.get("total"),
-            sha256=s.get("sha256"), err=s.get("err") or "",
-        )
-        return cls(data["model"], data["version"], data["url"], status)
-
-
 class MirrorClient(JSONClient):
-    """The management API at base_url (http://127.0.0.1:8082 by default)."""
+    """The management API at base_url (http://127.0.0.1:8082 by default). A model version
+    comes back as the API sends it, a MirrorVersion (contract.records)."""
 
     what = "the mirror's management API"
     error = MirrorError
@@ -84,22 +43,22 @@ class MirrorClient(JSONClient):
 
     def fetch(
         self, *, source: str, model: str, version: str, sha256: str | None = None
-    ) -> MirrorModel:
+    ) -> MirrorVersion:
         """Ask the mirror to download source as model/version; joins a download running."""
         body = {"source": source, "model": model, "version": version, "sha256": sha256}
-        return MirrorModel.from_json(self._call("POST", "/api/v1/fetch", json=body))
+        return self._call("POST", "/api/v1/fetch", json=body)
 
-    def status(self, model: str, version: str) -> MirrorModel:
+    def status(self, model: str, version: str) -> MirrorVersion:
         """The model version's status; MirrorNotFound when the mirror does not know it."""
-        return MirrorModel.from_json(self._call("GET", f"/api/v1/models/{model}/{version}"))
+        return self._call("GET", f"/api/v1/models/{model}/{version}")
 
-    def models(self) -> list[MirrorModel]:
-        return [MirrorModel.from_json(m) for m in self._call("GET", "/api/v1/models")]
+    def models(self) -> list[MirrorVersion]:
+        return self._call("GET", "/api/v1/models")
 
 
     def upload(
         self, path: Path, *, model: str, version: str, sha256: str | None = None
-    ) -> MirrorModel:
+    ) -> MirrorVersion:
         """Send a local file into the mirror as model/version, streamed; the mirror checks its
         sha256 (computed here unless given) before serving it. An interrupted upload goes on
         from the bytes the mirror kept. Returns the model version once present."""
@@ -119,14 +78,14 @@ class MirrorClient(JSONClient):
                 self._put(path, model, version, size, digest, self._import_offset(
                     model, version, digest) or 0, empty=True)
                 continue
-            if done.status.state == PRESENT:
+            if done["status"]["state"] == PRESENT:
                 return done
         raise MirrorError(f"the upload of {path} to {model}/{version} broke {UPLOAD_TRIES} "
                           "times; run it again to go on from where it stopped")
 
     def fetch_or_import(
         self, *, source: str, model: str, version: str, sha256: str | None = None
-    ) -> MirrorModel:
+    ) -> MirrorVersion:
         """fetch() for a remote source; upload() for file:///PATH, a file on this machine,
         which the mirror itself may not read."""
         if source.startswith("file://"):
@@ -138,27 +97,26 @@ class MirrorClient(JSONClient):
         """Where an upload goes on from: the bytes the mirror kept; None when it has the
         file already; MirrorError when it holds another file under that name."""
         try:
-            held = self.status(model, version).status
+            held = self.status(model, version)["status"]
         except MirrorNotFound:
             return 0
-        if held.state == PRESENT:
-            if held.sha256 == digest:
+        if held["state"] == PRESENT:
+            if held["sha256"] == digest:
                 return None
             raise MirrorError(f"the mirror already holds {model}/{version} with sha256 "
-                              f"{held.sha256}, not {digest}; import it under another version",
+                              f"{held['sha256']}, not {digest}; import it under another version",
                               409)
-        return held.bytes if held.state == DOWNLOADING else 0
+        return held["bytes"] if held["state"] == DOWNLOADING else 0
 
     def _put(
         self, path: Path, model: str, version: str, size: int, digest: str, offset: int,
         *, empty: bool = False,
-    ) -> MirrorModel:
+    ) -> MirrorVersion:
         params = {"size": size, "sha256": digest, "offset": offset}
         body = b"" if empty else _chunks(path, offset)
         timeout = httpx.Timeout(self.timeout, read=max(self.timeout, UPLOAD_READ_TIMEOUT_S))
-        data = self._call("PUT", f"/api/v1/import/{model}/{version}/{path.name}",
+        return self._call("PUT", f"/api/v1/import/{model}/{version}/{path.name}",
                           params=params, content=body, timeout=timeout)
-        return MirrorModel.from_json(data)
 
 
 def file_sha256(path: Path) -> str:
