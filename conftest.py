@@ -1,3 +1,3 @@
 """Registers the llmgw fixtures plugin: the one place it is loaded."""
 
-pytest_plugins = ["fixtures.plugin"]
+pytest_plugins = ["llmgw_harness.plugin"]

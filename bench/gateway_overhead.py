@@ -77,10 +77,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llmgw.agent.engine import LlamaCpp  # noqa: E402
 from llmgw.config import EngineConfig, connect_host, load_server  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
-from llmgw.control.engine_args import HTTP_THREADS  # noqa: E402
 from llmgw.control.gateway import make_gateway_app  # noqa: E402
 from llmgw.control.metrics import GatewayMetrics  # noqa: E402
 from llmgw.control.store import Store  # noqa: E402
+from llmgw.engine_args import HTTP_THREADS  # noqa: E402
 from llmgw.layout import Layout  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402

@@ -12,7 +12,7 @@ probe, the way the agent probed before issue 11 (2 s timeout, one failure = not 
 It prints the status codes, the states the replica was reported in, the probe latencies
 and how many of the old probes would have failed, and the state changes the agent counted.
 
-The engine starts with the arguments the control plane gives it (control/engine_args.py),
+The engine starts with the arguments the control plane gives it (engine_args.py),
 --engine-args added to its profile. --direct sends the load to the engine itself, as a
 client holding --clients keep-alive connections: with '--engine-args "--threads-http 6"'
 (llama-server's own default for 4 slots) that shows probes waiting seconds for an HTTP
@@ -47,9 +47,10 @@ from bench.gateway_overhead import (  # noqa: E402
     request_body,
     wait_ok,
 )
-from llmgw.agent.replicas import ReplicaSupervisor, stop_engines  # noqa: E402
-from llmgw.control.engine_args import engine_args  # noqa: E402
+from llmgw.agent.engine_process import stop_engines  # noqa: E402
+from llmgw.agent.replicas import ReplicaSupervisor  # noqa: E402
 from llmgw.control.store import Store  # noqa: E402
+from llmgw.engine_args import engine_args  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 

@@ -8,7 +8,7 @@ Run on demand, not in the suite:
 --replicas llama-server replicas (each one thread, --parallel slots, 4 by default as
 llama-server's own default, one KV buffer for its slots and its host-memory prompt cache,
 which is what llama-server does with its default slot count; --metrics and the flags the
-control plane adds (control/engine_args: --slot-prompt-similarity 0
+control plane adds (engine_args: --slot-prompt-similarity 0
 --no-cache-idle-slots) as the agent starts them; --engine-args go first and win) behind
 two gateway processes over one store: one with `gateway_routing: round-robin`, one with
 `balanced` (which pins a conversation to its slot, `id_slot`), the same gateway code.
@@ -70,9 +70,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from llmgw.config import ServerConfig
 from llmgw.contract.records import ModelSpec, ProfileSpec  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
-from llmgw.control.engine_args import engine_args  # noqa: E402
 from llmgw.control.gateway import make_gateway_app  # noqa: E402
 from llmgw.control.store import Store  # noqa: E402
+from llmgw.engine_args import engine_args  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402
 
 MODES = ("round-robin", "balanced")

@@ -6,16 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from fixtures import _fleet
+from llmgw_harness import _fleet
+from llmgw_harness.suite.test_promises import test_promise
 
-if TYPE_CHECKING:  # the harness is `fixtures` in a checkout, `llmgw_harness` when installed
-    from fixtures._promise import Promise
-    from fixtures._run import Run
+if TYPE_CHECKING:
     from llmgw.remote import PromiseRecord
 
-
-def test_promise(llmgw_promise: Promise, llmgw_run: Run, request: pytest.FixtureRequest) -> None:
-    llmgw_run.judge(llmgw_promise, request.node)
+__all__ = ["test_on_host", "test_promise"]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestExperimentalApiWarning")

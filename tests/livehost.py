@@ -100,7 +100,7 @@ class LiveHost:
             x["state"] == "ready" for x in self.get(f"/api/v1/replicas?model={spec['name']}")))
 
     def stop(self) -> None:
-        from llmgw.agent.replicas import stop_engines
+        from llmgw.agent.engine_process import stop_engines
 
         for proc in reversed(self.procs):
             proc.terminate()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from llmgw import config as cfg
+from llmgw._http1_limits import Limits
 
 # server.yaml as the previous release wrote it (control plane step, then the mirror block);
 # its header comment shortened.
@@ -67,6 +69,21 @@ def test_render_then_load_is_the_same_config(tmp_path: Path) -> None:
     assert path.read_text().startswith("# header\n")
 
 
+def test_the_http_limits_are_the_cores_limits_and_agent_http_keeps_its_own_defaults(
+        tmp_path: Path) -> None:
+    """gateway_http and agent_http are read into the HTTP core's Limits itself (its one
+    definition); keys left out of agent_http keep the agent API's defaults (AGENT_LIMITS),
+    which differ from the core's (the control: else the two would read the same), and a
+    rendered file loads back the same."""
+    server = cfg.load_server(_write(tmp_path, "server.yaml", "gateway_http: {max_headers: 50}\n"
+                                                             "agent_http: {max_headers: 50}\n"))
+    assert server.gateway_http == Limits(max_headers=50)
+    assert server.agent_http == replace(cfg.AGENT_LIMITS, max_headers=50)
+    assert server.agent_http.keep_alive_s != server.gateway_http.keep_alive_s
+    path = _write(tmp_path, "rendered.yaml", cfg.render(server, "header"))
+    assert cfg.load_server(path) == server
+
+
 def test_a_numeric_token_is_refused_naming_the_key(tmp_path: Path) -> None:
     path = _write(tmp_path, "server.yaml", "tokens: [12345]\n")
     with pytest.raises(cfg.ConfigError) as e:
@@ -85,6 +102,10 @@ def test_a_numeric_token_is_refused_naming_the_key(tmp_path: Path) -> None:
     ("- a\n- b\n", "should be a mapping"),
     ("gateway_routing: random\n", "gateway_routing is 'random': Input should be 'balanced' or "
                                   "'round-robin'"),
+    ("gateway_http: {max_head_byte: 10}\n", "gateway_http.max_head_byte is not a known key "
+                                           "(known here: max_head_bytes, max_headers,"),
+    ("agent_http: {keep_alive_s: 0}\n", "agent_http.keep_alive_s is 0: Input should be greater "
+                                        "than 0"),
 ])
 def test_wrong_values_are_refused_with_key_value_and_what_is_allowed(
         tmp_path: Path, text: str, said: str) -> None:

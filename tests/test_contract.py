@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Annotated
 
 import pytest
+from pydantic import Field
+from typing_extensions import TypedDict
 
 from llmgw.contract import (
     LIVE_REPLICA_STATES,
@@ -115,29 +118,142 @@ def test_one_explainer_names_key_found_value_and_rule_for_models_and_typed_dicts
     assert problems(row_error.value).startswith("state is 'paused': Input should be")
 
 
-@pytest.mark.parametrize("model_name, spec_name", [
-    ("Model", "ModelSpec"), ("Profile", "ProfileSpec"), ("Scaling", "ScalingSpec"),
-    ("Geometry", "Geometry"),
-])
-def test_the_catalogs_rules_and_the_dicts_readers_hold_have_the_same_fields(
-        model_name: str, spec_name: str) -> None:
-    """contract.catalog's models (the rules, checked on the way in) dump to exactly the
-    TypedDicts of contract.records that the gateway, the scheduler and the store read: a
-    field added to one and not the other fails here."""
-    import typing
+def mirrored_records(classes: list[type]) -> list[str]:
+    """Pairs of a pydantic model and a TypedDict with the same keys (two or more): one
+    record written twice, which can drift apart."""
+    from pydantic import BaseModel
+    from typing_extensions import is_typeddict  # typing's misses typing_extensions' TypedDict
 
-    from llmgw.contract import catalog, records
-
-    model = getattr(catalog, model_name)
-    spec = getattr(records, spec_name)
-    assert set(model.model_fields) == set(typing.get_type_hints(spec)), \
-        f"catalog.{model_name} and records.{spec_name} differ"
+    models = {c: frozenset(c.model_fields) for c in classes
+              if issubclass(c, BaseModel) and len(c.model_fields) >= 2}
+    dicts = {c: frozenset(c.__required_keys__ | c.__optional_keys__) for c in classes
+             if is_typeddict(c)}
+    return sorted(f"{m.__module__}.{m.__name__} = {d.__module__}.{d.__name__}"
+                  for m, keys in models.items() for d, same in dicts.items() if keys == same)
 
 
-def test_negative_control_a_field_the_dicts_lack_is_seen() -> None:
-    import typing
+def test_each_record_is_defined_once() -> None:
+    """The catalog model, the drift report: one TypedDict carries the fields, their rules
+    and defaults; no pydantic model beside it repeats them."""
+    from tests.sourceclasses import classes_of, llmgw_modules
 
-    from llmgw.contract import catalog, records
+    assert mirrored_records(classes_of(llmgw_modules())) == []
 
-    fields = set(catalog.Model.model_fields) | {"colour"}
-    assert fields != set(typing.get_type_hints(records.ModelSpec))
+
+def test_negative_control_a_model_mirroring_a_typed_dict_is_seen(tmp_path: Path) -> None:
+    import importlib.util
+
+    from tests.sourceclasses import classes_of
+
+    (tmp_path / "twice.py").write_text(
+        "from pydantic import BaseModel\nfrom typing_extensions import TypedDict\n"
+        "class Report(BaseModel):\n    checked: float\n    promises: int\n    failing: list\n"
+        "class DriftReport(TypedDict):\n    checked: float\n    promises: int\n"
+        "    failing: list\n")
+    spec = importlib.util.spec_from_file_location("twice", tmp_path / "twice.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert mirrored_records(classes_of([module])) == ["twice.Report = twice.DriftReport"]
+
+
+def test_what_a_new_model_leaves_out_it_gets_as_declared_and_so_does_an_old_row() -> None:
+    """The admin API fills in a left-out field from its annotation (CATALOG_MODEL); a row
+    stored before the field existed reads with the same value (SPEC_DEFAULTS, read off
+    the same annotations)."""
+    import json
+
+    from llmgw.contract.catalog import CATALOG_MODEL, SPEC_DEFAULTS
+    from llmgw.control.store.replicas import stored_spec
+
+    given = {"name": "m", "source": "http://x/m.gguf",
+             "profiles": [{"name": "cpu", "engine": "llamacpp"}]}
+    added = CATALOG_MODEL.validate_python(given)
+    assert set(SPEC_DEFAULTS) == set(added) - set(given)
+    assert added == {**given, **SPEC_DEFAULTS, "profiles": added["profiles"]}
+    assert SPEC_DEFAULTS["scaling"] == {"min": 1, "max": 1}
+    assert SPEC_DEFAULTS["geometry"]["block_count"] == 0 and len(SPEC_DEFAULTS["geometry"]) == 8
+    assert added["profiles"][0]["priority"] == 100
+    assert stored_spec(json.dumps(given)) == {**added, "profiles": given["profiles"]}
+
+
+class _Record(TypedDict):
+    needed: str
+    tags: Annotated[list[str], Field(default_factory=list)]
+    count: Annotated[int, Field(default=3, ge=0)]
+
+
+def test_defaults_lists_only_keys_with_a_default_and_never_shares_one() -> None:
+    from llmgw.contract.catalog import defaults
+
+    first = defaults(_Record)
+    assert first == {"tags": [], "count": 3}  # the control: `needed` has none
+    first["tags"].append("x")
+    assert defaults(_Record)["tags"] == []
+
+
+# What `llmgw models add` prints of a refused model (after "POST /api/v1/models refused: "),
+# word for word as before the catalog model became one TypedDict.
+REFUSALS = [
+    ({"scaling": {"min": 3}},
+     "scaling is {'min': 3}: scaling.min (3) is above scaling.max (1)"),
+    ({"aliases": ["ok", "B!"]},
+     "aliases is ['ok', 'B!']: name 'B!' must be lower-case letters, digits, '.', '_' or "
+     "'-', starting with a letter or digit, at most 128 characters"),
+    ({"aliases": ["m"]},
+     "the whole value is {'name': 'm', 'source': 'http://x/m.gguf', 'profiles': [{'name': "
+     "'cpu', 'engine': 'llamacpp'}], 'aliases': ['m']}: alias 'm' repeats the model's own "
+     "name"),
+    ({"profiles": [{"name": "a", "engine": "llamacpp"}, {"name": "a", "engine": "llamacpp"}]},
+     "the whole value is {'name': 'm', 'source': 'http://x/m.gguf', 'profiles': [{'name': "
+     "'a', 'engine': 'llamacpp'}, {'name': 'a', 'engine': 'llamacpp'}]}: profile names "
+     "must be unique; repeated: a"),
+    ({"profiles": [{"name": "", "engine": "vllm", "extra": 1}]},
+     "profiles.0.name is '': String should have at least 1 character; profiles.0.engine is "
+     "'vllm': engine 'vllm' is unknown; llmgw serves llamacpp; profiles.0.extra is not a "
+     "known key"),
+    ({"source": "ftp://x", "sha256": "abc", "colour": "red"},
+     "source is 'ftp://x': source 'ftp://x' must start with one of hf:, https://, http://; "
+     "sha256 is 'abc': sha256 must be 64 lower-case hex digits, or empty when unknown; "
+     "colour is not a known key"),
+    ({"scaling": {"min": 65, "max": 0}, "geometry": {"zz": 1}},
+     "scaling.min is 65: Input should be less than or equal to 64; scaling.max is 0: Input "
+     "should be greater than or equal to 1; geometry.zz is not a known key"),
+    ({"profiles": [{"name": "p", "engine": "llamacpp", "args": ["--host", "0.0.0.0"]}]},
+     "profiles.0.args is ['--host', '0.0.0.0']: engine flag --host is not allowed"),
+]
+
+
+@pytest.mark.parametrize("change, said", REFUSALS)
+def test_a_refused_catalog_model_is_explained_in_the_same_words(change: dict, said: str) -> None:
+    from pydantic import ValidationError
+
+    from llmgw.contract.catalog import CATALOG_MODEL
+    from llmgw.contract.explain import problems
+
+    model = {"name": "m", "source": "http://x/m.gguf",
+             "profiles": [{"name": "cpu", "engine": "llamacpp"}], **change}
+    with pytest.raises(ValidationError) as refused:
+        CATALOG_MODEL.validate_python(model)
+    assert problems(refused.value).startswith(said)
+
+
+def test_a_drift_report_is_checked_by_its_one_definition() -> None:
+    """contract.records.DriftReport carries the limits the control plane holds a report
+    to (the admin API's PUT and the agent API's alike); the control: a good one passes,
+    with its left-out parts filled in."""
+    from pydantic import ValidationError
+
+    from llmgw.contract.explain import problems
+    from llmgw.contract.records import DRIFT_REPORT
+
+    good = DRIFT_REPORT.validate_python(
+        {"checked": 1.0, "promises": 2, "failing": [{"promise": "p", "since": 0.5}]})
+    assert good == {"checked": 1.0, "promises": 2,
+                    "failing": [{"promise": "p", "since": 0.5, "message": ""}]}
+    with pytest.raises(ValidationError) as refused:
+        DRIFT_REPORT.validate_python({"checked": 1.0, "promises": -1,
+                                      "failing": [{"promise": "p" * 201, "since": 0}]})
+    assert problems(refused.value) == (
+        "promises is -1: Input should be greater than or equal to 0; failing.0.promise is "
+        f"{'p' * 201!r}: String should have at most 200 characters")

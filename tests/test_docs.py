@@ -7,11 +7,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fixtures.settings import Listen
 from llmgw.config import ServerConfig, parse_listen
 from llmgw.contract import AdminPaths, AgentPaths
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.store import Store
+from llmgw_harness.settings import Listen
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

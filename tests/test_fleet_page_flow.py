@@ -14,15 +14,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from llmgw.config import load_server
-from llmgw.contract.catalog import Model, Profile, Scaling
-from llmgw.contract.records import ModelSpec
+from llmgw.contract.catalog import CATALOG_MODEL
 from llmgw.control.store import Store
 from llmgw.netaddr import free_port
 from tests.hosts import ROOT, RunResult, ThrowawayHost
@@ -266,13 +265,14 @@ def test_a_name_made_of_markup_is_shown_as_those_characters_and_raises_no_dialog
     """The admin API refuses such a model name; the page does not lean on that: a row put
     in the store directly (another writer, an older release) is drawn as text, and so is a
     promise of that name in a drift report (which the admin API takes as it comes)."""
-    # Unvalidated (model_construct), as such a row would be; no replica (scaling.min 0).
-    spec = Model.model_construct(**{**Model(
-        name="x", source="http://127.0.0.1:1/x.gguf", scaling=Scaling(min=0),
-        profiles=[Profile(name="cpu", engine="llamacpp")]).__dict__, "name": MARKUP})
+    # Renamed after the check, as such a row would be; no replica (scaling.min 0).
+    spec = CATALOG_MODEL.validate_python({
+        "name": "x", "source": "http://127.0.0.1:1/x.gguf", "scaling": {"min": 0},
+        "profiles": [{"name": "cpu", "engine": "llamacpp"}]})
+    spec["name"] = MARKUP
     store = Store(load_server(host.state_dir / "etc" / "server.yaml").store_at())
     try:
-        assert store.add_model(cast(ModelSpec, spec.model_dump()))
+        assert store.add_model(spec)
     finally:
         store.close()
     httpx.put(f"{host.admin_url}/api/v1/drift/xss-host", headers=host.auth, timeout=10,

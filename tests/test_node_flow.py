@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fixtures import node
-from fixtures._host import Host
-from fixtures.settings import HostSettings
 from llmgw.control.client import ControlPlaneError
 from llmgw.layout import Layout
 from llmgw.services._supervisor import Supervisor
+from llmgw_harness import node
+from llmgw_harness._host import Host
+from llmgw_harness.settings import HostSettings
 from tests.hosts import ThrowawayHost
 
 NODE_ONLY = ("--no-mirror", "--no-starter")

@@ -23,7 +23,8 @@ FIXED = "def double(x: int) -> int:\n    return 2 * x  # fixed\n"
 def _tree(root: Path, files: dict[str, str]) -> Path:
     """A checkout in miniature: the project's pyproject.toml and these files under it."""
     shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
-    for name, text in {"src/llmgw/__init__.py": "", "fixtures/__init__.py": "", **files}.items():
+    tree = {"src/llmgw/__init__.py": "", "src/llmgw_harness/__init__.py": "", **files}
+    for name, text in tree.items():
         path = root / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -42,14 +43,14 @@ def _flagged(run: subprocess.CompletedProcess[str]) -> set[str]:
 
 def test_contract_and_config_are_strict_and_the_rest_is_not(tmp_path: Path) -> None:
     """An unannotated function is an error in llmgw.contract and llmgw.config, and the same
-    function elsewhere in src/ and in fixtures/ is not (the negative control: the override,
-    not the code, makes the difference)."""
+    function elsewhere in src/llmgw and in src/llmgw_harness is not (the negative control:
+    the override, not the code, makes the difference)."""
     root = _tree(tmp_path, {
         "src/llmgw/contract/__init__.py": UNTYPED,
         "src/llmgw/contract/shapes.py": UNTYPED,
         "src/llmgw/config.py": UNTYPED,
         "src/llmgw/loose.py": UNTYPED,
-        "fixtures/loose.py": UNTYPED,
+        "src/llmgw_harness/loose.py": UNTYPED,
     })
     run = _mypy(root)
     assert _flagged(run) == {"src/llmgw/contract/__init__.py", "src/llmgw/contract/shapes.py",
@@ -57,14 +58,15 @@ def test_contract_and_config_are_strict_and_the_rest_is_not(tmp_path: Path) -> N
     assert "[no-untyped-def]" in run.stdout
 
 
-def test_every_module_under_src_and_fixtures_is_checked(tmp_path: Path) -> None:
-    """A wrong return type is found in src/ and in fixtures/ alike; with every file right,
-    the same run passes (exit 0), so the failure is the type error's."""
-    root = _tree(tmp_path, {"src/llmgw/wrong.py": TYPED_BADLY, "fixtures/wrong.py": TYPED_BADLY})
+def test_every_module_under_src_is_checked(tmp_path: Path) -> None:
+    """A wrong return type is found in src/llmgw and in src/llmgw_harness alike; with every
+    file right, the same run passes (exit 0), so the failure is the type error's."""
+    root = _tree(tmp_path, {"src/llmgw/wrong.py": TYPED_BADLY,
+                            "src/llmgw_harness/wrong.py": TYPED_BADLY})
     run = _mypy(root)
     assert run.returncode == 1
-    assert _flagged(run) == {"src/llmgw/wrong.py", "fixtures/wrong.py"}, run.stdout
-    for name in ("src/llmgw/wrong.py", "fixtures/wrong.py"):
+    assert _flagged(run) == {"src/llmgw/wrong.py", "src/llmgw_harness/wrong.py"}, run.stdout
+    for name in ("src/llmgw/wrong.py", "src/llmgw_harness/wrong.py"):
         (root / name).write_text(FIXED)
     fixed = _mypy(root)
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr

@@ -6,6 +6,7 @@ from typing import Any, ClassVar, Self
 
 import httpx
 
+from llmgw import _httpclient
 from llmgw.errors import APIError
 
 
@@ -25,15 +26,15 @@ class JSONClient:
         base_url: str,
         *,
         token: str | None = None,
-        timeout: float = 10.0,
+        timeout: float = _httpclient.TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         """token: the admin token (llmgw.admin_token.read_token), sent as a bearer token."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         headers = {"Authorization": f"Bearer {token}"} if token else None
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport,
-                                  headers=headers)
+        self._http = _httpclient.client(self.base_url, timeout=timeout, transport=transport,
+                                        headers=headers)
 
     def close(self) -> None:
         self._http.close()
@@ -45,13 +46,10 @@ class JSONClient:
         self.close()
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:
-        try:
+        with _httpclient.answered(self.error, f"{self.what} at {self.base_url}",
+                                  asked=f"{method} {path}",
+                                  timeout=kw.get("timeout", self.timeout)):
             response = self._http.request(method, path, **kw)
-        except httpx.HTTPError as e:
-            raise self.error(
-                f"{self.what} at {self.base_url} did not answer {method} {path}: "
-                f"{e or type(e).__name__}"
-            ) from e
         if response.status_code == 404:
             raise self.not_found(f"{method} {path}: {detail(response)}", 404)
         if response.status_code >= 400:

@@ -230,10 +230,12 @@ def anonymous_answer(url: str) -> str:
     """'' when url refuses a request without a token (401); else what it answered."""
     import httpx
 
+    from llmgw import _httpclient
+
     try:
-        r = httpx.get(url, timeout=5.0)
+        r = _httpclient.request("GET", url, timeout=5.0)
     except httpx.HTTPError as e:
-        return f"no answer ({e or type(e).__name__})"
+        return f"no answer ({_httpclient.reason(e)})"
     if r.status_code == 401:
         return ""
     return f"{r.status_code} {r.text[:200]!r}"

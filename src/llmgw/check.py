@@ -1,14 +1,13 @@
 """`llmgw check`: the read-only promises of `pytest checks/`, from an installed llmgw.
 
-The harness travels in the package as `llmgw_harness` (the checkout's `fixtures/`; that
-name is taken on the package index). It is loaded here, explicitly, and the checkout's
-conftest.py is not read, so the plugin is registered exactly once.
+The harness is the package `llmgw_harness` (src/llmgw_harness), installed beside llmgw.
+It is loaded here, explicitly, and the checkout's conftest.py is not read, so the plugin is
+registered exactly once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import sys
 import tempfile
@@ -17,25 +16,18 @@ from typing import Any
 
 import pytest
 
+import llmgw_harness.plugin
 from llmgw.contract.records import CheckRecord
 
 __all__ = ["check"]
-
-
-def _harness() -> str:
-    """The harness package: llmgw_harness when installed, else a checkout's fixtures."""
-    for name in ("llmgw_harness", "fixtures"):
-        if importlib.util.find_spec(f"{name}.plugin") is not None:
-            return name
-    raise SystemExit("llmgw check: this llmgw has no harness (llmgw_harness); reinstall it")
 
 
 class _Records:
     """One record per promise that ran, {step, promise, status, message}: the run's own
     verdicts, read from the harness at the session's end."""
 
-    def __init__(self, harness: str) -> None:
-        self.plugin = importlib.import_module(f"{harness}.plugin")
+    def __init__(self) -> None:
+        self.plugin = llmgw_harness.plugin
         self.records: list[CheckRecord] = []
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -44,17 +36,16 @@ class _Records:
 
 def check(state_dir: str | None, mode: str, as_json: bool, extra: list[str]) -> int:
     """Run every promise's probe against this host; pytest's exit status."""
-    harness = _harness()
     with tempfile.TemporaryDirectory(prefix="llmgw-check-") as tmp:
         ini = Path(tmp) / "pytest.ini"
         ini.write_text("[pytest]\njunit_family = xunit1\n")
         args = [
-            "--pyargs", f"{harness}.suite", "-p", f"{harness}.plugin", "-c", str(ini),
+            "--pyargs", "llmgw_harness.suite", "-p", "llmgw_harness.plugin", "-c", str(ini),
             "--rootdir", tmp, "--noconftest", "-p", "no:cacheprovider", "-p", "no:randomly",
             f"--mode={mode}", "-rfs", *([f"--state-dir={state_dir}"] if state_dir else []),
             *extra,
         ]
-        records = _Records(harness)
+        records = _Records()
         if as_json:  # stdout carries the records alone; pytest's own lines go to stderr
             with contextlib.redirect_stdout(sys.stderr):
                 code = int(pytest.main([*args, "-q", "--no-header"], plugins=[records]))

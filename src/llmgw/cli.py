@@ -19,7 +19,7 @@ from llmgw.layout import MODES
 def _server(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from llmgw._serving import run_service
+    from llmgw._service import run_service
     from llmgw.admin_token import server_hash_path
     from llmgw.config import load_server
     from llmgw.control.server import serve
@@ -37,7 +37,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     if not args.worker:
         return dataplane.run_master(Path(args.config))
-    from llmgw._serving import run_service
+    from llmgw._service import run_service
 
     run_service(dataplane.serve_worker(Path(args.config)))
     return 0

@@ -7,6 +7,7 @@ value and what is allowed, so it never surfaces later as a 500 from a running se
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -74,42 +75,24 @@ class MirrorRef(_Section):
     url: StrictStr = ""
 
 
-_LIMITS = Limits()
 # The model mirror's listen addresses by default (it has no yaml of its own: `llmgw mirror
 # serve --listen/--api-listen`): its bytes server for every node, its API on loopback.
 MIRROR_LISTEN = ":8081"
 MIRROR_API_LISTEN = "127.0.0.1:8082"
 
 
-class HttpLimits(_Section):
-    """server.yaml's gateway_http and agent_http: what one client may send, and how slowly
-    (`llmgw._http1_limits.Limits`, where each default and its meaning are spelled once)."""
-
-    max_head_bytes: int = Field(default=_LIMITS.max_head_bytes, gt=0)
-    max_headers: int = Field(default=_LIMITS.max_headers, gt=0)
-    max_body_bytes: int = Field(default=_LIMITS.max_body_bytes, gt=0)
-    head_timeout_s: float = Field(default=_LIMITS.head_timeout_s, gt=0)
-    body_min_rate: int = Field(default=_LIMITS.body_min_rate, gt=0)
-    body_window_s: float = Field(default=_LIMITS.body_window_s, gt=0)
-    write_timeout_s: float = Field(default=_LIMITS.write_timeout_s, gt=0)
-    write_min_rate: int = Field(default=_LIMITS.write_min_rate, gt=0)
-    keep_alive_s: float = Field(default=_LIMITS.keep_alive_s, gt=0)
-    first_byte_timeout_s: float = Field(default=_LIMITS.first_byte_timeout_s, gt=0)
-    handshake_timeout_s: float = Field(default=_LIMITS.handshake_timeout_s, gt=0)
-
-    def limits(self) -> Limits:
-        return Limits(**self.model_dump())
-
-
 # Longer than any heartbeat interval, so a kept-alive agent never finds its connection gone.
 AGENT_KEEP_ALIVE_S = 120.0
+# The agent API's limits unless server.yaml's agent_http says otherwise: an idle agent's
+# connection is kept open (it heartbeats every few seconds over it), and its bodies (join
+# requests, heartbeats, drift reports) are small JSON.
+AGENT_LIMITS = Limits(keep_alive_s=AGENT_KEEP_ALIVE_S, max_body_bytes=4 << 20)
 
 
-class AgentHttpLimits(HttpLimits):
-    """server.yaml's agent_http: HttpLimits, but an idle agent's connection is kept open
-    AGENT_KEEP_ALIVE_S (it heartbeats every few seconds over it)."""
-
-    keep_alive_s: float = Field(default=AGENT_KEEP_ALIVE_S, gt=0)
+def _agent_http(value: Any) -> Any:
+    """agent_http as given, over the agent API's defaults (AGENT_LIMITS) rather than the
+    core's."""
+    return asdict(AGENT_LIMITS) | value if isinstance(value, dict) else value
 
 
 class ServerConfig(_Section):
@@ -156,11 +139,12 @@ class ServerConfig(_Section):
     # the admin API's /metrics appends, and how long a stop lets requests under way finish.
     gateway_metrics_listen: StrictStr = "127.0.0.1:9091"
     gateway_drain_s: float = Field(default=30.0, gt=0, le=600)
-    # What one client may send the gateway and the agent API, and how slowly (HttpLimits).
-    # The gateway's body limit on the wire is gateway_max_body_bytes plus its framing
-    # unless gateway_http.max_body_bytes says otherwise.
-    gateway_http: HttpLimits = Field(default_factory=lambda: HttpLimits())
-    agent_http: AgentHttpLimits = Field(default_factory=lambda: AgentHttpLimits())
+    # What one client may send the gateway and the agent API, and how slowly (`Limits`,
+    # read as it is). The gateway's body limit on the wire is gateway_max_body_bytes plus
+    # its framing unless gateway_http.max_body_bytes says otherwise.
+    gateway_http: Limits = Field(default_factory=Limits)
+    agent_http: Annotated[Limits, BeforeValidator(_agent_http)] = Field(
+        default_factory=lambda: AGENT_LIMITS)
 
     @field_validator("admin_listen", "agent_listen", "gateway_listen", "gateway_metrics_listen")
     @classmethod

@@ -17,14 +17,13 @@ import base64
 import json
 import os
 import secrets
-import ssl
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from llmgw import _httpclient
 from llmgw._files import atomic_write
 from llmgw.agent.join import JoinError, pinned_ca, refusal
 from llmgw.config import ServerConfig
@@ -114,18 +113,16 @@ def certificate_key(key_hex: str) -> bytes:
         "`llmgw token create --control-plane` printed (the token is not spent yet)")
 
 
-def fetch(url: str, token: str, ca_hash: str, who: str, *, timeout: float = 10.0) -> str:
+def fetch(url: str, token: str, ca_hash: str, who: str, *,
+          timeout: float = _httpclient.TIMEOUT_S) -> str:
     """The sealed bundle of the control-plane token, from the agent API at url, after the
     CA there is pinned by ca_hash; spends the token."""
     url = url.rstrip("/")
     ca_pem = pinned_ca(url, ca_hash, timeout)
-    verify = ssl.create_default_context(cadata=ca_pem)
-    try:
-        with httpx.Client(verify=verify, timeout=timeout) as http:
-            answer = http.post(f"{url}{AgentPaths.JOIN_CONTROL_PLANE}",
-                               json={"token": token, "name": who})
-    except httpx.HTTPError as e:
-        raise JoinError(f"the control plane at {url} did not answer: {e}") from e
+    with _httpclient.answered(JoinError, f"the control plane at {url}", timeout=timeout):
+        answer = _httpclient.request("POST", f"{url}{AgentPaths.JOIN_CONTROL_PLANE}",
+                                     verify=_httpclient.tls(cadata=ca_pem), timeout=timeout,
+                                     json={"token": token, "name": who})
     if answer.status_code != 200:
         raise JoinError(f"the control plane refused the control-plane join "
                         f"({answer.status_code}): {refusal(answer)}")

@@ -6,7 +6,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 
-from llmgw.agent.replicas import stop_engines
+from llmgw.agent.engine_process import stop_engines
 from llmgw.layout import Layout
 from llmgw.services import ServiceError
 from llmgw.services._supervisor import Supervisor

@@ -1,38 +1,57 @@
-"""The base error of llmgw.
+"""The base error of llmgw: every exception class llmgw defines is below it, as this tree
+names it (tests/test_errors.py holds the two to each other).
 
 Error
  ├── pki.PKIError
  ├── config.ConfigError
+ ├── engine_args.EngineArgsError (also a ValueError: a flag a profile may not give)
+ ├── contract.records.RecordError (also a ValueError: a record the store refuses)
  ├── admin_token.AdminTokenError
  ├── services.ServiceError
+ ├── _service.ListenError (a service cannot listen on its address)
  ├── install.InstallError
  ├── accounts.AccountError
  ├── agent._build.BuildError
  ├── agent._cuda.ToolchainError (no CUDA toolchain can be had; CudaBuild makes it a BuildError)
  ├── agent.engine.EngineUnavailable
+ ├── agent.sizing.DoesNotFit (a GPU replica's cards have no room for one slot now)
  ├── agent.client.AgentAPIError
  │    ├── agent.client.NodeRemoved (the control plane revoked this node's certificate)
  │    └── agent.client.Unreachable (no answer in time: another control plane may give one)
  ├── agent.join.JoinError
  ├── control_plane_join.ControlPlaneJoinError (a bundle that does not open, a fleet on SQLite)
+ ├── control.store.StoreError (a read or a write the store could not do: away, busy, broken)
+ │    └── control.store.StoreConflict (a unique key refused a write: the name is taken)
  ├── control.store.LeaseLost (a fenced write found the scheduler lease another's)
  ├── control.store._db.SchemaError (the store's schema is not the one this code reads)
  ├── control.store.copy.CopyError (a copy of a store that does not read back the same)
  ├── backup.BackupError
  ├── ggufmeta.GGUFError
  ├── control.balancer.Saturated (every replica's queue is full)
+ ├── control.gateway.GatewayError (an answer in OpenAI's error shape)
  ├── control._upstream.UpstreamError (a replica failed once the request was sent)
  │    └── control._upstream.ConnectFailed (it never reached the engine: try another)
  ├── commands._admin.Unreachable (no control plane answers the CLI)
+ ├── mirror._sources.Changed (the source is no longer the file a partial came from)
+ ├── mirror._sources.Gone (the source refused in a way a retry will not fix)
+ ├── mirror._sources.Unavailable (the source is busy or failing for now)
+ ├── mirror._transfer.Stopped (the mirror is shutting down)
+ ├── mirror._transfer.Interrupted (the connection ended before the whole file came)
  ├── waiting.WaitTimeout (also an AssertionError)
  └── APIError (an llmgw API did not answer, or refused)
       ├── control.client.ControlPlaneError
       │    └── control.client.NotFound
       └── mirror.MirrorError
            ├── mirror.MirrorNotFound
-           ├── mirror.SourceError
-           ├── mirror.Forbidden
+           ├── mirror._errors.SourceError
+           ├── mirror._errors.Forbidden
            └── mirror._downloads.Conflict
+                └── mirror._downloads.WrongOffset (an import resumed at another byte)
+
+Outside it, on purpose:
+- a private class (a leading _) is a signal within its module that never leaves it;
+- agent.prebuilt_server.UsageError: that script runs in the prebuilt engine's own venv,
+  which has no llmgw to import.
 """
 
 from __future__ import annotations

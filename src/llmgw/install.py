@@ -58,11 +58,11 @@ CANDIDATES = ("/usr/bin/python3.11", "/usr/bin/python3", "/usr/local/bin/python3
 MIN_PYTHON = (3, 11)
 HOMES = ("/root", "/home", "/run/user")
 INSTALL_HINT = "apt-get install python3 python3-venv (Debian/Ubuntu; Python 3.11 or newer)"
-# What a checkout ships into the venv (pyproject.toml names README.md as the readme, and
-# the harness, fixtures/, travels as llmgw_harness for `llmgw check`); a change to
+# What a checkout ships into the venv (pyproject.toml names README.md as the readme; src/
+# holds llmgw and its harness, llmgw_harness, for `llmgw check`); a change to
 # pyproject.toml or a package folder is a new release, a change to the README is not.
 PACKAGE_FILES = ("pyproject.toml", "README.md")
-PACKAGE_DIRS = ("src", "fixtures")
+PACKAGE_DIRS = ("src",)
 RELEASE_FILES = ("pyproject.toml",)
 PIP_TIMEOUT_S = 600
 

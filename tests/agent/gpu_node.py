@@ -18,8 +18,9 @@ import pytest
 from llmgw import pki
 from llmgw.agent.agent import Agent, replica_supervisor
 from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.engine_process import stop_engines
 from llmgw.agent.gpus import LiveCards, discover
-from llmgw.agent.replicas import GPU_START_ATTEMPTS, ReplicaSupervisor, stop_engines
+from llmgw.agent.replicas import GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import EngineState
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent import _build, _cuda
+from llmgw.agent import _build, _cmake, _cuda, cache
 from llmgw.agent._build import BuildError
 from tests.agent.test_cuda import FakePip, node, system_root
 
@@ -29,7 +29,7 @@ def _defines(args: list[str]) -> dict[str, str]:
 
 
 def test_cuda_configure_targets_the_architectures_given_never_native() -> None:
-    args = _build.cuda_configure_args(TREE, BUILD, _toolchain(), ["90", "80"])
+    args = _cmake.cuda_configure_args(TREE, BUILD, _toolchain(), ["90", "80"])
     d = _defines(args)
     assert d["CMAKE_CUDA_ARCHITECTURES"] == "90;80"
     assert not any("native" in a for a in args)
@@ -48,7 +48,7 @@ def test_cuda_configure_takes_a_completed_toolkits_headers_libraries_and_rpath()
                        library_dirs=(Path("/usr/local/cuda-13.0/lib64"), extra / "lib"),
                        libraries=(("CUDA_cublas_LIBRARY", extra / "lib/libcublas.so"),
                                   ("CUDA_cublasLt_LIBRARY", extra / "lib/libcublasLt.so")))
-    d = _defines(_build.cuda_configure_args(TREE, BUILD, chain, ["90"]))
+    d = _defines(_cmake.cuda_configure_args(TREE, BUILD, chain, ["90"]))
     assert d["CMAKE_CUDA_STANDARD_INCLUDE_DIRECTORIES"] == f"{extra}/include"
     assert d["CUDA_cublas_LIBRARY"] == f"{extra}/lib/libcublas.so"
     assert d["CUDA_cublasLt_LIBRARY"] == f"{extra}/lib/libcublasLt.so"
@@ -57,19 +57,19 @@ def test_cuda_configure_takes_a_completed_toolkits_headers_libraries_and_rpath()
 
 def test_cuda_configure_without_architectures_is_refused() -> None:
     with pytest.raises(ValueError, match="architectures"):
-        _build.cuda_configure_args(TREE, BUILD, _toolchain(), [])
+        _cmake.cuda_configure_args(TREE, BUILD, _toolchain(), [])
 
 
 def test_the_cpu_configure_line_has_no_cuda_and_refuses_a_compiler() -> None:
     """Negative control: `cuda_compiler` was where `native` came from."""
-    args = _build.cmake_configure_args(TREE, BUILD)
+    args = _cmake.cmake_configure_args(TREE, BUILD)
     assert not any("CUDA" in a for a in args)
     with pytest.raises(ValueError, match="never `native`"):
-        _build.cmake_configure_args(TREE, BUILD, cuda_compiler="/usr/bin/nvcc")
+        _cmake.cmake_configure_args(TREE, BUILD, cuda_compiler="/usr/bin/nvcc")
 
 
 def test_a_build_runs_at_nice_19() -> None:
-    cmd = _build.niced(_build.cmake_build_args(BUILD, 4))
+    cmd = _cmake.niced(_cmake.cmake_build_args(BUILD, 4))
     assert Path(cmd[0]).name == "nice" and cmd[1:3] == ["-n", "19"]
     assert cmd[3:] == ["cmake", "--build", str(BUILD), "--target", "llama-server", "-j", "4"]
 
@@ -83,17 +83,17 @@ def test_a_build_runs_at_nice_19() -> None:
 ])
 def test_jobs_are_bounded_by_memory_as_well_as_cores(cores: int, gib: float | None,
                                                      jobs: int) -> None:
-    assert _build.build_jobs(cores, gib) == jobs
+    assert _cmake.build_jobs(cores, gib) == jobs
 
 
 def test_mem_available_is_read_from_meminfo(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32768000 kB\nMemFree:         1000 kB\n"
                        "MemAvailable:    8388608 kB\n")
-    assert _build.mem_available_gib(meminfo) == 8.0
+    assert _cmake.mem_available_gib(meminfo) == 8.0
     meminfo.write_text("MemTotal:       32768000 kB\n")
-    assert _build.mem_available_gib(meminfo) is None
-    assert _build.mem_available_gib(tmp_path / "absent") is None
+    assert _cmake.mem_available_gib(meminfo) is None
+    assert _cmake.mem_available_gib(tmp_path / "absent") is None
 
 
 @pytest.mark.parametrize("archs, major, name", [
@@ -103,9 +103,9 @@ def test_mem_available_is_read_from_meminfo(tmp_path: Path) -> None:
 ])
 def test_the_cuda_engine_is_cached_per_version_major_and_architecture_set(
         archs: list[str], major: int, name: str) -> None:
-    cache = Path("/var/cache/llmgw")
-    assert _build.cuda_engine_dir(cache, "0.3.36", archs, major) == \
-        cache / "engines" / "llamacpp" / name
+    root = Path("/var/cache/llmgw")
+    assert cache.cuda_build(root, "0.3.36", archs, major) == \
+        root / "engines" / "llamacpp" / name
 
 
 # --- a CUDA build run through, cmake stood in for ---
@@ -200,3 +200,53 @@ def test_gpus_without_a_known_capability_are_not_built_for(
     with pytest.raises(BuildError, match="no compute capability"):
         _build.CudaBuild("0.3.36", stand_ins["tree"], tmp_path / "cache", node("13.0", ""),
                          search_path=str(stand_ins["bin"]), pip=FakePip(), roots=[]).run()
+
+
+# --- the one driver both builds run ---
+
+
+def _driver(target: Path, stand_ins: dict[str, Path], said: list[str]) -> _build.Driver:
+    return _build.Driver(target, on_progress=said.append,
+                         search_path=f"{stand_ins['bin']}:/usr/bin:/bin")
+
+
+def _cpu_configure(tree: Path, build: Path) -> list[str]:
+    return _cmake.cmake_configure_args(tree, build)
+
+
+def test_the_driver_builds_once_and_says_each_stage(
+        tmp_path: Path, stand_ins: dict[str, Path]) -> None:
+    """Unpacked, configured, built with its progress, installed, logged; run again with the
+    binary there, it runs nothing (the cmake calls stay two)."""
+    said: list[str] = []
+    target = tmp_path / "cache" / "engines" / "llamacpp" / "0.3.36"
+    driver = _driver(target, stand_ins, said)
+    assert driver.run(lambda: stand_ins["tree"], _cpu_configure, lambda: 2)
+    assert said == ["unpacking llama.cpp", "configuring", "0%", "50%", "100%"]
+    assert os.access(target / "llama-server", os.X_OK)
+    assert (target / "build.log").read_text().count("$ cmake") == 2
+    assert not list(target.parent.glob("build-*")), "the work dir is gone"
+    assert not _driver(target, stand_ins, said).run(lambda: stand_ins["tree"], _cpu_configure,
+                                                    lambda: 2)
+    assert len(stand_ins["calls"].read_text().splitlines()) == 2
+
+
+def test_a_driver_stopped_before_it_runs_builds_nothing(
+        tmp_path: Path, stand_ins: dict[str, Path]) -> None:
+    """The agent going away while a build waits for its lock or its source: no command
+    runs (negative control: the test above, not stopped, builds)."""
+    target = tmp_path / "cache" / "engines" / "llamacpp" / "0.3.36"
+    driver = _driver(target, stand_ins, [])
+    driver.stop()
+    with pytest.raises(BuildError, match="the agent is stopping"):
+        driver.run(lambda: stand_ins["tree"], _cpu_configure, lambda: 2)
+    assert not (target / "llama-server").exists() and not stand_ins["calls"].exists()
+
+
+def test_the_build_sequence_is_written_once() -> None:
+    """Only the driver runs build commands: the CPU engine and CudaBuild hand it their
+    configure lines (no second sequence, no build_cuda)."""
+    agent = Path(_build.__file__).parent
+    runs = {p.name: p.read_text().count("Runner(") for p in sorted(agent.glob("*.py"))}
+    assert {name: n for name, n in runs.items() if n} == {"_build.py": 1}
+    assert not hasattr(_build, "build_cuda")

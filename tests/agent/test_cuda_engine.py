@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.agent import cache
 from llmgw.agent._build import BuildError
 from llmgw.agent.cuda_engine import CudaEngine, cuda_devices
-from llmgw.agent.engine import LlamaCpp, Status
+from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.engines import Status
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import EngineConfig
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
@@ -179,9 +181,13 @@ def test_a_failed_engine_is_tried_again_only_when_its_cache_changed(
     e = cuda_engine(tmp_path, flaky, [H100])
     assert e.provision().state == EngineState.FAILED
     assert not e.retry_if_cache_changed(), "tried again with nothing changed"
-    toolchains = e.cache_dir / "toolchains"
-    toolchains.mkdir(parents=True, exist_ok=True)
     stamp = time.time() + 5
+    elsewhere = e.cache_dir / "toolchains"  # a folder of the cache that nothing makes
+    elsewhere.mkdir(parents=True, exist_ok=True)
+    os.utime(elsewhere, (stamp, stamp))
+    assert not e.retry_if_cache_changed(), "tried again for a folder no build reads"
+    toolchains = cache.toolchains(e.cache_dir)
+    toolchains.mkdir(parents=True, exist_ok=True)
     os.utime(toolchains, (stamp, stamp))
     assert e.retry_if_cache_changed()
     assert e._thread is not None

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent import _build
-from llmgw.agent.engine import PINNED_VERSION, LlamaCpp, recorded_engine, version_of
+from llmgw.agent.engine import PINNED_VERSION, LlamaCpp
+from llmgw.agent.engines import recorded_engine, version_of
 from llmgw.config import EngineConfig
 from tests.agent.conftest import FakeBinary
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent import _build
-from llmgw.agent.engine import PINNED_VERSION, LlamaCpp, default_cache_dir, run_quietly
+from llmgw.agent import _build, cache
+from llmgw.agent.engine import PINNED_VERSION, LlamaCpp
+from llmgw.agent.engines import run_quietly
 from llmgw.config import EngineConfig
 
 pytestmark = pytest.mark.slow
@@ -20,12 +21,12 @@ def test_engine_builds_from_the_pinned_source_and_answers(tmp_path: Path) -> Non
     (it is 76 MB); the build goes into a cache of its own, so the real cache is untouched."""
     if _build.missing_tools():
         pytest.skip(f"this machine lacks {', '.join(_build.missing_tools())}")
-    cache = tmp_path / "cache"
-    known_sdist = default_cache_dir() / "sources" / _build.sdist_name(PINNED_VERSION)
+    own = tmp_path / "cache"
+    known_sdist = cache.sdist(cache.user_root(), PINNED_VERSION)
     if known_sdist.exists():
-        (cache / "sources").mkdir(parents=True)
-        shutil.copy2(known_sdist, cache / "sources" / known_sdist.name)
-    engine = LlamaCpp(EngineConfig(cache_dir=str(cache)))
+        cache.sdist(own, PINNED_VERSION).parent.mkdir(parents=True)
+        shutil.copy2(known_sdist, cache.sdist(own, PINNED_VERSION))
+    engine = LlamaCpp(EngineConfig(cache_dir=str(own)))
     seen: list[str] = []
     engine.start()
     started = time.monotonic()

@@ -20,7 +20,8 @@ from llmgw import pki
 from llmgw.agent.agent import Agent
 from llmgw.agent.client import AgentClient, NodeRemoved, Unreachable
 from llmgw.agent.control_planes import FILE, ControlPlanes, current_server
-from llmgw.agent.engine import LlamaCpp, Status
+from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.engines import Status
 from llmgw.agent.gpus import Discovery
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import CPU_ENGINE, AgentPaths, EngineState, NodeState

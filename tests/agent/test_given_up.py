@@ -104,7 +104,7 @@ def test_a_given_up_placement_is_reported_for_its_window_then_forgotten(tmp_path
     entry = {"replica": "r-1", "model": "m", "profile": "gpu-h100-80gb", "gpus": ["GPU-a"],
              "reason": OOM[0], "starts": GPU_START_ATTEMPTS, "free_mb": {"GPU-a": 100},
              "since": 0.0}
-    sup.given_up["r-1"] = (entry, now[0])  # type: ignore[assignment]
+    sup.give_ups.entries["r-1"] = (entry, now[0])  # type: ignore[assignment]
     now[0] += GIVE_UP_FOR_S - 1
     assert sup.facts()["given_up"] == [entry]
     assert len(sup.warnings()) == 1 and "tried again after 10 min" in sup.warnings()[0]

@@ -19,7 +19,8 @@ import pytest
 
 from llmgw import pki
 from llmgw.agent.agent import Agent
-from llmgw.agent.engine import LlamaCpp, Status
+from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.engines import Status
 from llmgw.agent.gpus import LiveCards, discover
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState

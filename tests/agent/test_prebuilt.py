@@ -15,7 +15,8 @@ import pytest
 
 from llmgw.agent import _prebuilt
 from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.replicas import ReplicaSupervisor, stop_engines
+from llmgw.agent.engine_process import stop_engines
+from llmgw.agent.replicas import ReplicaSupervisor
 from llmgw.config import EngineConfig
 from tests.agent.conftest import FakeBinary
 

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmgw.agent.replicas import PROBE_FAILURES_TO_LEAVE, Record, Replica, ReplicaSupervisor
+from llmgw.agent.engine_process import Record
+from llmgw.agent.replicas import PROBE_FAILURES_TO_LEAVE, Replica, ReplicaSupervisor
 from llmgw.netaddr import free_port
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.replicas import Record, Replica, ReplicaSupervisor
+from llmgw.agent.engine_process import Record
+from llmgw.agent.replicas import Replica, ReplicaSupervisor
 from llmgw.engine_args import EngineArgsError
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.agent.replicas import ReplicaSupervisor, pid_is_engine, stop_engines, terminate
+from llmgw.agent.engine_process import pid_is_engine, stop_engines, terminate
+from llmgw.agent.replicas import ReplicaSupervisor
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from llmgw import kv_sizing
-from llmgw.agent.replicas import Record, Replica, ReplicaSupervisor
+from llmgw.agent.engine_process import Record
+from llmgw.agent.replicas import Replica, ReplicaSupervisor
 from llmgw.agent.sizing import DoesNotFit, gpu_args
 from llmgw.contract import CUDA_ENGINE
 from llmgw.ggufmeta import geometry

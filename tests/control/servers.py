@@ -1,6 +1,6 @@
-"""Real servers on loopback for the gateway's tests: an ASGI app under uvicorn or under
-the gateway's own server in a thread, and an upstream that answers with exactly the bytes
-a test scripts."""
+"""Real servers on loopback for the services' tests: an ASGI app under llmgw's own server
+in a thread (as the admin API, or as the gateway with its fast path), and an upstream that
+answers with exactly the bytes a test scripts."""
 
 from __future__ import annotations
 
@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from llmgw._http1 import Http1Server
-from llmgw._serving import QuietServer, quiet_server
 from llmgw.control._fastpath import FastPath
 from llmgw.control.gateway import Gateway
 from llmgw.netaddr import free_port
 
 
-def run_in_thread(server: QuietServer | Http1Server) -> threading.Thread:
+def run_in_thread(server: Http1Server) -> threading.Thread:
     """server running in a daemon thread of its own, once it has started."""
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -35,7 +34,7 @@ def run_in_thread(server: QuietServer | Http1Server) -> threading.Thread:
 
 
 @contextmanager
-def _served(server: QuietServer | Http1Server, port: int, tls: bool) -> Iterator[str]:
+def _served(server: Http1Server, port: int, tls: bool) -> Iterator[str]:
     """server in a thread for the length of the block; its URL."""
     thread = run_in_thread(server)
     try:
@@ -47,10 +46,10 @@ def _served(server: QuietServer | Http1Server, port: int, tls: bool) -> Iterator
 
 def serve_asgi(app: Any, certfile: str = "", keyfile: str = ""
                ) -> contextlib.AbstractContextManager[str]:
-    """The app on a free loopback port under uvicorn, as the services serve it (their
-    protocol and settings), for the length of the block; HTTPS with certfile and keyfile."""
+    """The app on a free loopback port under Http1Server, as `llmgw server` serves the admin
+    API (no fast path), for the length of the block; HTTPS with certfile and keyfile."""
     port = free_port()
-    return _served(quiet_server(app, f"127.0.0.1:{port}", certfile=certfile, keyfile=keyfile),
+    return _served(Http1Server(app, f"127.0.0.1:{port}", certfile=certfile, keyfile=keyfile),
                    port, bool(certfile))
 
 

@@ -8,9 +8,9 @@ import ssl
 import httpx
 import pytest
 
-from fixtures._tls import anonymous_request
 from llmgw import pki
 from llmgw.contract import AgentPaths
+from llmgw_harness._tls import anonymous_request
 
 
 def _client(cp, cert: tuple[str, str]) -> httpx.Client:

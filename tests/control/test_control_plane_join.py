@@ -69,13 +69,13 @@ def test_a_certificate_key_cut_short_is_refused_before_the_token_is_spent(
         live_control_plane, tmp_path) -> None:
     """The key's shape is checked before the bundle is fetched: a key one character short
     writes nothing and leaves the token for the run with the whole line (the control)."""
-    from fixtures import pki as pki_step
-    from fixtures._changes import apply_fix
-    from fixtures._host import Host
-    from fixtures._promise import CannotFix
-    from fixtures._report import Recorder
-    from fixtures.settings import HostSettings, Join
     from llmgw.control.agent_api import token_hash
+    from llmgw_harness import pki as pki_step
+    from llmgw_harness._changes import apply_fix
+    from llmgw_harness._host import Host
+    from llmgw_harness._promise import CannotFix
+    from llmgw_harness._report import Recorder
+    from llmgw_harness.settings import HostSettings, Join
 
     cp = live_control_plane
     layout, server = _fleet(tmp_path / "a")

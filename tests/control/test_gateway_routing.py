@@ -17,9 +17,9 @@ import pytest
 from llmgw.config import ServerConfig
 from llmgw.control import _slottable as st
 from llmgw.control._upstream import Upstream
-from llmgw.control.engine_args import engine_args
 from llmgw.control.gateway import Gateway, make_gateway_app
 from llmgw.control.store import Store
+from llmgw.engine_args import engine_args
 from llmgw.netaddr import free_port
 from tests.control.fake_engine import FakeEngine, fake_engine
 from tests.control.servers import scripted_upstream, serve_gateway

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 from llmgw.control.leadership import ID_FILE, Identity, Leadership, control_plane_id
 from llmgw.control.scheduler import Scheduler
-from llmgw.control.store import LeaseLost, Store
+from llmgw.control.store import LeaseLost, Store, StoreError
 from tests.control.test_scheduler import PIN, model
 
 
@@ -103,7 +103,7 @@ def test_an_unreachable_store_stops_scheduling_and_is_tried_again(two_stores, ca
     assert lead.step() is not None
 
     def down(*args: object, **kwargs: object) -> None:
-        raise sa.exc.OperationalError("SELECT", {}, Exception("connection refused"))
+        raise StoreError(sa.exc.OperationalError("SELECT", {}, Exception("connection refused")))
 
     with caplog.at_level(logging.INFO, logger="llmgw.server"):
         monkeypatch.setattr(a, "beat_control_plane", down)

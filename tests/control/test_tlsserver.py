@@ -10,7 +10,7 @@ import ssl
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import pytest
 
 from llmgw import pki
 from llmgw.agent.client import AgentClient
-from llmgw.config import AgentHttpLimits, TLSFiles
+from llmgw.config import AGENT_LIMITS, TLSFiles
 from llmgw.contract import AgentPaths
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.store import Store
@@ -79,7 +79,7 @@ def _limits(**deadlines: float) -> dict[str, Any]:
     """AgentAPIServer's limits with these deadlines (body_s: the body's rate window, its
     first one the grace a body has to begin), the agent API's defaults otherwise."""
     settings = {_DEADLINES[name]: value for name, value in deadlines.items()}
-    return {"limits": AgentHttpLimits(**settings).limits()}
+    return {"limits": replace(AGENT_LIMITS, **settings)}
 
 
 @contextmanager
@@ -162,6 +162,22 @@ def test_negative_control_a_raised_body_deadline_holds_the_connection(cluster: C
         conn.sendall(f"POST {AgentPaths.HEARTBEAT} HTTP/1.1\r\n{HANGING}".encode())
         data, closed = read_until_closed(conn, SHORT_S + MARGIN_S)
         assert not closed and data == b""
+
+
+def test_a_body_over_agent_https_limit_is_refused_from_its_head(cluster: Cluster) -> None:
+    """A heartbeat whose Content-Length passes the agent API's max_body_bytes (agent_http;
+    AGENT_LIMITS by default) is answered 413 at once and closed, nothing of it read. The
+    negative control: one at the limit is waited for, unanswered."""
+    limit = AGENT_LIMITS.max_body_bytes
+    head = f"POST {AgentPaths.HEARTBEAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: "
+    with agent_api(cluster) as api:
+        with connect(api.port, cluster, cluster.node) as conn:
+            conn.sendall(f"{head}{limit + 1}\r\n\r\n".encode())
+            data, closed = read_until_closed(conn, MARGIN_S)
+            assert statuses(data) == [413] and closed, data
+        with connect(api.port, cluster, cluster.node) as conn:
+            conn.sendall(f"{head}{limit}\r\n\r\n".encode())
+            assert read_until_closed(conn, SHORT_S) == (b"", False)
 
 
 # --- connections that never say hello ---

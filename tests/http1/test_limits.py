@@ -237,8 +237,8 @@ def test_gateway_http_reaches_the_gateway_with_room_for_framing() -> None:
 
 
 def test_the_agent_api_keeps_idle_agents_longer_than_a_heartbeat() -> None:
-    assert ServerConfig().agent_http.limits().keep_alive_s == 120.0
-    assert ServerConfig().gateway_http.limits().keep_alive_s == Limits().keep_alive_s
+    assert ServerConfig().agent_http.keep_alive_s == 120.0
+    assert ServerConfig().gateway_http.keep_alive_s == Limits().keep_alive_s
 
 
 @pytest.mark.parametrize("section, key, value", [

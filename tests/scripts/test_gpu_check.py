@@ -191,7 +191,7 @@ def test_the_agents_cuda_configure_line_passes_on_the_packed_tree(packed: Path,
     from wheels, configures the packed tree (no build); then, as a negative control, the
     same tree short of one template instance stops at configure, naming it."""
     _cached_toolkit()
-    from llmgw.agent import _build, _cuda
+    from llmgw.agent import _build, _cmake, _cuda
     from llmgw.agent.gpus import GPU, Discovery
 
     gc = gpu_check()
@@ -201,7 +201,7 @@ def test_the_agents_cuda_configure_line_passes_on_the_packed_tree(packed: Path,
     tree = _build.unpack(packed, tmp_path / "src")
 
     def configure(build: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(_build.cuda_configure_args(tree, tmp_path / build, toolchain,
+        return subprocess.run(_cmake.cuda_configure_args(tree, tmp_path / build, toolchain,
                                                          ["90"]),
                               capture_output=True, text=True, timeout=600)
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import control_plane, gateway, mirror
-from fixtures.node import agent_service
-from fixtures.settings import HostSettings
 from llmgw.layout import Layout
 from llmgw.services import ServiceSpec
 from llmgw.services._systemd import render_socket, render_unit
+from llmgw_harness import control_plane, gateway, mirror
+from llmgw_harness.node import agent_service
+from llmgw_harness.settings import HostSettings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 PLACEHOLDER = "ADVERTISED_ADDRESS"

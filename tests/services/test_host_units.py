@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import control_plane, mirror
-from fixtures.node import agent_service
-from fixtures.settings import HostSettings
 from llmgw.install import LINK
 from llmgw.layout import Layout
 from llmgw.services import ServiceSpec
 from llmgw.services._systemd import render_unit
+from llmgw_harness import control_plane, mirror
+from llmgw_harness.node import agent_service
+from llmgw_harness.settings import HostSettings
 
 pytestmark = pytest.mark.skipif(not shutil.which("systemd-analyze"),
                                 reason="systemd-analyze is not installed here")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.services import Action, Command, ServiceSpec
+from llmgw.changes import Run
+from llmgw.services import Action, ServiceSpec
 from llmgw.services._supervisor import _STOP_MARGIN_S, Supervisor
 
 
@@ -117,7 +118,7 @@ def test_reload_signals_the_running_program_instead_of_restarting_it(
 
 
 def _shown(actions: list[Action]) -> list[str]:
-    return [" ".join(a.argv[3:]) if isinstance(a, Command) else f"{type(a).__name__} {a.path}"
+    return [" ".join(a.argv[3:]) if isinstance(a, Run) else f"{type(a).__name__} {a.path}"
             for a in actions]
 
 
@@ -130,13 +131,13 @@ def test_the_plan_is_what_ensure_does_and_nothing_once_done(supervisor: Supervis
     ctl = f"-c {conf}"
     plan = supervisor.plan_ensure(spec)
     assert _shown(plan) == [
-        f"WriteText {conf}", f"MakeDir {supervisor.logs}", f"MakeDir {supervisor.programs}",
-        f"{ctl}", f"WriteText {program}", f"{ctl} update sleeper", f"{ctl} start sleeper"]
-    assert plan[3] == Command((sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)))
+        f"WriteFile {conf}", f"Mkdir {supervisor.logs}", f"Mkdir {supervisor.programs}",
+        f"{ctl}", f"WriteFile {program}", f"{ctl} update sleeper", f"{ctl} start sleeper"]
+    assert plan[3] == Run((sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)))
     assert not supervisor.root.exists(), "a plan wrote"
     assert supervisor.ensure(spec) and supervisor.is_running("sleeper")
     assert supervisor.plan_ensure(spec) == []
     assert _shown(supervisor.plan_ensure(_sleeper("sleeper", 301))) == [
-        f"WriteText {program}", f"{ctl} update sleeper"]
+        f"WriteFile {program}", f"{ctl} update sleeper"]
     assert _shown(supervisor.plan_reload("sleeper")) == [f"{ctl} signal HUP sleeper"]
     assert _shown(supervisor.plan_restart("sleeper")) == [f"{ctl} restart sleeper"]

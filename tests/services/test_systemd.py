@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.services import Action, Command, ServiceSpec, WriteText
+from llmgw.changes import Run, WriteFile
+from llmgw.services import Action, ServiceSpec
 from llmgw.services._systemd import Systemd, render_socket, render_unit
 
 SPEC = ServiceSpec(
@@ -141,7 +142,7 @@ def _systemctl_logs(tmp_path, monkeypatch, active: bool) -> Path:  # type: ignor
 
 
 def _commands(actions: list[Action]) -> list[str]:
-    return [" ".join(a.argv) for a in actions if isinstance(a, Command)]
+    return [" ".join(a.argv) for a in actions if isinstance(a, Run)]
 
 
 def test_ensure_runs_exactly_the_commands_its_plan_lists(tmp_path, monkeypatch) -> None:
@@ -150,13 +151,13 @@ def test_ensure_runs_exactly_the_commands_its_plan_lists(tmp_path, monkeypatch) 
     log = _systemctl_logs(tmp_path, monkeypatch, active=False)
     systemd = Systemd(unit_dir=tmp_path / "units")
     plan = systemd.plan_ensure(SPEC)
-    assert plan[0] == WriteText(tmp_path / "units" / "llmgw-test.service", render_unit(SPEC))
+    assert plan[0] == WriteFile(tmp_path / "units" / "llmgw-test.service", render_unit(SPEC))
     assert _commands(plan) == ["systemctl daemon-reload", "systemctl enable --now llmgw-test"]
     assert not (tmp_path / "units").exists(), "a plan wrote"
     assert systemd.ensure(SPEC)
     assert log.read_text().splitlines() == _commands(plan)
     assert _commands(systemd.plan_ensure(SPEC)) == ["systemctl enable --now llmgw-test"]
-    assert [a for a in systemd.plan_ensure(SPEC) if isinstance(a, WriteText)] == []
+    assert [a for a in systemd.plan_ensure(SPEC) if isinstance(a, WriteFile)] == []
 
 
 def test_a_changed_unit_of_a_running_service_plans_its_restart(tmp_path, monkeypatch) -> None:
@@ -167,8 +168,8 @@ def test_a_changed_unit_of_a_running_service_plans_its_restart(tmp_path, monkeyp
     systemd.write_unit(SOCKETED)
     (tmp_path / "llmgw-test.service").write_text("edited\n")
     plan = systemd.plan_ensure(SOCKETED)
-    assert plan[0] == WriteText(tmp_path / "llmgw-test.service", render_unit(SOCKETED),
-                                backup=True)
+    unit = tmp_path / "llmgw-test.service"
+    assert plan[0] == WriteFile(unit, render_unit(SOCKETED), backup=tmp_path / f"{unit.name}.bak")
     assert _commands(plan) == [
         "systemctl daemon-reload", "systemctl enable --now llmgw-test.socket",
         "systemctl enable --now llmgw-test", "systemctl stop llmgw-test",

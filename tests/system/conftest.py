@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.engine import default_cache_dir
+from llmgw.agent import cache
 from tests.system.container import (
     DEFAULT_PORTS,
     SYSTEM_PATHS,
@@ -24,13 +24,13 @@ from tests.system.container import (
 
 ROOT = Path(__file__).resolve().parents[2]
 # System mode's engine cache, and this machine's: the build is copied in, never redone.
-SYSTEM_ENGINES = "/var/cache/llmgw/engines"
+SYSTEM_ENGINES = str(cache.engines(cache.SYSTEM_ROOT))
 
 
 def _seed_engine_cache(c: SystemdContainer) -> None:
     """Copy this machine's built engines into the container's upper dir (a few MB: the
     build is one static file), so its agent finds them in its cache."""
-    host = default_cache_dir() / "engines"
+    host = cache.engines(cache.user_root())
     for binary in host.glob("*/*/llama-server"):
         shutil.copytree(binary.parent, c.upper / SYSTEM_ENGINES.lstrip("/")
                         / binary.parent.relative_to(host))

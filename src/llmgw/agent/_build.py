@@ -1,5 +1,8 @@
-"""Building llama-server from a source archive with CMake (on CPU, or with CUDA for the GPUs
-NVML reports), progress read from the build."""
+"""Building llama-server, the one sequence for CPU and CUDA (`Driver`): the source fetched and
+unpacked, configured and built with CMake (llmgw.agent._cmake's command lines), progress
+read from the build, the binary installed in the cache and the build logged beside it;
+and what a CUDA build needs first (`CudaBuild`: the driver, the GPUs' architectures, the
+toolchain)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from llmgw.agent import _cuda
+from llmgw.agent import _cmake, _cuda, cache
+from llmgw.agent._cmake import MEMINFO, NICENESS
 from llmgw.agent.gpus import Discovery
 from llmgw.errors import Error
 
@@ -25,13 +29,7 @@ DOWNLOAD_TIMEOUT_S = 1800
 _NINJA_STEP = re.compile(r"^\[(\d+)/(\d+)\]")
 _MAKE_PERCENT = re.compile(r"^\[\s*(\d+)%\]")
 _COMPILERS = ("c++", "g++", "clang++")
-ENGINE_DIR = Path("engines") / "llamacpp"
-BINARY = "llama-server"
-MEMINFO = Path("/proc/meminfo")
-# What one nvcc job of ggml-cuda's template instances may take at its peak (GiB): jobs
-# beyond memory / this run a machine out of memory instead of building faster.
-NVCC_JOB_GIB = 2.5
-NICENESS = 19
+BINARY = cache.BINARY
 
 
 class BuildError(Error):
@@ -57,14 +55,11 @@ def missing_tools(search_path: str | None = None) -> list[str]:
     return missing
 
 
-def sdist_name(version: str) -> str:
-    return f"llama_cpp_python-{version}.tar.gz"
-
-
-def download_sdist(version: str, sources: Path) -> Path:
-    """The pinned source distribution, through pip and its configured package index."""
+def download_sdist(version: str, target: Path) -> Path:
+    """The pinned source distribution, through pip and its configured package index, as
+    target (the cache's llmgw.agent.cache.sdist)."""
+    sources = target.parent
     sources.mkdir(parents=True, exist_ok=True)
-    target = sources / sdist_name(version)
     if target.exists():
         return target
     tmp = sources / f".download-{os.getpid()}"
@@ -131,97 +126,6 @@ def find_tree(root: Path) -> Path:
     )
 
 
-def cmake_configure_args(tree: Path, build: Path, *,
-                         cuda_compiler: str | None = None) -> list[str]:
-    """The CPU build's configure line; a CUDA build is cuda_configure_args'."""
-    if cuda_compiler:
-        raise ValueError("a CUDA build is configured by cuda_configure_args, for the "
-                         "architectures NVML reports (never `native`)")
-    args = [
-        "cmake", "-S", str(tree), "-B", str(build),
-        "-DCMAKE_BUILD_TYPE=Release",
-        "-DLLAMA_CURL=OFF",
-        "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_EXAMPLES=OFF",
-        # One self-contained file, so the cached binary can live anywhere.
-        "-DBUILD_SHARED_LIBS=OFF",
-        # Portable: a cache copied to another machine must not die of an illegal instruction.
-        "-DGGML_NATIVE=OFF",
-    ]
-    if shutil.which("ninja"):
-        args += ["-G", "Ninja"]
-    return args
-
-
-def cuda_configure_args(tree: Path, build: Path, toolchain: _cuda.Toolchain,
-                        archs: list[str]) -> list[str]:
-    """The CUDA build's configure line: the toolchain's nvcc and the architectures given.
-
-    Never `native`: it needs CMake 3.24 (Ubuntu 22.04 has 3.22) and a GPU at build time.
-    Only these architectures, since building for every one takes hours. GGML_CUDA_NO_VMM,
-    so nothing links libcuda (the wheels ship no stub; the driver's is loaded at run time).
-    The RPATH is where the toolchain's libcudart and libcublas are, so the server finds them
-    without LD_LIBRARY_PATH."""
-    if not archs:
-        raise ValueError("a CUDA build needs the GPUs' architectures")
-    rpath = ";".join(str(d) for d in toolchain.rpath_dirs)
-    args = [*cmake_configure_args(tree, build),
-            "-DGGML_CUDA=ON",
-            f"-DCMAKE_CUDA_COMPILER={toolchain.nvcc}",
-            f"-DCUDAToolkit_ROOT={toolchain.root}",
-            f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}",
-            "-DGGML_CUDA_NO_VMM=ON",
-            f"-DCMAKE_BUILD_RPATH={rpath}",
-            f"-DCMAKE_INSTALL_RPATH={rpath}"]
-    if toolchain.include_dirs:
-        # After nvcc's own headers: only what its toolkit lacks (cuBLAS, CCCL) comes from here.
-        args.append("-DCMAKE_CUDA_STANDARD_INCLUDE_DIRECTORIES="
-                    + ";".join(str(d) for d in toolchain.include_dirs))
-    args += [f"-D{name}={path}" for name, path in toolchain.libraries]
-    return args
-
-
-def cmake_build_args(build: Path, jobs: int) -> list[str]:
-    return ["cmake", "--build", str(build), "--target", BINARY, "-j", str(jobs)]
-
-
-def niced(cmd: list[str]) -> list[str]:
-    """cmd at the lowest priority, so a long build leaves the node's serving its CPUs."""
-    nice = shutil.which("nice")
-    return [nice, "-n", str(NICENESS), *cmd] if nice else cmd
-
-
-def mem_available_gib(meminfo: Path = MEMINFO) -> float | None:
-    """MemAvailable from /proc/meminfo, in GiB; None when it cannot be read."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / (1024 * 1024)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def build_jobs(cores: int | None = None, available_gib: float | None = None,
-               per_job_gib: float = NVCC_JOB_GIB) -> int:
-    """Parallel jobs bounded by cores and by memory (per_job_gib each), at least one."""
-    jobs = cores or os.cpu_count() or 1
-    if available_gib is not None:
-        jobs = min(jobs, int(available_gib / per_job_gib))
-    return max(1, jobs)
-
-
-def arch_tag(archs: Iterable[str]) -> str:
-    """The architectures as a cache name: ["90", "80"] is sm90_80."""
-    return "sm" + "_".join(archs)
-
-
-def cuda_engine_dir(cache_dir: Path, version: str, archs: list[str], major: int) -> Path:
-    """Where the CUDA build of version for these architectures lives:
-    <cache_dir>/engines/llamacpp/<version>-cuda<major>-sm90_80/."""
-    return cache_dir / ENGINE_DIR / f"{version}-cuda{major}-{arch_tag(archs)}"
-
-
 class Runner:
     """Runs build commands one at a time, logging them; stop() ends the running one."""
 
@@ -275,14 +179,101 @@ def _tail(lines: list[str], n: int) -> str:
     return " | ".join(kept) or "no output"
 
 
+class Driver:
+    """The one engine build, for CPU and CUDA alike, into target (a folder of the cache):
+    one build of it at a time (a lock beside it), then the source fetched and unpacked,
+    configured, built with its progress said, and installed as target/llama-server, every
+    command logged to target/build.log. stop() ends a running build, or one yet to run."""
+
+    def __init__(self, target: Path, *, on_progress: Callable[[str], None],
+                 search_path: str | None = None, nice: bool = False,
+                 what: str = "build") -> None:
+        self.target = target
+        self.on_progress = on_progress
+        self.search_path = search_path
+        self.nice = nice
+        self.what = what
+        self.binary = target / BINARY
+        self._runner: Runner | None = None
+        self._stopped = False
+        self._said = ""
+
+    def run(self, source: Callable[[], Path], configure: Callable[[Path, Path], list[str]],
+            jobs: Callable[[], int], *, configuring: str = "configuring",
+            started: Callable[[int], str] = lambda jobs: "0%", header: str = "") -> bool:
+        """Build unless the binary is there; whether this run built it (False: another
+        build made it while this one waited). source is asked for only under the lock."""
+        self.target.mkdir(parents=True, exist_ok=True)
+        with open(cache.lock_file(self.target), "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._say("waiting for another build of this version to finish")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.binary.is_file():
+                return False
+            self._build(source, configure, jobs, configuring, started, header)
+        return True
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._runner is not None:
+            self._runner.stop()
+
+    def _build(self, source: Callable[[], Path], configure: Callable[[Path, Path], list[str]],
+               jobs: Callable[[], int], configuring: str, started: Callable[[int], str],
+               header: str) -> None:
+        archive = source()
+        work = Path(tempfile.mkdtemp(prefix=f"build-{self.target.name}-",
+                                     dir=self.target.parent))
+        log = self.target / "build.log"
+        log.write_text(header)
+        self._runner = runner = Runner(log, self.search_path)
+        if self._stopped:
+            runner.stop()
+        try:
+            self._say(f"unpacking {archive.name}")
+            tree = unpack(archive, work / "src")
+            build = work / "build"
+            self._say(configuring)
+            runner.run(self._cmd(configure(tree, build)))
+            n = jobs()
+            self._say(started(n))
+            runner.run(self._cmd(_cmake.cmake_build_args(build, n)), self._on_line)
+            self._install(build / "bin" / BINARY, log)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            self._runner = None
+
+    def _cmd(self, cmd: list[str]) -> list[str]:
+        return _cmake.niced(cmd) if self.nice else cmd
+
+    def _say(self, detail: str) -> None:
+        self._said = detail
+        self.on_progress(detail)
+
+    def _on_line(self, line: str) -> None:
+        percent = build_percent(line)
+        if percent is not None and f"{percent}%" != self._said:
+            self._say(f"{percent}%")
+
+    def _install(self, built: Path, log: Path) -> None:
+        if not built.is_file():
+            raise BuildError(f"the {self.what} finished without {built}; see {log}")
+        tmp = self.target / f".{BINARY}.tmp"
+        shutil.copy2(built, tmp)
+        tmp.replace(self.binary)
+
+
 class CudaBuild:
     """llama-server with CUDA for this node's GPUs, into the cache; run() returns its path.
 
     The toolchain comes from _cuda.find_toolchain (a system toolkit, completed or assembled
     in the cache); the build targets the compute capabilities NVML reports, at nice 19,
-    with jobs bounded by cores and memory; it is cached per version, CUDA major and
-    architecture set (cuda_engine_dir), one build of each at a time. Every failure is a
-    BuildError with a one-line reason; stop() ends a running build. The source may be a
+    with jobs bounded by cores and memory, through the one Driver; it is cached per
+    version, CUDA major and architecture set (llmgw.agent.cache.cuda_build), one build of
+    each at a time. Every failure is a BuildError with a one-line reason; stop() ends a
+    running build. The source may be a
     way to get it (a download): it is asked for only once the driver, the tools and the
     toolchain allow a build, so a node that cannot build says why before any download."""
 
@@ -303,9 +294,8 @@ class CudaBuild:
         self.roots = tuple(roots)
         self.meminfo = meminfo
         self.archs = discovery.cuda_archs()
-        self._runner: Runner | None = None
+        self._driver: Driver | None = None
         self._stopped = False
-        self._percent: int | None = None
 
     def cached(self) -> Path | None:
         """A build for these GPUs already in the cache (of the CUDA major they would get, or
@@ -315,7 +305,7 @@ class CudaBuild:
         except _cuda.ToolchainError:
             return None
         for major in majors:
-            binary = cuda_engine_dir(self.cache_dir, self.version, self.archs, major) / BINARY
+            binary = cache.cuda_build(self.cache_dir, self.version, self.archs, major) / BINARY
             if self.archs and binary.is_file() and os.access(binary, os.X_OK):
                 return binary
         return None
@@ -332,22 +322,34 @@ class CudaBuild:
         except _cuda.ToolchainError as e:
             raise BuildError(str(e)) from None
         self.on_progress(f"CUDA toolchain: {toolchain.origin}")
-        target = cuda_engine_dir(self.cache_dir, self.version, self.archs, toolchain.major)
-        target.mkdir(parents=True, exist_ok=True)
-        with open(target.parent / f".{target.name}.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self.on_progress("waiting for another build of this version to finish")
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (target / BINARY).is_file():  # else the other build made it
-                self._build(toolchain, target)
-        return target / BINARY
+        target = cache.cuda_build(self.cache_dir, self.version, self.archs, toolchain.major)
+        self._driver = driver = Driver(target, on_progress=self.on_progress,
+                                       search_path=self.search_path, nice=True,
+                                       what="CUDA build")
+        if self._stopped:
+            driver.stop()
+        try:
+            driver.run(
+                self._source,
+                lambda tree, build: _cmake.cuda_configure_args(tree, build, toolchain,
+                                                               self.archs),
+                lambda: self.jobs or _cmake.build_jobs(os.cpu_count(),
+                                                       _cmake.mem_available_gib(self.meminfo)),
+                configuring=(f"configuring with CUDA {toolchain.version} for "
+                             f"{', '.join('sm_' + a for a in self.archs)}"),
+                started=lambda jobs: f"0% ({jobs} jobs)",
+                header=f"# toolchain: {toolchain.origin}\n")
+        finally:
+            self._driver = None
+        return driver.binary
+
+    def _source(self) -> Path:
+        return self.source() if callable(self.source) else self.source
 
     def stop(self) -> None:
         self._stopped = True
-        if self._runner is not None:
-            self._runner.stop()
+        if self._driver is not None:
+            self._driver.stop()
 
     def _preflight(self) -> None:
         try:
@@ -366,45 +368,3 @@ class CudaBuild:
                 "machine lacks: install them (e.g. `apt-get install cmake g++`) and restart "
                 "the agent, or set engine.cuda_server in agent.yaml to a llama-server built "
                 "with CUDA")
-
-    def _build(self, toolchain: _cuda.Toolchain, target: Path) -> None:
-        work = Path(tempfile.mkdtemp(prefix=f"build-{target.name}-", dir=target.parent))
-        log = target / "build.log"
-        log.write_text(f"# toolchain: {toolchain.origin}\n")
-        self._runner = runner = Runner(log, self.search_path)
-        if self._stopped:
-            runner.stop()
-        try:
-            source = self.source() if callable(self.source) else self.source
-            tree = unpack(source, work / "src")
-            build = work / "build"
-            self.on_progress(f"configuring with CUDA {toolchain.version} for "
-                             f"{', '.join('sm_' + a for a in self.archs)}")
-            runner.run(niced(cuda_configure_args(tree, build, toolchain, self.archs)))
-            jobs = self.jobs or build_jobs(os.cpu_count(), mem_available_gib(self.meminfo))
-            self.on_progress(f"0% ({jobs} jobs)")
-            runner.run(niced(cmake_build_args(build, jobs)), self._on_line)
-            built = build / "bin" / BINARY
-            if not built.is_file():
-                raise BuildError(f"the CUDA build finished without {built}; see {log}")
-            tmp = target / f".{BINARY}.tmp"
-            shutil.copy2(built, tmp)
-            tmp.replace(target / BINARY)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-            self._runner = None
-
-    def _on_line(self, line: str) -> None:
-        percent = build_percent(line)
-        if percent is not None and percent != self._percent:
-            self._percent = percent
-            self.on_progress(f"{percent}%")
-
-
-def build_cuda(version: str, source: Path, cache_dir: Path, discovery: Discovery, *,
-               on_progress: Callable[[str], None] = lambda line: None,
-               jobs: int | None = None, search_path: str | None = None) -> Path:
-    """CudaBuild(...).run(): the CUDA llama-server for this node's GPUs, built or cached."""
-    return CudaBuild(version, source, cache_dir, discovery, on_progress=on_progress,
-                     jobs=jobs, search_path=search_path).run()
-

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llmgw.agent import cache
 from llmgw.agent.gpus import Discovery
 from llmgw.errors import Error
 
@@ -251,10 +252,10 @@ def find_toolchain(cache_dir: Path, discovery: Discovery, *, pip: Pip | None = N
         if not unfit and not missing:
             return _system_toolchain(system)
         if not unfit and set(missing) <= COMPLETABLE:
-            return _completed(system, missing, cache_dir / "cuda", pip, on_progress)
+            return _completed(system, missing, cache.toolchains(cache_dir), pip, on_progress)
         passed_over = unfit or f"{system.name} lacks {_and(missing)}"
     if major == 13:
-        return _assembled(cache_dir / "cuda", discovery, pip, on_progress, passed_over)
+        return _assembled(cache.toolchains(cache_dir), discovery, pip, on_progress, passed_over)
     raise ToolchainError(_no_cuda12(discovery, passed_over))
 
 
@@ -339,7 +340,7 @@ def _installed(target: Path, requirements: list[str], pip: Pip) -> None:
     if marker.exists():
         return
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
+    with open(cache.lock_file(target), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists():  # another build installed it while this one waited
             return

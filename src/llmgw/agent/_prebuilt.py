@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmgw.agent import prebuilt_server
+from llmgw.agent import cache, prebuilt_server
 from llmgw.agent._build import BuildError
 
 ENGINE = prebuilt_server.DIST
@@ -23,7 +23,7 @@ INSTALL_TIMEOUT_S = 900
 
 
 def home(cache_dir: Path) -> Path:
-    return cache_dir / "engines" / ENGINE / VERSION
+    return cache.prebuilt(cache_dir, ENGINE, VERSION)
 
 
 def launcher(cache_dir: Path) -> Path:
@@ -55,7 +55,7 @@ def install(cache_dir: Path) -> Path:
     """Make the venv and pip-install the pinned wheel into it (one install at a time)."""
     where = home(cache_dir)
     where.mkdir(parents=True, exist_ok=True)
-    with open(where.parent / f".{VERSION}.lock", "w") as lock:
+    with open(cache.lock_file(where), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not installed(cache_dir):
             _install_locked(cache_dir)

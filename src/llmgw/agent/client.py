@@ -10,7 +10,7 @@ import httpx
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from llmgw import pki
+from llmgw import _httpclient, pki
 from llmgw._files import atomic_write
 from llmgw.agent.join import refusal
 from llmgw.config import TLSFiles
@@ -41,14 +41,12 @@ _REVOKED = "CERTIFICATE_REVOKED"
 def client_context(tls: TLSFiles) -> ssl.SSLContext:
     """Trust only the cluster CA; prove this node with its certificate."""
     try:
-        ctx = ssl.create_default_context(cafile=tls.ca)
-        ctx.load_cert_chain(tls.cert, tls.key)
+        return _httpclient.tls(ca=tls.ca, cert=tls.cert, key=tls.key)
     except (OSError, ssl.SSLError) as e:
         raise AgentAPIError(
             f"cannot load the node's TLS files (ca {tls.ca}, cert {tls.cert}, key {tls.key}): "
             f"{e}; run `pytest provision/` to issue them, or fix tls in agent.yaml"
         ) from e
-    return ctx
 
 
 class AgentClient:
@@ -59,7 +57,7 @@ class AgentClient:
         server: str,
         tls: TLSFiles,
         *,
-        timeout: float = 10.0,
+        timeout: float = _httpclient.TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.server = server.rstrip("/")
@@ -69,11 +67,11 @@ class AgentClient:
         self._http = self._client()
 
     def _client(self) -> httpx.Client:
-        verify: ssl.SSLContext | bool = (client_context(self.tls) if self._transport is None
-                                         else True)
+        verify: _httpclient.Verify = (client_context(self.tls) if self._transport is None
+                                      else True)
         limits = httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_S)
-        return httpx.Client(base_url=self.server, verify=verify, timeout=self._timeout,
-                            transport=self._transport, limits=limits)
+        return _httpclient.client(self.server, verify=verify, timeout=self._timeout,
+                                  transport=self._transport, limits=limits)
 
     def close(self) -> None:
         self._http.close()
@@ -122,9 +120,9 @@ class AgentClient:
         """Whether the control plane's revocation list, signed by the cluster CA, names
         this node's certificate; False when that cannot be told."""
         try:
-            ctx = ssl.create_default_context(cafile=self.tls.ca)
-            with httpx.Client(verify=ctx, timeout=self._timeout,
-                              transport=self._transport) as anonymous:
+            ctx = _httpclient.tls(ca=self.tls.ca)
+            with _httpclient.client(verify=ctx, timeout=self._timeout,
+                                    transport=self._transport) as anonymous:
                 crl_pem = anonymous.get(f"{self.server}{AgentPaths.CRL}").json()["crl"]
             crl = x509.load_pem_x509_crl(crl_pem.encode())
             ca, cert = pki.load_cert(self.tls.ca), pki.load_cert(self.tls.cert)
@@ -142,21 +140,18 @@ class AgentClient:
     def _send_or_raise(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
             return self._send(method, path, **kw)
-        except httpx.TimeoutException as e:
+        except httpx.HTTPError as e:
             # A revoked certificate is refused in the handshake, never left unanswered: no
             # second wait for the revocation list of a control plane that does not answer.
-            raise Unreachable(f"the control plane at {self.server} did not answer within "
-                              f"{self._timeout:g}s ({type(e).__name__})") from e
-        except httpx.HTTPError as e:
-            if _REVOKED in str(e).upper().replace(" ", "_") or self._revoked():
+            if not isinstance(e, httpx.TimeoutException) and (
+                    _REVOKED in str(e).upper().replace(" ", "_") or self._revoked()):
                 raise NodeRemoved(
                     f"the control plane at {self.server} refused this node's certificate as "
                     "revoked: the node was removed (llmgw node rm). Join it again with a new "
                     "token to serve"
                 ) from e
-            raise Unreachable(
-                f"the control plane at {self.server} did not answer: {e or type(e).__name__}"
-            ) from e
+            raise Unreachable(_httpclient.no_answer(e, f"the control plane at {self.server}",
+                                                    timeout=self._timeout)) from e
 
     def _body(self, response: httpx.Response) -> Any:
         """The answer's JSON object (the caller's annotation names its shape), or

@@ -18,15 +18,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from llmgw.agent import _build
+from llmgw.agent import _build, cache
 from llmgw.agent import gpus as gpu_discovery
-from llmgw.agent.engine import (
-    ENGINE,
+from llmgw.agent.engine import ENGINE, LlamaCpp
+from llmgw.agent.engines import (
     EngineUnavailable,
     Found,
-    LlamaCpp,
     Reporting,
     Status,
     one_line,
@@ -74,7 +72,7 @@ class CudaEngine(Reporting):
         self.version = cpu.source_version
         self.cache_dir = cpu.cache_dir
         self.found: Found | None = None
-        self._runner: Any = None
+        self._runner: _build.CudaBuild | None = None
         self._stopped = threading.Event()
         super().__init__(self._initial())
         self._thread: threading.Thread | None = None
@@ -214,9 +212,9 @@ class CudaEngine(Reporting):
     def _cache_stamp(self) -> tuple[float, ...]:
         """The modification times of the cache's engine and toolchain folders."""
         stamps = []
-        for sub in ("engines/llamacpp", "toolchains", "cuda"):
+        for folder in cache.watched(self.cache_dir):
             try:
-                stamps.append((self.cache_dir / sub).stat().st_mtime)
+                stamps.append(folder.stat().st_mtime)
             except OSError:
                 stamps.append(0.0)
         return tuple(stamps)

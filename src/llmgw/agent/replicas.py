@@ -1,10 +1,14 @@
-"""The replica supervisor: weights downloaded and checked, llama-server started, watched,
-restarted with backoff, and adopted again after the agent itself restarts.
+"""The replica supervisor, one job: this node's replicas held to what the control plane
+assigns, through their lifecycle (downloading, starting, ready, failed with backoff, given
+up, retired, adopted again after the agent restarts). What it drives lives beside it: the
+weights (llmgw.agent._weights), the engine's process and record (llmgw.agent.engine_process),
+its probes (llmgw.agent._probe), its slots (llmgw.agent.sizing).
 
 A replica placed on GPUs whose engine exits before it is ever ready GPU_START_ATTEMPTS
 times in a row (out of memory while loading, a CUDA error) is given up: not started again,
 and reported (`given_up` in the heartbeat, with the reason read from the engine's log) for
-GIVE_UP_FOR_S, so the control plane places the model on its next profile meanwhile.
+GIVE_UP_FOR_S (llmgw.agent._giveups), so the control plane places the model on its next
+profile meanwhile.
 
 Each replica's pid, port and key live in STATE/replicas/ID.json, written before the
 engine is considered started, so an agent that comes back (kill -9, upgrade) finds its
@@ -13,29 +17,36 @@ engines still serving and adopts them instead of starting second copies.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
 import secrets
-import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import httpx
 
+from llmgw import _httpclient
 from llmgw._files import atomic_write, last_lines
-from llmgw.agent import engine_log, sizing
-from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, GIVE_UP_FREE_GROWTH_MB, ReplicaState
+from llmgw.agent import _probe, _weights, engine_log, sizing
+from llmgw.agent._giveups import GIVE_UP_FOR_S, GiveUps, given_up
+from llmgw.agent.engine_process import (
+    Record,
+    command,
+    engine_for,
+    environment,
+    pid_is_engine,
+    placement,
+    read_record,
+    terminate,
+)
+from llmgw.contract import ReplicaState
 from llmgw.contract.records import (
     Assignment,
-    GivenUp,
     Gpu,
     Inventory,
     ReplicaReport,
@@ -47,9 +58,7 @@ from llmgw.netaddr import free_port
 
 log = logging.getLogger("llmgw.replicas")
 
-ENGINE_NAME = "llama-server"
 MAX_BACKOFF_S = 30.0
-STOP_GRACE_S = 10.0
 _LOG_TAIL = 8
 # How far back the engine's log is read for why a start failed.
 _REASON_LINES = 200
@@ -58,40 +67,10 @@ _REASON_LINES = 200
 # and one slow answer said nothing about whether the engine serves.
 PROBE_FAILURES_TO_LEAVE = 3
 PROBE_TIMEOUT_S = 5.0
-# A replica taken off this node: requests the gateway routed just before it left the table
-# get this long to arrive, then those under way at most RETIRE_DRAIN_S to finish (the
-# gateway's own drain bound), before its engine is stopped.
-RETIRE_GRACE_S = 1.0
-RETIRE_DRAIN_S = 30.0
 MAX_PROBES_AT_ONCE = 16
 # A replica on GPUs is given up after this many failed starts in a row (each an engine that
 # exited before it was ever ready), with the backoff above between them: 1 s, then 2 s.
 GPU_START_ATTEMPTS = 3
-# How long a given-up placement is reported: the control plane places no replica of that
-# model and profile on those cards meanwhile (unless a card's free memory grows by
-# contract GIVE_UP_FREE_GROWTH_MB), then may try them again. An agent that restarts
-# forgets its give-ups and tries again.
-GIVE_UP_FOR_S = 600.0
-
-
-@dataclass
-class Record:
-    """What survives the agent: enough to find, check and stop a running engine."""
-
-    id: str
-    model: str
-    profile: str
-    source: str
-    sha256: str
-    args: list[str]
-    weights: str = ""
-    pid: int = 0
-    port: int = 0
-    api_key: str = ""
-    # The engine it runs on (llamacpp, llamacpp-cuda) and its GPUs (NVML UUIDs, in order;
-    # none for a CPU profile). Absent from a record written before GPUs were placed.
-    engine: str = CPU_ENGINE
-    gpus: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -110,58 +89,6 @@ class Replica:
     # state -> how many times the replica entered it: a flap cannot hide between two polls.
     changes: dict[str, int] = field(default_factory=dict)
     worker: threading.Thread | None = field(default=None, repr=False)
-
-
-_LAYERS_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
-# Every layer: llama.cpp caps it at the model's layer count.
-ALL_LAYERS = "999"
-
-
-def engine_for(assignment: Assignment) -> str:
-    """The engine a replica runs on: one placed on GPUs needs llama.cpp built with CUDA,
-    whatever engine its profile names (profiles name the engine family, `llamacpp`)."""
-    return CUDA_ENGINE if assignment.get("gpus") else assignment.get("engine") or CPU_ENGINE
-
-
-def placement(gpus: list[str], known: list[Gpu],
-              args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
-    """The flags and environment that hold an engine to its GPUs, or to the CPU alone.
-
-    With GPUs: CUDA_VISIBLE_DEVICES names them by UUID (so the engine sees those and no
-    other, numbered CUDA0.. in that order), --device names all it sees and every layer is
-    offloaded unless the profile's args say how many. Without: no GPU visible, --device
-    none and no layer offloaded, since llama.cpp otherwise offloads to any GPU it finds.
-    A UUID this node's NVML did not report is refused: the engine would start elsewhere."""
-    layers_given = any(a in _LAYERS_FLAGS for a in args)
-    if not gpus:
-        return (["--device", "none", *([] if layers_given else ["--n-gpu-layers", "0"])],
-                {"CUDA_VISIBLE_DEVICES": ""})
-    here = {str(g.get("uuid", "")) for g in known}
-    missing = [u for u in gpus if u not in here]
-    if missing:
-        raise ValueError(f"the control plane placed this replica on {', '.join(missing)}, "
-                         f"which this node does not have (its GPUs: "
-                         f"{', '.join(sorted(here)) or 'none'}); the next heartbeat corrects "
-                         "the placement")
-    devices = ",".join(f"CUDA{i}" for i in range(len(gpus)))
-    return (["--device", devices, *([] if layers_given else ["--n-gpu-layers", ALL_LAYERS])],
-            {"CUDA_VISIBLE_DEVICES": ",".join(gpus)})
-
-
-def pid_is_engine(pid: int, port: int) -> bool:
-    """Whether pid is alive (not a zombie) and is a llama-server on port."""
-    if pid <= 0:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
-        return False
-    words = [a.decode(errors="replace") for a in argv]
-    # Two words: the prebuilt engine's launcher is a script, run as `python .../llama-server`.
-    return any(w.endswith(ENGINE_NAME) for w in words[:2]) and str(port) in words
 
 
 class ReplicaSupervisor:
@@ -194,13 +121,13 @@ class ReplicaSupervisor:
         self.bind_host = bind_host
         self.interface = interface
         self.clock = clock
-        self.http = http or httpx.Client(timeout=httpx.Timeout(30.0, read=300.0))
+        self.http = http or _httpclient.client(timeout=httpx.Timeout(30.0, read=300.0))
         self.probe_timeout_s = probe_timeout_s
         # 0: never give a GPU placement up (restarted with backoff, as a CPU one is).
         self.gpu_start_attempts = gpu_start_attempts
         self.give_up_for_s = give_up_for_s
-        # Placements given up (replica id -> what the heartbeat says, and since when).
-        self.given_up: dict[str, tuple[GivenUp, float]] = {}
+        # Placements given up, reported for give_up_for_s.
+        self.give_ups = GiveUps(give_up_for_s, clock)
         self.replicas: dict[str, Replica] = {}
         # Replicas stopping in the background (stop()), until their engine is gone.
         self.retiring: dict[str, threading.Thread] = {}
@@ -234,24 +161,11 @@ class ReplicaSupervisor:
                 for rid, r in self.replicas.items()}
         return {"replica_state_changes": changes,
                 "replica_logs": engine_log.tails(self.dir),
-                "given_up": self._given_up()}
-
-    def _given_up(self) -> list[GivenUp]:
-        """The placements given up within give_up_for_s (older ones forgotten)."""
-        with self._lock:
-            now = self.clock()
-            for rid in [rid for rid, (_, at) in self.given_up.items()
-                        if now - at >= self.give_up_for_s]:
-                del self.given_up[rid]
-            return [entry for entry, _ in self.given_up.values()]
+                "given_up": self.give_ups.current()}
 
     def warnings(self) -> list[str]:
         """A line per placement given up: which replica, which cards, why, and what then."""
-        return [f"replica {e['replica']} of {e['model']} ({e['profile']}) was given up on "
-                f"GPU {', '.join(e['gpus'])} after {e['starts']} failed starts: {e['reason']}; "
-                f"{e['model']} goes to its next profile, and this card is tried again after "
-                f"{self.give_up_for_s / 60:.0f} min or once it has "
-                f"{GIVE_UP_FREE_GROWTH_MB} MiB more free" for e in self._given_up()]
+        return self.give_ups.warnings()
 
     def set_state(self, replica: Replica, state: ReplicaState, why: str = "") -> None:
         """Every change of state is logged with its reason and counted."""
@@ -285,7 +199,7 @@ class ReplicaSupervisor:
         """Take over engines a previous agent started; forget records whose engine is gone."""
         for path in sorted(self.dir.glob("*.json")):
             try:
-                record = Record(**json.loads(path.read_text()))
+                record = read_record(path)
             except (OSError, ValueError, TypeError) as e:
                 log.warning("ignoring unreadable replica record %s: %s", path, e)
                 continue
@@ -329,31 +243,8 @@ class ReplicaSupervisor:
 
     def fetch_weights(self, record: Record) -> Path:
         """The model file, downloaded once into the weights cache and checked."""
-        url = urlparse(record.source)
-        # Never file://: the agent runs as root and would hand any file to an engine.
-        if url.scheme not in ("http", "https"):
-            raise ValueError(f"the agent downloads weights only over http(s), from the "
-                             f"mirror or a URL, not {record.source}; put the file in the "
-                             "mirror with `llmgw mirror import`")
-        name = Path(unquote(url.path)).name or "model.gguf"
-        target = self.weights_dir / (record.sha256 or record.model) / name
-        if target.exists():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{name}.part")
-        digest = hashlib.sha256()
-        with self.http.stream("GET", record.source) as response:
-            response.raise_for_status()
-            with open(tmp, "wb") as f:
-                for chunk in response.iter_bytes(1 << 20):
-                    digest.update(chunk)
-                    f.write(chunk)
-        if record.sha256 and digest.hexdigest() != record.sha256:
-            tmp.unlink(missing_ok=True)
-            raise ValueError(f"{record.source} has sha256 {digest.hexdigest()}, the catalog "
-                             f"says {record.sha256}; the mirror's copy is wrong or was replaced")
-        os.replace(tmp, target)
-        return target
+        return _weights.fetch(self.http, self.weights_dir, record.source, record.sha256,
+                              record.model)
 
     def start_engine(self, replica: Replica) -> None:
         record = replica.record
@@ -367,16 +258,8 @@ class ReplicaSupervisor:
         args = self.sized(record)
         record.port = free_port(self.bind_host)
         record.api_key = secrets.token_urlsafe(24)
-        # --metrics: the control plane scrapes each ready replica's /metrics. The placement
-        # comes last: llama.cpp takes the last --device, and the catalog's may not override
-        # the GPUs the scheduler counted.
-        argv = [engine, "-m", record.weights, "--host", self.bind_host, "--port",
-                str(record.port), "--api-key", record.api_key, "--metrics", *args.args,
-                *flags]
-        env = {**os.environ, **devices}
-        if self.interface:
-            env["NCCL_SOCKET_IFNAME"] = self.interface
-            env["GLOO_SOCKET_IFNAME"] = self.interface
+        argv = command(engine, record, self.bind_host, args.args, flags)
+        env = environment(devices, self.interface)
         with open(self.dir / f"{record.id}.log", "ab") as out:
             # Its own session: the engine outlives the agent and is adopted again.
             replica.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
@@ -414,14 +297,7 @@ class ReplicaSupervisor:
         record = replica.record
         reason = engine_log.failure_reason(
             engine_log.tail(self.dir / f"{record.id}.log", lines=_REASON_LINES)) or why
-        free = {str(g.get("uuid")): int(g.get("memory_free_mb", g.get("memory_mb", 0)))
-                for g in self.cards() if g.get("uuid") in record.gpus}
-        entry: GivenUp = {"replica": record.id, "model": record.model,
-                          "profile": record.profile, "gpus": list(record.gpus),
-                          "reason": reason, "starts": replica.failed_starts,
-                          "free_mb": free, "since": time.time()}
-        with self._lock:
-            self.given_up[record.id] = (entry, self.clock())
+        self.give_ups.add(given_up(record, reason, replica.failed_starts, self.cards()))
         replica.gave_up = True
         self.set_state(replica, ReplicaState.FAILED,
                        f"given up after {replica.failed_starts} failed starts on GPU "
@@ -487,28 +363,12 @@ class ReplicaSupervisor:
                          r.record.id, r.probe_failures, PROBE_FAILURES_TO_LEAVE, why)
 
     def _health(self, record: Record) -> tuple[str, str]:
-        """One probe of GET /health: (ok | loading | refused | slow, what was seen)."""
-        url = f"{self.endpoint(record)}/health"
-        try:
-            # A fresh connection each time: the probe runs once a heartbeat (5 s), exactly
-            # llama-server's keep-alive timeout, so a kept connection can be closed by the
-            # engine just as the probe reuses it; and a refusal then means what it says.
-            response = self.http.get(url, timeout=self.probe_timeout_s,
-                                     headers={"Connection": "close"})
-        except httpx.ConnectError as e:
-            return "refused", f"{url} refused the connection: {e}"
-        except httpx.HTTPError as e:
-            return "slow", f"{url}: {type(e).__name__} {e}".rstrip()
-        if response.status_code == 200:
-            return "ok", ""
-        if response.status_code == 503:
-            return "loading", "llama-server is loading the model (503)"
-        return "slow", f"{url} answered {response.status_code}"
+        return _probe.health(self.http, self.endpoint(record), self.probe_timeout_s)
 
     def stop(self, rid: str, *, wait: bool = False) -> threading.Thread | None:
         """Stop a replica no longer assigned here, in the background: once the gateway no
         longer sends it requests (it left the table before this node was told), its engine
-        finishes those under way (idle, or RETIRE_DRAIN_S at most), then stops."""
+        finishes those under way (idle, or _probe.RETIRE_DRAIN_S at most), then stops."""
         with self._lock:
             replica = self.replicas.pop(rid, None)
         if replica is None:
@@ -534,61 +394,4 @@ class ReplicaSupervisor:
                  replica.state)
 
     def _wait_idle(self, record: Record) -> str:
-        """Until the engine's slots are idle (llama-server's /metrics), after a grace in
-        which requests the gateway routed just before it dropped the replica arrive."""
-        time.sleep(RETIRE_GRACE_S)
-        deadline = time.monotonic() + RETIRE_DRAIN_S
-        while time.monotonic() < deadline:
-            busy = self._requests_under_way(record)
-            if busy is None:
-                return "its load cannot be read (no /metrics)"
-            if busy == 0:
-                return "its slots are idle"
-            time.sleep(0.25)
-        return f"still busy after {RETIRE_DRAIN_S:.0f}s"
-
-    def _requests_under_way(self, record: Record) -> int | None:
-        try:
-            response = self.http.get(f"{self.endpoint(record)}/metrics", timeout=5.0,
-                                     headers={"Authorization": f"Bearer {record.api_key}"})
-        except httpx.HTTPError:
-            return None
-        if response.status_code != 200:
-            return None
-        busy = 0
-        for line in response.text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("llamacpp:requests_processing", "llamacpp:requests_deferred"):
-                busy += int(float(value or 0))
-        return busy
-
-
-def terminate(pid: int, port: int, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """SIGTERM the engine, SIGKILL it after a grace period."""
-    if not pid_is_engine(pid, port):
-        return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    while pid_is_engine(pid, port) and time.monotonic() < deadline:
-        if proc is not None:
-            proc.poll()
-        time.sleep(0.1)
-    if pid_is_engine(pid, port):
-        os.kill(pid, signal.SIGKILL)
-    if proc is not None:
-        proc.wait(timeout=5)
-
-
-def stop_engines(state_dir: Path) -> list[str]:
-    """Stop every engine recorded under state_dir (used by `llmgw down`)."""
-    stopped = []
-    for path in sorted((Path(state_dir) / "replicas").glob("*.json")):
-        try:
-            record = Record(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue
-        if pid_is_engine(record.pid, record.port):
-            terminate(record.pid, record.port)
-            stopped.append(f"{record.id} (pid {record.pid})")
-        path.unlink(missing_ok=True)
-    return stopped
+        return _probe.wait_idle(self.http, self.endpoint(record), record.api_key)

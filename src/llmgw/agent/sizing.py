@@ -9,12 +9,13 @@ from pathlib import Path
 
 from llmgw import kv_sizing
 from llmgw.contract.records import Gpu
+from llmgw.errors import Error
 from llmgw.ggufmeta import GGUFError, geometry
 
 MIB = kv_sizing.MIB
 
 
-class DoesNotFit(RuntimeError):
+class DoesNotFit(Error):
     """The replica's cards have too little free memory for one slot now; the message says
     which, free against needed."""
 

@@ -1,13 +1,20 @@
-"""The catalog's shape: what a model must be to be served, checked on the way in (the admin
-API) and filled in on the way out (the store). The one definition of these rules; the
-TypedDicts of contract.records (ModelSpec, ProfileSpec, ScalingSpec, Geometry) are their
-dumped form, which readers hold, and a test holds the two to the same fields."""
+"""A catalog model, defined once: what the admin API takes (`llmgw models add FILE`), the
+store keeps and the scheduler and the gateway read, with the rules it must meet to be
+served and the defaults of what it may leave out.
+
+The records are TypedDicts, so every reader holds plain dicts; the rules and defaults ride
+in their annotations (Annotated, Field), and pydantic checks a new model against them
+(CATALOG_MODEL) and gives the admin API its OpenAPI shape. contract.records re-exports
+them beside the other records."""
 
 from __future__ import annotations
 
 import re
+from typing import Annotated, Any, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, with_config
+from pydantic.fields import FieldInfo
+from typing_extensions import TypedDict
 
 from llmgw.contract.states import CPU_ENGINE
 from llmgw.engine_args import check_engine_args
@@ -17,138 +24,156 @@ ENGINES = (CPU_ENGINE,)
 # No file://: the agent runs as root and would read any file the catalog named.
 SOURCE_SCHEMES = ("hf:", "https://", "http://")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+_STRICT = ConfigDict(extra="forbid")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def defaults(record: type) -> dict[str, Any]:
+    """The keys of a record below that have a default, each with the default its
+    annotation declares (a fresh one: lists and dicts are never shared)."""
+    found = {}
+    for key, hint in get_type_hints(record, include_extras=True).items():
+        info = FieldInfo.from_annotation(hint)
+        if not info.is_required():
+            found[key] = info.get_default(call_default_factory=True)
+    return found
 
 
-class Scaling(_Strict):
-    min: int = Field(1, ge=0, le=64)
-    max: int = Field(1, ge=1, le=64)
-
-    @model_validator(mode="after")
-    def _min_le_max(self) -> Scaling:
-        if self.min > self.max:
-            raise ValueError(f"scaling.min ({self.min}) is above scaling.max ({self.max})")
-        return self
+def _name_shape(v: str) -> str:
+    if not _NAME.match(v):
+        raise ValueError(
+            f"name {v!r} must be lower-case letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, at most 128 characters"
+        )
+    return v
 
 
-class Profile(_Strict):
+def _alias_shape(v: list[str]) -> list[str]:
+    for alias in v:
+        _name_shape(alias)
+    return v
+
+
+def _source_scheme(v: str) -> str:
+    if v.startswith("file:"):
+        raise ValueError(
+            f"source {v!r} is a file on the control plane's machine, which nodes cannot "
+            "read; put it in the mirror with `llmgw mirror import FILE --model M --version "
+            "V` and use the URL that prints"
+        )
+    if not v.startswith(SOURCE_SCHEMES):
+        raise ValueError(f"source {v!r} must start with one of {', '.join(SOURCE_SCHEMES)}")
+    return v
+
+
+def _hex_digest(v: str) -> str:
+    if v and not re.fullmatch(r"[0-9a-f]{64}", v):
+        raise ValueError("sha256 must be 64 lower-case hex digits, or empty when unknown")
+    return v
+
+
+def _known_engine(v: str) -> str:
+    if v not in ENGINES:
+        raise ValueError(f"engine {v!r} is unknown; llmgw serves {', '.join(ENGINES)}")
+    return v
+
+
+def _allowed_args(v: list[str]) -> list[str]:
+    check_engine_args(v)
+    return v
+
+
+@with_config(_STRICT)
+class ScalingSpec(TypedDict):
+    """How many replicas of a model the scheduler keeps: at least min, at most max."""
+
+    min: Annotated[int, Field(default=1, ge=0, le=64)]
+    max: Annotated[int, Field(default=1, ge=1, le=64)]
+
+
+def _min_le_max(v: ScalingSpec) -> ScalingSpec:
+    if v["min"] > v["max"]:
+        raise ValueError(f"scaling.min ({v['min']}) is above scaling.max ({v['max']})")
+    return v
+
+
+@with_config(_STRICT)
+class ProfileSpec(TypedDict):
     """One way to serve the model: on which engine, what hardware, with which arguments."""
 
-    name: str = Field(min_length=1, max_length=64)
-    engine: str
-    gpu_class: str = ""
-    priority: int = Field(100, ge=0, le=10_000)
-    min_memory_gb: float = Field(0, ge=0)
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    args: list[str] = Field(default_factory=list)
-
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, v: str) -> str:
-        if v not in ENGINES:
-            raise ValueError(f"engine {v!r} is unknown; llmgw serves {', '.join(ENGINES)}")
-        return v
-
-    @field_validator("args")
-    @classmethod
-    def _allowed_args(cls, v: list[str]) -> list[str]:
-        check_engine_args(v)
-        return v
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    engine: Annotated[str, AfterValidator(_known_engine)]
+    gpu_class: Annotated[str, Field(default="")]
+    priority: Annotated[int, Field(default=100, ge=0, le=10_000)]
+    min_memory_gb: Annotated[float, Field(default=0, ge=0)]
+    node_selector: Annotated[dict[str, str], Field(default_factory=dict)]
+    args: Annotated[list[str], AfterValidator(_allowed_args), Field(default_factory=list)]
 
 
-class Geometry(_Strict):
-    """A model's KV-cache shape from its GGUF header (contract.records.Geometry); 0 where
-    the file does not say."""
-
-    block_count: int = Field(0, ge=0)
-    context_length: int = Field(0, ge=0)
-    head_count: int = Field(0, ge=0)
-    head_count_kv: int = Field(0, ge=0)
-    embedding_length: int = Field(0, ge=0)
-    key_length: int = Field(0, ge=0)
-    value_length: int = Field(0, ge=0)
-    feed_forward_length: int = Field(0, ge=0)
+_GEOMETRY_KEY = Annotated[int, Field(default=0, ge=0)]
 
 
-class Model(_Strict):
-    """A catalog model, as the admin API takes it (`llmgw models add FILE`)."""
+@with_config(_STRICT)
+class Geometry(TypedDict, total=False):
+    """What a model's KV cache takes, from its GGUF header (`<arch>.` keys): layers, the
+    context it was trained for, attention heads (and key/value heads), the embedding and
+    feed-forward widths (the compute buffer holds a batch's activations), and the key and
+    value widths of a head where the file says them. 0 (or absent, as ggufmeta reads it)
+    where the file does not say."""
 
-    name: str
-    aliases: list[str] = Field(default_factory=list)
-    description: str = ""
-    source: str
-    sha256: str = ""
-    routing_profile: str = "chat"
-    context_length: int = Field(4096, ge=1)
-    max_output: int = Field(1024, ge=1)
-    scaling: Scaling = Field(default_factory=Scaling)
-    profiles: list[Profile] = Field(min_length=1)
-    # The file's size and KV geometry: read from its GGUF header when it is added (the
-    # admin API fills them in), 0 where it could not be read.
-    size_bytes: int = Field(0, ge=0)
-    geometry: Geometry = Field(default_factory=Geometry)
-
-    @field_validator("name")
-    @classmethod
-    def _name_shape(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError(
-                f"name {v!r} must be lower-case letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit, at most 128 characters"
-            )
-        return v
-
-    @field_validator("aliases")
-    @classmethod
-    def _alias_shape(cls, v: list[str]) -> list[str]:
-        for alias in v:
-            cls._name_shape(alias)
-        return v
-
-    @field_validator("source")
-    @classmethod
-    def _source_scheme(cls, v: str) -> str:
-        if v.startswith("file:"):
-            raise ValueError(
-                f"source {v!r} is a file on the control plane's machine, which nodes cannot "
-                "read; put it in the mirror with `llmgw mirror import FILE --model M --version "
-                "V` and use the URL that prints"
-            )
-        if not v.startswith(SOURCE_SCHEMES):
-            raise ValueError(f"source {v!r} must start with one of {', '.join(SOURCE_SCHEMES)}")
-        return v
-
-    @field_validator("sha256")
-    @classmethod
-    def _hex_digest(cls, v: str) -> str:
-        if v and not re.fullmatch(r"[0-9a-f]{64}", v):
-            raise ValueError("sha256 must be 64 lower-case hex digits, or empty when unknown")
-        return v
-
-    @model_validator(mode="after")
-    def _unique_profiles(self) -> Model:
-        names = [p.name for p in self.profiles]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"profile names must be unique; repeated: {', '.join(dupes)}")
-        if self.name in self.aliases:
-            raise ValueError(f"alias {self.name!r} repeats the model's own name")
-        return self
-
-    def names(self) -> list[str]:
-        """The name and every alias: what a client may ask for."""
-        return [self.name, *self.aliases]
+    block_count: _GEOMETRY_KEY
+    context_length: _GEOMETRY_KEY
+    head_count: _GEOMETRY_KEY
+    head_count_kv: _GEOMETRY_KEY
+    embedding_length: _GEOMETRY_KEY
+    key_length: _GEOMETRY_KEY
+    value_length: _GEOMETRY_KEY
+    feed_forward_length: _GEOMETRY_KEY
 
 
-def _defaults() -> dict[str, object]:
-    example = Model(name="x", source="http://x", profiles=[Profile(name="p", engine="llamacpp")])
-    return {name: value for name, value in example.model_dump().items()
-            if not Model.model_fields[name].is_required()}
+@with_config(_STRICT)
+class ModelSpec(TypedDict):
+    """A catalog model, as the admin API takes it (CATALOG_MODEL checks it) and shows it,
+    and as stored."""
+
+    name: Annotated[str, AfterValidator(_name_shape)]
+    aliases: Annotated[list[str], AfterValidator(_alias_shape), Field(default_factory=list)]
+    description: Annotated[str, Field(default="")]
+    source: Annotated[str, AfterValidator(_source_scheme)]
+    # "" when the digest is unknown (and in rows stored before the catalog took one).
+    sha256: Annotated[str, AfterValidator(_hex_digest), Field(default="")]
+    routing_profile: Annotated[str, Field(default="chat")]
+    context_length: Annotated[int, Field(default=4096, ge=1)]
+    max_output: Annotated[int, Field(default=1024, ge=1)]
+    scaling: Annotated[ScalingSpec, AfterValidator(_min_le_max),
+                       Field(default_factory=lambda: defaults(ScalingSpec))]
+    profiles: Annotated[list[ProfileSpec], Field(min_length=1)]
+    # The file's size and KV geometry: read from its GGUF header when the model is added
+    # (the admin API fills them in), 0 where it could not be read (and in rows stored
+    # before): what the scheduler checks a GPU's memory by.
+    size_bytes: Annotated[int, Field(default=0, ge=0)]
+    geometry: Annotated[Geometry, Field(default_factory=lambda: defaults(Geometry))]
 
 
-# A catalog model's optional fields as Model fills them in (a row stored before one of them
+def _unique_names(v: ModelSpec) -> ModelSpec:
+    names = [p["name"] for p in v["profiles"]]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"profile names must be unique; repeated: {', '.join(dupes)}")
+    if v["name"] in v["aliases"]:
+        raise ValueError(f"alias {v['name']!r} repeats the model's own name")
+    return v
+
+
+# A catalog model as a client sends it: ModelSpec's fields, each checked, with what it
+# leaves out filled in, and then the rules across fields.
+CatalogModel = Annotated[ModelSpec, AfterValidator(_unique_names)]
+CATALOG_MODEL: TypeAdapter[ModelSpec] = TypeAdapter(CatalogModel)
+
+# A catalog model's optional fields as declared above (a row stored before one of them
 # existed gets these when read).
-SPEC_DEFAULTS = _defaults()
+SPEC_DEFAULTS = defaults(ModelSpec)
+
+
+def names(model: ModelSpec) -> list[str]:
+    """The name and every alias: what a client may ask for."""
+    return [model["name"], *model["aliases"]]

@@ -4,6 +4,7 @@ key), what was found and what is allowed."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -27,16 +28,26 @@ def problem(error: Mapping[str, Any], model: type[BaseModel] | None = None, *,
         loc = loc[1:]
     error = {**error, "loc": tuple(loc)}
     where = ".".join(str(part) for part in error["loc"]) or "the whole value"
-    if error["type"] == "extra_forbidden" and model is not None:
+    # A dataclass (`Limits`) says "unexpected_keyword_argument" where a model says
+    # "extra_forbidden": both are a key the shape does not know.
+    unknown = error["type"] in ("extra_forbidden", "unexpected_keyword_argument")
+    if unknown and model is not None:
         section: Any = model
         for part in error["loc"][:-1]:
             fields = getattr(section, "model_fields", {})
             section = fields[str(part)].annotation if str(part) in fields else None
-        known = ", ".join(getattr(section, "model_fields", {})) or "none"
+        known = ", ".join(_keys(section)) or "none"
         return f"{where} is not a known key (known here: {known})"
-    if error["type"] == "extra_forbidden":
+    if unknown:
         return f"{where} is not a known key"
     if error["type"] == "missing":
         return f"{where} is missing"
     message = str(error["msg"]).removeprefix("Value error, ")
     return f"{where} is {error.get('input')!r}: {message}"
+
+
+def _keys(section: Any) -> list[str]:
+    """The keys a validated shape knows: a model's fields, or a dataclass's (`Limits`)."""
+    if dataclasses.is_dataclass(section):
+        return [f.name for f in dataclasses.fields(section)]
+    return list(getattr(section, "model_fields", {}))

@@ -1,5 +1,6 @@
 """The records that cross a boundary, as typed dicts: the store's rows, the admin API's
-views, the catalog model, and the heartbeat with its answer.
+views, the catalog model (defined with its rules in contract.catalog), and the heartbeat
+with its answer.
 
 They are TypedDicts, not models, so every reader keeps plain dicts (JSON in, JSON out);
 pydantic's TypeAdapters check them at the store's boundary and give the admin API its
@@ -9,13 +10,18 @@ typed, and keys a newer agent adds are kept as sent.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypeVar, cast
+from typing import Annotated, Any, Literal, NotRequired, TypeVar, cast
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError, with_config
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict
 
 from llmgw.contract import REPORTED_REPLICA_STATES, NodeState, ReplicaState
+from llmgw.contract.catalog import Geometry as Geometry
+from llmgw.contract.catalog import ModelSpec as ModelSpec
+from llmgw.contract.catalog import ProfileSpec as ProfileSpec
+from llmgw.contract.catalog import ScalingSpec as ScalingSpec
 from llmgw.contract.explain import problems
+from llmgw.errors import Error
 
 T = TypeVar("T")
 _OPEN = ConfigDict(extra="allow")
@@ -170,59 +176,6 @@ class PublicReplica(TypedDict):
     held_back: NotRequired[str]
 
 
-class ScalingSpec(TypedDict):
-    min: int
-    max: int
-
-
-class ProfileSpec(TypedDict):
-    """One way to serve a catalog model (checked on the way in by contract.catalog.Profile)."""
-
-    name: str
-    engine: str
-    gpu_class: str
-    priority: int
-    min_memory_gb: float
-    node_selector: dict[str, str]
-    args: list[str]
-
-
-class Geometry(TypedDict, total=False):
-    """What a model's KV cache takes, from its GGUF header (`<arch>.` keys): layers, the
-    context it was trained for, attention heads (and key/value heads), the embedding and
-    feed-forward widths (the compute buffer holds a batch's activations), and the key and
-    value widths of a head where the file says them."""
-
-    block_count: int
-    context_length: int
-    head_count: int
-    head_count_kv: int
-    embedding_length: int
-    key_length: int
-    value_length: int
-    feed_forward_length: int
-
-
-class ModelSpec(TypedDict):
-    """A catalog model as stored and as the admin API shows it (contract.catalog.Model, dumped)."""
-
-    name: str
-    aliases: list[str]
-    description: str
-    source: str
-    # "" when the digest is unknown (and in rows stored before the catalog took one).
-    sha256: str
-    routing_profile: str
-    context_length: int
-    max_output: int
-    scaling: ScalingSpec
-    profiles: list[ProfileSpec]
-    # Read from the file's GGUF header when the model is added (0 where it could not be
-    # read, and in rows stored before): what the scheduler checks a GPU's memory by.
-    size_bytes: int
-    geometry: Geometry
-
-
 # The states an agent may report of a replica it runs (REPORTED_REPLICA_STATES): pending
 # and stopped are the scheduler's alone.
 ReportedState = Literal[ReplicaState.DOWNLOADING, ReplicaState.STARTING, ReplicaState.READY,
@@ -347,17 +300,18 @@ class NewKey(PublicKey):
 class DriftFailure(TypedDict):
     """A promise that fails on a host, since when (unix seconds), and why."""
 
-    promise: str
+    promise: Annotated[str, Field(max_length=200)]
     since: float
-    message: str
+    message: Annotated[str, Field(default="", max_length=4000)]
 
 
 class DriftReport(TypedDict):
-    """A host's last round of `llmgw check --serve`, as it sends it to the control plane."""
+    """A host's last round of `llmgw check --serve`, as it sends it to the control plane
+    (DRIFT_REPORT checks it there)."""
 
     checked: float
-    promises: int
-    failing: list[DriftFailure]
+    promises: Annotated[int, Field(ge=0)]
+    failing: Annotated[list[DriftFailure], Field(default_factory=list, max_length=1000)]
 
 
 class HostDrift(DriftReport):
@@ -402,9 +356,10 @@ INVENTORY: TypeAdapter[Inventory] = TypeAdapter(Inventory)
 REPLICA: TypeAdapter[ReplicaRecord] = TypeAdapter(ReplicaRecord)
 REPLICA_UPDATE: TypeAdapter[ReplicaUpdate] = TypeAdapter(ReplicaUpdate)
 REPORTS: TypeAdapter[ReplicaReports] = TypeAdapter(ReplicaReports)
+DRIFT_REPORT: TypeAdapter[DriftReport] = TypeAdapter(DriftReport)
 
 
-class RecordError(ValueError):
+class RecordError(Error, ValueError):
     """A record the store refuses; the message names each bad key and what it allows."""
 
 

@@ -9,7 +9,7 @@ holder is the set of prefix keys of the last request that went to it.
 The engine (llama-server) takes a request's `id_slot` and then runs it in that slot whatever
 the slot holds, and with `id_slot` it neither saves what the slot held to its prompt cache in
 RAM nor loads the request's best match from it. Without `id_slot`, under
-`--slot-prompt-similarity 0` (which the control plane gives replicas, control/engine_args),
+`--slot-prompt-similarity 0` (which the control plane gives replicas, engine_args),
 it takes the least recently used idle slot, saves that slot's state to its cache and loads
 the request's best cached state. So the gateway pins a request to a slot only where that
 slot holds the request's own prefix; anywhere else the engine's own cache does better, and

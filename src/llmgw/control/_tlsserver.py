@@ -1,8 +1,8 @@
 """The agent API's server: TLS admission, then llmgw's HTTP/1.1 core, on one event loop in a
 thread of its own (no thread per connection).
 
-Not uvicorn: the handshake is admitted here, before a connection may cost anything, and
-identity comes from it (the core hands the verified client certificate's CN and serial
+Not the core's own listener: the handshake is admitted here, before a connection may cost
+anything, and identity comes from it (the core hands the verified client certificate's CN and serial
 to the app in the scope's TLS extension). Every node reaches this port, and a client
 without a certificate may connect (to join), so a connection is admitted in three steps:
 its first byte and whole ClientHello must come within first_byte_timeout_s (it takes no
@@ -31,12 +31,11 @@ from urllib.parse import parse_qsl
 from llmgw._asgi import Receive, Scope, Send
 from llmgw._http1 import Http1Server
 from llmgw._http1_limits import Limits
-from llmgw.config import AgentHttpLimits
+from llmgw.config import AGENT_LIMITS
 
 log = logging.getLogger("llmgw.agent_api")
 
 BACKLOG = 2048
-MAX_BODY = 4 * 1024 * 1024
 # TLS handshakes in progress at once; the rest wait, accepted, in their sockets. Every node
 # reconnects after a control-plane restart: handshakes all in progress together each take
 # seconds, the agents give up on them and try again, and the work done is lost.
@@ -48,7 +47,7 @@ HANDSHAKE_QUEUE_S = 5.0
 # The handshake's deadline when set (tests set it); else the limits' handshake_timeout_s.
 HANDSHAKE_TIMEOUT_S: float | None = None
 # The agent API's limits unless server.yaml's agent_http says otherwise (its defaults).
-DEFAULT_LIMITS = AgentHttpLimits().limits()
+DEFAULT_LIMITS = AGENT_LIMITS
 # A TLS record: type 22 (handshake), a version, a length of at most 2^14 (+ expansion).
 _HANDSHAKE_RECORD = 0x16
 _MAX_RECORD = (1 << 14) + 2048
@@ -268,13 +267,9 @@ class TLSServer:
         if early is not None:
             await _send(send, early)
             return
-        body, too_large = await _body(receive)
+        body = await _body(receive)
         if body is None:
             return  # the client left (or a deadline let it go) before its body came
-        if too_large:
-            await _send(send, Reply(413, {"detail": f"a request body is at most {MAX_BODY} "
-                                                    "bytes"}, close=True))
-            return
         query = dict(parse_qsl(scope["query_string"].decode("latin-1")))
         request = Request(method, path, query, body, peer)
         try:
@@ -288,22 +283,17 @@ class TLSServer:
         await _send(send, reply)
 
 
-async def _body(receive: Receive) -> tuple[bytes | None, bool]:
-    """The whole body (None when the client went first), and whether it passed MAX_BODY
-    (then what came is dropped)."""
+async def _body(receive: Receive) -> bytes | None:
+    """The whole body (the core holds it to the limits' max_body_bytes, answering 413
+    beyond); None when the client went first."""
     parts: list[bytes] = []
-    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return None, False
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY:
-            return b"", True
-        parts.append(chunk)
+            return None
+        parts.append(message.get("body", b""))
         if not message.get("more_body"):
-            return b"".join(parts), False
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def _send(send: Send, reply: Reply) -> None:

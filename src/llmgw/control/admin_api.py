@@ -7,17 +7,16 @@ import logging
 import secrets
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
-import httpx
 from fastapi import FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
+from llmgw import _httpclient
 from llmgw.contract import AdminPaths
-from llmgw.contract.catalog import Model
+from llmgw.contract.catalog import CatalogModel, names
 from llmgw.contract.explain import problems
 from llmgw.contract.records import (
     ControlPlaneView,
@@ -187,7 +186,8 @@ def make_admin_app(
                       f"{store.why(e)}; nothing was changed; the control plane reconnects "
                       "by itself, so try again once the database answers"})
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
-    scraper = httpx.AsyncClient()
+    # httpx's own default wait; each scrape names its own (ENGINE_SCRAPE_TIMEOUT_S).
+    scraper = _httpclient.async_client(timeout=5.0)
     add_drift_routes(app, drift or DriftBoard())
     add_fleet_page(app, credentials, sessions, TrafficWatch(metrics.gateway_url, scraper))
 
@@ -284,26 +284,24 @@ def make_admin_app(
         return store.models()
 
     @app.post("/api/v1/models", status_code=201, response_model=None)
-    def add_model(model: Model) -> ModelSpec:
-        taken = {n for m in store.models() for n in [m["name"], *m["aliases"]]}
-        clash = [n for n in model.names() if n in taken]
+    def add_model(model: CatalogModel) -> ModelSpec:
+        taken = {n for m in store.models() for n in names(m)}
+        clash = [n for n in names(model) if n in taken]
         if clash:
             raise HTTPException(
                 409,
                 f"{', '.join(clash)} already names a model in the catalog; "
-                f"DELETE /api/v1/models/{model.name} first to replace it",
+                f"DELETE /api/v1/models/{model['name']} first to replace it",
             )
-        # pydantic types a dump as dict[str, Any]; contract.catalog.Model's fields are ModelSpec's.
-        spec = cast(ModelSpec, model.model_dump())
-        if not spec["size_bytes"]:
-            spec["size_bytes"], geometry, why = read_file_facts(spec["source"])
-            spec["geometry"] = {**spec["geometry"], **geometry}
+        if not model["size_bytes"]:
+            model["size_bytes"], geometry, why = read_file_facts(model["source"])
+            model["geometry"] = {**model["geometry"], **geometry}
             if why:
                 log.warning("model %s: %s; the scheduler places it without checking that "
-                            "it fits a GPU's memory", model.name, why)
-        if not store.add_model(spec):
-            raise HTTPException(409, f"{model.name} is already in the catalog")
-        return spec
+                            "it fits a GPU's memory", model["name"], why)
+        if not store.add_model(model):
+            raise HTTPException(409, f"{model['name']} is already in the catalog")
+        return model
 
     @app.get("/api/v1/models/{name}", response_model=None)
     def get_model(name: str) -> ModelSpec:

@@ -25,6 +25,7 @@ from llmgw import pki
 from llmgw._http1_limits import Limits
 from llmgw.contract import AgentPaths, ReplicaState
 from llmgw.contract.records import (
+    DRIFT_REPORT,
     REPORTS,
     Assignment,
     HeartbeatAnswer,
@@ -34,11 +35,11 @@ from llmgw.contract.records import (
     checked,
 )
 from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
-from llmgw.control.drift import DriftBoard, Report
-from llmgw.control.engine_args import engine_args
+from llmgw.control.drift import DriftBoard
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import needed_engine
 from llmgw.control.store import Store, StoreError
+from llmgw.engine_args import engine_args
 
 log = logging.getLogger("llmgw.agent_api")
 
@@ -190,7 +191,7 @@ class AgentAPI:
         """This node's last round of `llmgw check --serve`, kept under its certificate's
         name (whatever the body says), beside the rounds the admin API takes."""
         try:
-            report = Report.model_validate(request.json())
+            report = DRIFT_REPORT.validate_python(request.json())
             return Reply(200, self.drift.put(request.peer.cn, report))
         except ValidationError as e:
             return Reply(422, {"detail": f"the drift report is not one: {e}"})

@@ -7,6 +7,7 @@ import logging
 
 import httpx
 
+from llmgw import _httpclient
 from llmgw.contract.records import Geometry as GeometrySpec
 from llmgw.ggufmeta import ChunkReader, GGUFError, read_geometry
 
@@ -27,7 +28,7 @@ def read_file_facts(source: str, *, timeout_s: float = HEADER_TIMEOUT_S,
         return 0, {}, f"{source} is not an http(s) URL (the mirror's are)"
     headers = {"Range": f"bytes=0-{HEADER_LIMIT - 1}"}
     try:
-        with httpx.Client(timeout=timeout_s, transport=transport) as client, \
+        with _httpclient.client(timeout=timeout_s, transport=transport) as client, \
                 client.stream("GET", source, headers=headers) as r:
             if r.status_code not in (200, 206):
                 return 0, {}, f"GET {source} answered {r.status_code}"

@@ -30,7 +30,7 @@ from llmgw import __version__
 from llmgw._asgi import Receive, Scope, Send
 from llmgw._http1 import Http1Server
 from llmgw._http1_limits import Limits
-from llmgw._serving import on_stop_signals
+from llmgw._service import on_stop_signals
 from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.control._fastpath import FastPath
 from llmgw.control._slottable import RouteDecisions
@@ -286,9 +286,10 @@ BODY_FRAMING_SLACK_BYTES = 1 << 20
 
 def gateway_limits(config: ServerConfig) -> Limits:
     """The HTTP core's limits for the gateway: gateway_http, with the body limit on the
-    wire above gateway_max_body_bytes unless gateway_http.max_body_bytes is set."""
-    limits = config.gateway_http.limits()
-    if "max_body_bytes" not in config.gateway_http.model_fields_set:
+    wire above gateway_max_body_bytes unless gateway_http.max_body_bytes is set (to other
+    than its default)."""
+    limits = config.gateway_http
+    if limits.max_body_bytes == Limits().max_body_bytes:
         limits = replace(limits, max_body_bytes=max(
             limits.max_body_bytes, config.gateway_max_body_bytes + BODY_FRAMING_SLACK_BYTES))
     return limits

@@ -10,24 +10,11 @@ import threading
 import time
 
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, Field
 
 from llmgw.contract import AdminPaths
-from llmgw.contract.records import HostDrift
+from llmgw.contract.records import DriftReport, HostDrift
 
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
-
-
-class Failing(BaseModel):
-    promise: str = Field(max_length=200)
-    since: float
-    message: str = Field("", max_length=4000)
-
-
-class Report(BaseModel):
-    checked: float
-    promises: int = Field(ge=0)
-    failing: list[Failing] = Field(default_factory=list, max_length=1000)
 
 
 class DriftBoard:
@@ -38,16 +25,14 @@ class DriftBoard:
         self._reports: dict[str, HostDrift] = {}
         self._lock = threading.Lock()
 
-    def put(self, host: str, body: Report) -> HostDrift:
+    def put(self, host: str, body: DriftReport) -> HostDrift:
         """Keep host's last round, replacing the one before; ValueError for a bad name."""
         if not _HOST.match(host):
             raise ValueError(f"host {host[:80]!r} is not a host name (letters, digits, "
                              "'.', '_', '-')")
         entry: HostDrift = {
-            "host": host, "received": time.time(), "checked": body.checked,
-            "promises": body.promises,
-            "failing": [{"promise": f.promise, "since": f.since, "message": f.message}
-                        for f in body.failing],
+            "host": host, "received": time.time(), "checked": body["checked"],
+            "promises": body["promises"], "failing": body["failing"],
         }
         with self._lock:
             self._reports[host] = entry
@@ -62,7 +47,7 @@ def add_drift_routes(app: FastAPI, board: DriftBoard) -> None:
     """PUT /api/v1/drift/{host} (a host's last round), GET /api/v1/drift (every host's)."""
 
     @app.put(AdminPaths.drift("{host}"))
-    def report(host: str, body: Report) -> HostDrift:
+    def report(host: str, body: DriftReport) -> HostDrift:
         """The last round of `llmgw check --serve` on host; replaces the one before."""
         try:
             return board.put(host, body)

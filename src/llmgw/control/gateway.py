@@ -33,6 +33,7 @@ from llmgw.control.balancer import (
 )
 from llmgw.control.metrics import GatewayMetrics
 from llmgw.control.store import Store, StoreError
+from llmgw.errors import Error
 
 log = logging.getLogger("llmgw.gateway")
 
@@ -46,7 +47,7 @@ JSON_HEADERS = [(b"content-type", b"application/json")]
 USAGE_FLUSH_S = 2.0
 
 
-class GatewayError(Exception):
+class GatewayError(Error):
     """An answer in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, type_: str, code: str,

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmgw import pki
-from llmgw._serving import on_stop_signals, quiet_server
+from llmgw._http1 import Http1Server
+from llmgw._service import listening, on_stop_signals
 from llmgw.config import ServerConfig, connect_host, parse_listen
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
@@ -29,6 +30,8 @@ log = logging.getLogger("llmgw.server")
 # 2 busy cores: rare enough here to stay out of the p99, often enough to free the
 # cycles of closed connections.
 GC_EVERY_S = 600.0
+# A stopping control plane lets admin requests under way finish this long, then cuts them.
+ADMIN_DRAIN_S = 30.0
 
 
 def tune_gc() -> None:
@@ -94,7 +97,7 @@ def agent_api_server(config: ServerConfig, store: Store,
     if metrics is not None:
         api.heartbeat_timer = metrics.heartbeats.seconds.time
     return AgentAPIServer(host, port, mtls_context(*tls), api, tls=tls,
-                          limits=config.agent_http.limits())
+                          limits=config.agent_http)
 
 
 def _live_control_planes(store: Store, config: ServerConfig) -> Callable[[], list[str]]:
@@ -157,23 +160,22 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
     admin = make_admin_app(store, node_timeout_s=config.node_timeout_s,
                            token_hash=admin_token_hash, metrics=metrics,
                            on_node_removed=agent_api.revoke, drift=agent_api.api.drift)
-    servers = [quiet_server(admin, config.admin_listen)]
+    admin_server = Http1Server(admin, config.admin_listen, drain_s=ADMIN_DRAIN_S)
     scheduler = Scheduler(store, config.node_timeout_s)
     leadership = Leadership(store, identity(config))
     stopping = asyncio.Event()
 
     def stop() -> None:
         stopping.set()
-        for s in servers:
-            s.should_exit = True
+        admin_server.should_exit = True
 
     on_stop_signals(log, stop)
     agent_api.start()
-    log.info("control plane %s: admin %s, agent API %s (mTLS), state %s",
-             leadership.me.id, config.admin_listen, config.agent_listen, config.state_dir)
     try:
-        await asyncio.gather(*(s.serve() for s in servers),
-                             _schedule(scheduler, leadership, stopping))
+        serving = await listening(admin_server, "the admin API")
+        log.info("control plane %s: admin %s, agent API %s (mTLS), state %s",
+                 leadership.me.id, config.admin_listen, config.agent_listen, config.state_dir)
+        await asyncio.gather(serving, _schedule(scheduler, leadership, stopping))
     finally:
         leadership.release()
         agent_api.stop()

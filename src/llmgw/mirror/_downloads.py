@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
+from llmgw import _httpclient
 from llmgw.contract.records import MirrorVersion
 from llmgw.mirror import _sources as sources
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT, Disk, Record
@@ -64,7 +65,7 @@ class Manager:
         # The only folders a file:// source may be read from (the mirror may run as root).
         self.import_dirs = tuple(Path(d).resolve() for d in import_dirs)
         self._receiving: set[tuple[str, str]] = set()
-        self._client = client or httpx.Client(
+        self._client = client or _httpclient.client(
             follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0)
         )
         self._lock = threading.Lock()

@@ -13,6 +13,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 
+from llmgw.errors import Error
 from llmgw.mirror._disk import is_name
 from llmgw.mirror._errors import SourceError
 
@@ -148,15 +149,15 @@ class Opened:
             closer()
 
 
-class Changed(Exception):
+class Changed(Error):
     """The source no longer is the file a partial download came from; start over."""
 
 
-class Gone(Exception):
+class Gone(Error):
     """The source answered in a way a retry will not fix (404, 403, …)."""
 
 
-class Unavailable(Exception):
+class Unavailable(Error):
     """The source is busy or failing for now (5xx, 429): worth another try."""
 
 

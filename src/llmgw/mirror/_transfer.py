@@ -13,6 +13,7 @@ import httpx
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
 from llmgw.contract.records import DownloadStatus
+from llmgw.errors import Error
 from llmgw.mirror import _sources as sources
 from llmgw.mirror._disk import DOWNLOADING, Record
 from llmgw.mirror._errors import Forbidden
@@ -21,11 +22,11 @@ from llmgw.mirror._errors import Forbidden
 MAX_STALLS = 8
 
 
-class Stopped(Exception):
+class Stopped(Error):
     """The mirror is shutting down; the partial file stays for the next start."""
 
 
-class Interrupted(Exception):
+class Interrupted(Error):
     """The connection ended before the whole file came; resume from where it stopped."""
 
 

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from llmgw._serving import on_stop_signals, quiet_server
+from llmgw._http1 import Http1Server
+from llmgw._http1_limits import Limits
+from llmgw._service import listening, on_stop_signals
 from llmgw.config import MIRROR_API_LISTEN, MIRROR_LISTEN, connect_host, parse_listen
 from llmgw.mirror import _metrics
 from llmgw.mirror._api import make_api
@@ -17,6 +19,12 @@ from llmgw.mirror._downloads import Manager
 from llmgw.mirror._errors import MirrorError
 
 log = logging.getLogger("llmgw.mirror")
+
+# The management API's limits: the core's, but a body may be a whole model file (an upload,
+# `llmgw mirror import`; its route holds it to the size it declared).
+API_LIMITS = Limits(max_body_bytes=1 << 40)
+# A stopping mirror lets management requests under way finish this long, then cuts them.
+API_DRAIN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -48,14 +56,15 @@ async def serve(options: Options) -> None:
         manager.stop()
         raise MirrorError(f"cannot listen on {options.listen} for the bytes server: {e}") from e
     about = {"dir": str(options.dir), "base": options.base_url()}
-    api = quiet_server(make_api(manager, token_hash=options.admin_token_hash, about=about,
-                                metrics=_metrics.registry(manager, served)),
-                       options.api_listen)
+    api = Http1Server(make_api(manager, token_hash=options.admin_token_hash, about=about,
+                               metrics=_metrics.registry(manager, served)),
+                      options.api_listen, drain_s=API_DRAIN_S, limits=API_LIMITS)
     on_stop_signals(log, lambda: setattr(api, "should_exit", True))
-    log.info("mirror: %s; bytes on %s as %s; API on %s",
-             options.dir, options.listen, options.base_url(), options.api_listen)
     try:
-        await api.serve()
+        serving = await listening(api, "the mirror's management API")
+        log.info("mirror: %s; bytes on %s as %s; API on %s",
+                 options.dir, options.listen, options.base_url(), options.api_listen)
+        await serving
     finally:
         await bytes_server.close()
         await asyncio.to_thread(manager.stop)

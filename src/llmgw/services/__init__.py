@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from llmgw.changes import Mkdir, Run, WriteFile
 from llmgw.errors import Error
 from llmgw.layout import Layout
 
@@ -15,12 +16,9 @@ __all__ = [
     "HARDENING",
     "OPEN_FILES",
     "Action",
-    "Command",
-    "MakeDir",
     "ServiceError",
     "ServiceManager",
     "ServiceSpec",
-    "WriteText",
     "llmgw_command",
     "manager_for",
     "read_environment_file",
@@ -63,34 +61,11 @@ class ServiceSpec:
     stop_timeout_s: float = 15.0
 
 
-@dataclass(frozen=True)
-class WriteText:
-    """A file a manager writes (a unit, a program section): path holds text, with mode;
-    backup: the old text is kept beside as PATH.bak first."""
-
-    path: Path
-    text: str
-    mode: int = 0o644
-    backup: bool = False
-
-
-@dataclass(frozen=True)
-class MakeDir:
-    """A folder a manager makes (with its parents) before it starts anything."""
-
-    path: Path
-
-
-@dataclass(frozen=True)
-class Command:
-    """A command a manager runs, as the argv a person would type: systemctl's own, or the
-    supervisorctl line that does what the supervisor does over its XML-RPC socket."""
-
-    argv: tuple[str, ...]
-
-
-# One thing a manager does to the host; plan_* lists them, ensure/restart/reload do them.
-Action = WriteText | MakeDir | Command
+# One thing a manager does to the host, of llmgw.changes' one set; plan_* lists them,
+# ensure/restart/reload do them: a file (a unit, a program section, PATH.bak kept where it
+# replaces one), a folder, and a command as the argv a person would type (systemctl's own,
+# or the supervisorctl line that does what the supervisor does over its XML-RPC socket).
+Action = WriteFile | Mkdir | Run
 
 
 class ServiceManager(Protocol):

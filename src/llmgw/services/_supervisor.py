@@ -13,16 +13,14 @@ from typing import Any
 
 from supervisor.xmlrpc import SupervisorTransport
 
-from llmgw._files import atomic_write, last_lines
+from llmgw._files import last_lines
+from llmgw.changes import Mkdir, Run, WriteFile
 from llmgw.layout import Layout
 from llmgw.services import (
     OPEN_FILES,
     Action,
-    Command,
-    MakeDir,
     ServiceError,
     ServiceSpec,
-    WriteText,
     drift,
 )
 from llmgw.waiting import Probe, wait_until
@@ -111,7 +109,7 @@ class Supervisor:
                 return []
         except FileNotFoundError:
             pass
-        return [WriteText(path, text, mode=0o600)]  # a program's environment may hold a token
+        return [WriteFile(path, text, mode=0o600)]  # a program's environment may hold a token
 
     # --- the daemon ---
 
@@ -130,17 +128,17 @@ class Supervisor:
     def _daemon_argv(self) -> tuple[str, ...]:
         return (sys.executable, "-m", "supervisor.supervisord", "-c", str(self.conf))
 
-    def _ctl(self, *args: str) -> Command:
+    def _ctl(self, *args: str) -> Run:
         """The supervisorctl line that does what this class does over XML-RPC."""
-        return Command((sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf),
-                        *args))
+        return Run((sys.executable, "-m", "supervisor.supervisorctl", "-c", str(self.conf),
+                    *args))
 
     def _plan_daemon(self) -> list[Action]:
         actions = self._write_if_differs(self.conf, self._main_conf())
         if self.daemon_running():
             return actions
-        folders: list[Action] = [MakeDir(d) for d in (self.logs, self.programs) if not d.is_dir()]
-        return [*actions, *folders, Command(self._daemon_argv())]
+        folders: list[Action] = [Mkdir(d) for d in (self.logs, self.programs) if not d.is_dir()]
+        return [*actions, *folders, Run(self._daemon_argv())]
 
     def _start_daemon(self) -> None:
         proc = subprocess.run(
@@ -209,10 +207,8 @@ class Supervisor:
     def _do(self, action: Action) -> None:
         """One action of a plan: its file written, folder made, or command done (over
         XML-RPC for supervisorctl's)."""
-        if isinstance(action, WriteText):
-            atomic_write(action.path, action.text, mode=action.mode)
-        elif isinstance(action, MakeDir):
-            action.path.mkdir(parents=True, exist_ok=True)
+        if isinstance(action, WriteFile | Mkdir):
+            action.apply()
         elif action.argv == self._daemon_argv():
             self._start_daemon()
         else:  # supervisorctl -c CONF VERB [ARG] NAME

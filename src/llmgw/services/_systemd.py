@@ -6,15 +6,12 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from llmgw._files import atomic_write
+from llmgw.changes import Mkdir, Run, WriteFile
 from llmgw.services import (
     OPEN_FILES,
     Action,
-    Command,
-    MakeDir,
     ServiceError,
     ServiceSpec,
-    WriteText,
     drift,
 )
 
@@ -112,7 +109,8 @@ class Systemd:
             except FileNotFoundError:
                 old = None
             if old != text:
-                writes.append(WriteText(path, text, backup=old is not None))
+                backup = path.with_name(path.name + ".bak") if old is not None else None
+                writes.append(WriteFile(path, text, backup=backup))
         return writes
 
     def plan_ensure(self, spec: ServiceSpec) -> list[Action]:
@@ -140,7 +138,7 @@ class Systemd:
         actions, running = self._plan_ensure(spec)
         for action in actions:
             self._do(action)
-        return any(isinstance(a, WriteText) for a in actions) or not running
+        return any(isinstance(a, WriteFile) for a in actions) or not running
 
     def plan_restart(self, name: str) -> list[Action]:
         return [_systemctl("restart", name)]
@@ -157,13 +155,8 @@ class Systemd:
             self._do(action)
 
     def _do(self, action: Action) -> None:
-        if isinstance(action, WriteText):
-            if action.backup and action.path.exists():
-                atomic_write(action.path.with_name(action.path.name + ".bak"),
-                             action.path.read_text())
-            atomic_write(action.path, action.text, mode=action.mode)
-        elif isinstance(action, MakeDir):
-            action.path.mkdir(parents=True, exist_ok=True)
+        if isinstance(action, WriteFile | Mkdir):
+            action.apply()
         else:
             self._systemctl(*action.argv[1:])
 
@@ -188,5 +181,5 @@ class Systemd:
         return f"systemctl start {name} (its log: journalctl -u {name})"
 
 
-def _systemctl(*args: str) -> Command:
-    return Command(("systemctl", *args))
+def _systemctl(*args: str) -> Run:
+    return Run(("systemctl", *args))

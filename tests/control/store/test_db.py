@@ -110,3 +110,32 @@ def test_a_store_that_cannot_be_opened_is_the_callers_error_in_one_line(
     assert answers(wrong) == said, "answers() says the same without opening a Store"
     assert answers(url) == "", "control: the right password"
     assert answers("/nowhere/control.db") == "", "a SQLite file is made when first opened"
+
+
+def test_a_failed_statement_is_the_stores_own_error_and_a_taken_name_a_conflict(
+        tmp_path: Path) -> None:
+    """Callers catch llmgw's StoreError (an llmgw.errors.Error), never SQLAlchemy's: it
+    keeps SQLAlchemy's as its cause and the driver's reason as orig; a unique key's refusal
+    is a StoreConflict. The control: an error of the caller's own inside a transaction
+    leaves as itself."""
+    import sqlalchemy as sa
+
+    from llmgw.control.store import StoreConflict
+    from llmgw.errors import Error
+
+    store = Store(tmp_path / "control.db")
+    try:
+        with pytest.raises(StoreError) as failed:
+            store.db.read(sa.text("SELECT * FROM nowhere"))
+        assert isinstance(failed.value, Error)
+        assert isinstance(failed.value.__cause__, sa.exc.OperationalError)
+        assert "no such table: nowhere" in str(failed.value.orig)
+        with pytest.raises(StoreConflict):
+            with store.db.tx() as conn:
+                for _ in range(2):
+                    conn.execute(sa.text("INSERT INTO models (name, spec, created) "
+                                         "VALUES ('m', '{}', 0)"))
+        with pytest.raises(KeyError), store.db.tx():
+            raise KeyError("the caller's")
+    finally:
+        store.close()

@@ -21,6 +21,7 @@ from llmgw.control.nodes import Hearing
 from ._db import (
     Database,
     SchemaError,
+    StoreConflict,
     StoreError,
     answers,
     redacted,
@@ -35,8 +36,8 @@ from .replicas import ReplicaStore
 from .tokens import TokenStore
 from .viewers import ViewerStore
 
-__all__ = ["SCHEDULER", "Lease", "LeaseLost", "SchemaError", "Store", "StoreError",
-           "answers", "redacted", "refusal", "store_url"]
+__all__ = ["SCHEDULER", "Lease", "LeaseLost", "SchemaError", "Store", "StoreConflict",
+           "StoreError", "answers", "redacted", "refusal", "store_url"]
 
 
 class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, ControlPlaneStore,
@@ -77,7 +78,7 @@ class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, Control
     def why(self, e: StoreError) -> str:
         """What a failed read or write says, for an answer that refuses because of it: from
         the error itself, so a store already away is not asked again to phrase it."""
-        if isinstance(e, (sa.exc.OperationalError, sa.exc.InterfaceError)):
+        if e.unreachable:
             return f"the store {self.path} cannot be reached: {_first_line(e)}"
         return f"the store {self.path} failed: {_first_line(e)}"
 

@@ -35,10 +35,6 @@ from alembic.config import Config  # noqa: E402
 from alembic.runtime.migration import MigrationContext  # noqa: E402
 from alembic.script import ScriptDirectory  # noqa: E402
 
-# What a read or a write may raise when the store is unreachable, busy or broken: the
-# gateway and the usage writer catch it and go on from what they had.
-StoreError = SQLAlchemyError
-
 # A store made before migrations existed has its columns completed, then the baseline
 # (migrations/versions/0001_baseline.py, which creates only what is missing) stamps it.
 _MIGRATIONS = str(Path(__file__).with_name("migrations"))
@@ -49,6 +45,33 @@ _LEGACY_COLUMNS = {
     "nodes": {"serial": "TEXT NOT NULL DEFAULT ''", "inv_version": "INTEGER NOT NULL DEFAULT 0"},
     "replicas": {"gpus": "TEXT NOT NULL DEFAULT '[]'"},
 }
+
+
+class StoreError(Error):
+    """A read or a write the store could not do: it is unreachable, busy or broken (the
+    gateway and the usage writer catch it and go on from what they had). Raised from
+    SQLAlchemy's error, which stays its __cause__; orig is the driver's exception, and
+    unreachable says whether the database did not answer at all."""
+
+    def __init__(self, e: SQLAlchemyError) -> None:
+        super().__init__(str(e))
+        self.orig: BaseException | None = getattr(e, "orig", None)
+        self.unreachable = isinstance(e, (sa.exc.OperationalError, sa.exc.InterfaceError))
+
+
+class StoreConflict(StoreError):
+    """A write a unique key refused: the name or id it gives is taken."""
+
+
+@contextmanager
+def _ours() -> Iterator[None]:
+    """SQLAlchemy's errors, raised inside the block, as the store's own."""
+    try:
+        yield
+    except sa.exc.IntegrityError as e:
+        raise StoreConflict(e) from e
+    except SQLAlchemyError as e:
+        raise StoreError(e) from e
 
 
 class SchemaError(Error):
@@ -127,7 +150,7 @@ def answers(where: str | Path, *, timeout_s: float = 5.0) -> str:
     try:
         with engine.connect() as conn:
             conn.execute(sa.select(sa.literal(1)))
-    except StoreError as e:
+    except SQLAlchemyError as e:
         return refusal(e, str(where))
     finally:
         engine.dispose()
@@ -167,10 +190,11 @@ class Database:
         # on without its store): only a store once opened is tried again, and says so.
         self._opened = False
         try:
-            if migrate:
-                self._migrate()
-            else:
-                self._check_revision()
+            with _ours():
+                if migrate:
+                    self._migrate()
+                else:
+                    self._check_revision()
         except BaseException:
             self.close()
             raise
@@ -233,13 +257,14 @@ class Database:
 
     @contextmanager
     def tx(self) -> Iterator[Connection]:
-        """One write transaction, committed when the block ends, rolled back on an error."""
-        with self._watched(), self._lock, self._writer.begin() as conn:
+        """One write transaction, committed when the block ends, rolled back on an error
+        (StoreError, or StoreConflict where a unique key refused it)."""
+        with _ours(), self._watched(), self._lock, self._writer.begin() as conn:
             yield conn
 
     def read(self, statement: sa.Executable) -> Sequence[RowMapping]:
         """One statement outside any transaction: a snapshot, no write lock."""
-        with self._watched(), self._reader.connect() as conn:
+        with _ours(), self._watched(), self._reader.connect() as conn:
             return conn.execute(statement).mappings().all()
 
     @contextmanager
@@ -247,6 +272,11 @@ class Database:
         """A read-only view of the whole store at one moment, for as long as the block
         runs (a backup, a move to another backend): SQLite's deferred transaction holds its
         WAL snapshot; PostgreSQL's REPEATABLE READ holds one too. Writers go on beside it."""
+        with _ours(), self._snapshot() as conn:
+            yield conn
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[Connection]:
         if self.backend == "sqlite":
             with self._reader.connect() as conn:
                 conn.exec_driver_sql("BEGIN")
@@ -264,7 +294,7 @@ class Database:
         """Copy SQLite's write-ahead log into the database, beside the writer (PASSIVE);
         nothing for PostgreSQL."""
         if self.backend == "sqlite":
-            with self._reader.connect() as conn:
+            with _ours(), self._reader.connect() as conn:
                 conn.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
 
     def close(self) -> None:
@@ -276,7 +306,7 @@ class Database:
 
     def revision(self) -> str | None:
         """The store's schema revision; None for a store without one (new or pre-migration)."""
-        with self._reader.connect() as conn:
+        with _ours(), self._reader.connect() as conn:
             return MigrationContext.configure(conn).get_current_revision()
 
     def _migrate(self) -> None:

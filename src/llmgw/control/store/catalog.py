@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 
 from llmgw.contract.records import ModelSpec
 
-from ._db import Aggregate
+from ._db import Aggregate, StoreConflict
 from ._schema import models
 from .replicas import stored_spec
 
@@ -21,7 +20,7 @@ class CatalogStore(Aggregate):
             with self.db.tx() as conn:
                 conn.execute(models.insert().values(name=spec["name"], spec=json.dumps(spec),
                                                     created=self.clock()))
-        except IntegrityError:
+        except StoreConflict:
             return False
         return True
 

@@ -7,11 +7,10 @@ from collections.abc import Mapping
 
 import sqlalchemy as sa
 from sqlalchemy.engine import RowMapping
-from sqlalchemy.exc import IntegrityError
 
 from llmgw.contract.records import KeyRecord
 
-from ._db import Aggregate
+from ._db import Aggregate, StoreConflict
 from ._schema import keys
 
 _GIVEN = ("id", "name", "prefix", "hash", "rpm", "tpm", "expires")
@@ -30,7 +29,7 @@ class KeyStore(Aggregate):
                 conn.execute(keys.insert().values(
                     **{f: key[f] for f in _GIVEN if f in key},
                     models=json.dumps(key.get("models", [])), created=self.clock()))
-        except IntegrityError:
+        except StoreConflict:
             # Another control plane's key of this name came first, or the id is taken.
             if self.db.read(sa.select(keys.c.id).where(keys.c.name == key["name"], _LIVE)):
                 return "name"

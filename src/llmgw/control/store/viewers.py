@@ -6,11 +6,10 @@ from collections.abc import Mapping
 
 import sqlalchemy as sa
 from sqlalchemy.engine import RowMapping
-from sqlalchemy.exc import IntegrityError
 
 from llmgw.contract.records import ViewerRecord
 
-from ._db import Aggregate
+from ._db import Aggregate, StoreConflict
 from ._schema import viewers
 
 _LIVE = viewers.c.revoked.is_(None)
@@ -28,7 +27,7 @@ class ViewerStore(Aggregate):
                 conn.execute(viewers.insert().values(
                     id=viewer["id"], name=viewer["name"], prefix=viewer["prefix"],
                     hash=viewer["hash"], created=self.clock()))
-        except IntegrityError:
+        except StoreConflict:
             # Another control plane's viewer key of this name came first, or the id is taken.
             if self.db.read(sa.select(viewers.c.id).where(viewers.c.name == viewer["name"],
                                                           _LIVE)):

@@ -1,0 +1,149 @@
+"""A replica's engine process as the node sees it: the record that survives the agent (pid,
+port, key, placement), its command line and environment (what holds it to its GPUs),
+whether a pid is still it, and its stop (SIGTERM, then SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmgw.contract import CPU_ENGINE, CUDA_ENGINE
+from llmgw.contract.records import Assignment, Gpu
+
+ENGINE_NAME = "llama-server"
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Record:
+    """What survives the agent: enough to find, check and stop a running engine."""
+
+    id: str
+    model: str
+    profile: str
+    source: str
+    sha256: str
+    args: list[str]
+    weights: str = ""
+    pid: int = 0
+    port: int = 0
+    api_key: str = ""
+    # The engine it runs on (llamacpp, llamacpp-cuda) and its GPUs (NVML UUIDs, in order;
+    # none for a CPU profile). Absent from a record written before GPUs were placed.
+    engine: str = CPU_ENGINE
+    gpus: list[str] = field(default_factory=list)
+
+
+_LAYERS_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
+# Every layer: llama.cpp caps it at the model's layer count.
+ALL_LAYERS = "999"
+
+
+def engine_for(assignment: Assignment) -> str:
+    """The engine a replica runs on: one placed on GPUs needs llama.cpp built with CUDA,
+    whatever engine its profile names (profiles name the engine family, `llamacpp`)."""
+    return CUDA_ENGINE if assignment.get("gpus") else assignment.get("engine") or CPU_ENGINE
+
+
+def placement(gpus: list[str], known: list[Gpu],
+              args: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment that hold an engine to its GPUs, or to the CPU alone.
+
+    With GPUs: CUDA_VISIBLE_DEVICES names them by UUID (so the engine sees those and no
+    other, numbered CUDA0.. in that order), --device names all it sees and every layer is
+    offloaded unless the profile's args say how many. Without: no GPU visible, --device
+    none and no layer offloaded, since llama.cpp otherwise offloads to any GPU it finds.
+    A UUID this node's NVML did not report is refused: the engine would start elsewhere."""
+    layers_given = any(a in _LAYERS_FLAGS for a in args)
+    if not gpus:
+        return (["--device", "none", *([] if layers_given else ["--n-gpu-layers", "0"])],
+                {"CUDA_VISIBLE_DEVICES": ""})
+    here = {str(g.get("uuid", "")) for g in known}
+    missing = [u for u in gpus if u not in here]
+    if missing:
+        raise ValueError(f"the control plane placed this replica on {', '.join(missing)}, "
+                         f"which this node does not have (its GPUs: "
+                         f"{', '.join(sorted(here)) or 'none'}); the next heartbeat corrects "
+                         "the placement")
+    devices = ",".join(f"CUDA{i}" for i in range(len(gpus)))
+    return (["--device", devices, *([] if layers_given else ["--n-gpu-layers", ALL_LAYERS])],
+            {"CUDA_VISIBLE_DEVICES": ",".join(gpus)})
+
+
+def command(engine: str, record: Record, bind_host: str, args: list[str],
+            flags: list[str]) -> list[str]:
+    """The engine's command line: its model, listener and key, then its args, then the
+    placement's flags. --metrics: the control plane scrapes each ready replica's /metrics.
+    The placement comes last: llama.cpp takes the last --device, and the catalog's may not
+    override the GPUs the scheduler counted."""
+    return [engine, "-m", record.weights, "--host", bind_host, "--port", str(record.port),
+            "--api-key", record.api_key, "--metrics", *args, *flags]
+
+
+def environment(devices: dict[str, str], interface: str) -> dict[str, str]:
+    """The engine's environment: this process's, the placement's devices, and the
+    management interface for NCCL and Gloo where the node names one."""
+    env = {**os.environ, **devices}
+    if interface:
+        env["NCCL_SOCKET_IFNAME"] = interface
+        env["GLOO_SOCKET_IFNAME"] = interface
+    return env
+
+
+def pid_is_engine(pid: int, port: int) -> bool:
+    """Whether pid is alive (not a zombie) and is a llama-server on port."""
+    if pid <= 0:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+        return False
+    words = [a.decode(errors="replace") for a in argv]
+    # Two words: the prebuilt engine's launcher is a script, run as `python .../llama-server`.
+    return any(w.endswith(ENGINE_NAME) for w in words[:2]) and str(port) in words
+
+
+def terminate(pid: int, port: int, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """SIGTERM the engine, SIGKILL it after a grace period."""
+    if not pid_is_engine(pid, port):
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while pid_is_engine(pid, port) and time.monotonic() < deadline:
+        if proc is not None:
+            proc.poll()
+        time.sleep(0.1)
+    if pid_is_engine(pid, port):
+        os.kill(pid, signal.SIGKILL)
+    if proc is not None:
+        proc.wait(timeout=5)
+
+
+def stop_engines(state_dir: Path) -> list[str]:
+    """Stop every engine recorded under state_dir (used by `llmgw down`)."""
+    stopped = []
+    for path in sorted((Path(state_dir) / "replicas").glob("*.json")):
+        try:
+            record = read_record(path)
+        except (OSError, ValueError, TypeError):
+            continue
+        if pid_is_engine(record.pid, record.port):
+            terminate(record.pid, record.port)
+            stopped.append(f"{record.id} (pid {record.pid})")
+        path.unlink(missing_ok=True)
+    return stopped
+
+
+def read_record(path: Path) -> Record:
+    """A record as the supervisor wrote it; OSError, ValueError or TypeError when it cannot
+    be read back."""
+    return Record(**json.loads(path.read_text()))

@@ -1,0 +1,97 @@
+"""Every exception class llmgw defines is below llmgw.errors.Error, where errors.py's tree
+names it under its base: one place to read the whole hierarchy, and one `except Error` that
+catches whatever llmgw raises."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import llmgw.errors
+from llmgw.errors import Error
+from tests.sourceclasses import classes_of, llmgw_modules
+
+_ENTRY = re.compile(r"^(?P<indent>[ │]*)[├└]── (?P<name>[A-Za-z_][\w.]*)")
+# Outside the tree as errors.py says why: the prebuilt engine's venv has no llmgw.
+OUTSIDE = {"llmgw.agent.prebuilt_server.UsageError"}
+
+
+def tree(doc: str) -> dict[str, str]:
+    """Each name the tree lists, with the name it is drawn under ("Error" at the top)."""
+    parents: dict[str, str] = {}
+    above = [(-1, "Error")]
+    for line in doc.splitlines():
+        entry = _ENTRY.match(line)
+        if entry is None:
+            continue
+        depth = len(entry["indent"])
+        while above[-1][0] >= depth:
+            above.pop()
+        parents[entry["name"]] = above[-1][1]
+        above.append((depth, entry["name"]))
+    return parents
+
+
+def resolve(name: str) -> type | None:
+    """The class a tree entry names (`mirror.MirrorError` is llmgw.mirror's MirrorError;
+    a bare name is errors.py's own), None where there is none."""
+    module, _, cls = f"errors.{name}".rpartition(".") if "." not in name \
+        else name.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(f"llmgw.{module}"), cls, None)
+    except ImportError:
+        return None
+    return found if isinstance(found, type) else None
+
+
+def misplaced(classes: list[type], doc: str) -> list[str]:
+    """What breaks the rule: an exception class not below Error, one the tree does not
+    list, an entry naming no class, one drawn under a class it does not derive from."""
+    parents = tree(doc)
+    listed = {resolve(name): name for name in parents}
+    found = [f"the tree names {name}, which is no class" for name in parents
+             if resolve(name) is None]
+    for c in classes:
+        where = f"{c.__module__}.{c.__name__}"
+        if not issubclass(c, BaseException) or c.__name__.startswith("_") \
+                or where in OUTSIDE or c is Error:
+            continue
+        if not issubclass(c, Error):
+            found.append(f"{where} is not an llmgw.errors.Error")
+        elif c not in listed:
+            found.append(f"{where} is not in errors.py's tree")
+    for name, parent in parents.items():
+        c, base = resolve(name), resolve(parent)
+        if c is not None and base is not None and not issubclass(c, base):
+            found.append(f"the tree draws {name} under {parent}, which it does not derive from")
+    return found
+
+
+def test_every_exception_class_is_an_error_named_in_the_tree() -> None:
+    assert misplaced(classes_of(llmgw_modules()), llmgw.errors.__doc__ or "") == []
+
+
+class Stray(Exception):
+    pass
+
+
+class Unlisted(Error):
+    pass
+
+
+def test_negative_control_a_stray_an_unlisted_and_a_misdrawn_class_are_found() -> None:
+    doc = ("Error\n ├── pki.PKIError\n └── APIError\n      ├── control.client.NotFound\n"
+           "      └── pki.PKIError2\n └── config.ConfigError\n")
+    assert tree(doc) == {"pki.PKIError": "Error", "APIError": "Error",
+                         "control.client.NotFound": "APIError", "pki.PKIError2": "APIError",
+                         "config.ConfigError": "Error"}
+    from llmgw.pki import PKIError
+
+    assert misplaced([Stray, Unlisted, PKIError], doc) == [
+        "the tree names pki.PKIError2, which is no class",
+        "tests.test_errors.Stray is not an llmgw.errors.Error",
+        "tests.test_errors.Unlisted is not in errors.py's tree",
+    ]
+    wrong = doc.replace("control.client.NotFound", "pki.PKIError")
+    assert "the tree draws pki.PKIError under APIError, which it does not derive from" \
+        in misplaced([], wrong)
