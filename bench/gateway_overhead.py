@@ -3,7 +3,7 @@
 Run on demand, not in the suite:
 
     python bench/gateway_overhead.py [--seconds 3] [--pairs 15]      # its own engine and gateway
-    python bench/gateway_overhead.py --old-src ../old/src             # and another checkout's gateway
+    python bench/gateway_overhead.py --old-src ../old/src            # and an older checkout's
     python bench/gateway_overhead.py --host [--state-dir DIR]        # a provisioned host's
 
 By default it serves the tests' tiny GGUF with the real llama-server (a few ms per 8-token

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from llmgw._http1 import Http1Server
 from llmgw.config import ServerConfig
-from llmgw.control import _upstream
+from llmgw.control import _replica_conn
 from llmgw.control._forward import Forwarder
 from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.admin_api import KeyRequest, create_key
@@ -331,7 +331,7 @@ def test_a_stream_whose_client_does_not_read_holds_the_replica_back(
     Read on, the client gets every event. The control lifts the read-ahead bound: the
     gateway then reads the whole stream while the client sleeps."""
     if lifted:
-        monkeypatch.setattr(_upstream, "READ_AHEAD_BYTES", 1 << 40)
+        monkeypatch.setattr(_replica_conn, "READ_AHEAD_BYTES", 1 << 40)
     events = 768  # 48 MiB
     sent = [0]
 

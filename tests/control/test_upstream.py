@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from llmgw.control._replica_conn import READ_AHEAD_BYTES
 from llmgw.control._upstream import (
-    READ_AHEAD_BYTES,
     Call,
     ConnectFailed,
     Timeouts,

@@ -8,27 +8,22 @@ One request is a `Call`, told of its answer by callbacks (`Reader`); `post()` an
 are thin futures over one. It tells the two failures that matter apart: ConnectFailed
 (the request never reached the engine: safe to try another replica) and UpstreamError (it
 was sent: never resent, so a generation is never run twice), but for one case, decided in
-one place (`Call._failed`): a pooled connection the replica had closed is sent once more.
+one place (`Call.failed`): a pooled connection the replica had closed is sent once more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol, cast
 from urllib.parse import urlsplit
 
-import httptools
-
 from llmgw.config import ServerConfig
+from llmgw.control._replica_conn import Replica, ReplicaConnection, TooLarge
 from llmgw.errors import Error
 
-# llama-server (cpp-httplib) closes a connection idle for 5 s; a pooled one is dropped
-# sooner, so a request is never written into a socket the engine is closing.
-IDLE_EXPIRY_S = 2.0
 # cpp-httplib gives each open connection one of the engine's HTTP threads for as long as
 # requests keep coming on it; a connection beyond the threads waits, unserved, until one
 # frees. With 32 busy keep-alive connections on a default engine (6 threads: slots + 2) a
@@ -38,9 +33,6 @@ IDLE_EXPIRY_S = 2.0
 # threads than this (control/engine_args.py HTTP_THREADS): some are always free for the
 # probe. A request beyond them waits in the gateway for a connection, not in the engine.
 MAX_CONNECTIONS_PER_REPLICA = 64
-# A connection stops reading from the replica while this much of an answer waits, untaken
-# (a slow client of a stream): the replica then waits, not the gateway's RAM.
-READ_AHEAD_BYTES = 1 << 20
 # The most of one answer gathered whole (Call.gather): a chat completion or a batch of
 # embeddings is far less; anything near this is no answer the gateway should hold.
 MAX_WHOLE_ANSWER_BYTES = 64 << 20
@@ -80,242 +72,6 @@ class Reader(Protocol):
     def answer_failed(self, call: Call, error: UpstreamError) -> None:
         """The call failed (ConnectFailed: never sent); its connection is closed. What
         came of the body before may still be taken."""
-
-
-class _Replica:
-    """One replica's connections: the idle ones, how many are open, and the requests
-    waiting for one (each is handed a connection, or a free place to open one)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.idle: list[ReplicaConnection] = []
-        self.open = 0
-        self.waiters: deque[asyncio.Future[ReplicaConnection | None]] = deque()
-
-    def hand_over(self, conn: ReplicaConnection | None) -> bool:
-        """Give a connection (or, for None, its place) to the first waiter, if any."""
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(conn)
-                return True
-        return False
-
-    def pop_idle(self, now: float) -> ReplicaConnection | None:
-        """The most recently pooled connection still usable; the stale ones are closed."""
-        while self.idle:
-            conn = self.idle.pop()
-            if conn.usable(now):
-                return conn
-            conn.close()
-        return None
-
-    def closed(self) -> None:
-        """A connection closed: its place goes to a waiter, or is free."""
-        if not self.hand_over(None):
-            self.open -= 1
-
-
-class ReplicaConnection(asyncio.Protocol):
-    """One connection to a replica, read by the event loop's callbacks: httptools parses
-    each answer as it arrives (de-chunked) and its Call is told. No stream reader, no task,
-    no timer per read: those were most of what relaying an answer cost (profiled against a
-    scripted replica). Reading pauses while READ_AHEAD_BYTES of an answer wait untaken, and
-    a body gathered whole is refused past its cap. One timer a connection holds the read
-    timeout, moved on rather than made for every request."""
-
-    def __init__(self, replica: _Replica, read_s: float) -> None:
-        self.replica = replica
-        self.read_s = read_s
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.idle_since = 0.0
-        self.closed = False
-        self.lost = False
-        self.call: Call | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._read_at = 0.0
-        self._paused = False
-        self._ready()
-
-    def _ready(self) -> None:
-        """Ready for the next answer."""
-        self.status = 0
-        self.headers: dict[bytes, bytes] = {}
-        self.parts: list[bytes] = []
-        self.buffered = 0  # untaken
-        self.received = 0  # of the body in all
-        self.cap = 0  # 0: not gathered whole (reading pauses instead)
-        self.complete = False
-        self.failed: BaseException | None = None
-        self.got_bytes = False
-
-    def send(self, call: Call, request: bytes, cap: int) -> None:
-        """Write one request; call is told of its answer (gathered whole up to cap bytes,
-        with 0: as it comes)."""
-        self._ready()
-        self.cap = cap
-        self.call = call
-        self._read_at = time.monotonic()
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.read_s, self._expire)
-        assert self.transport is not None  # connected before it is used
-        self.transport.write(request)
-
-    def usable(self, now: float) -> bool:
-        return (not self.lost and self.transport is not None
-                and not self.transport.is_closing()
-                and now - self.idle_since < IDLE_EXPIRY_S)
-
-    def gather(self, cap: int) -> None:
-        """The body is taken whole once in: reading no longer pauses for it, and a body
-        over cap bytes fails the call."""
-        self.cap = cap
-        self._resume()
-        if not self._too_long() and self.received > cap:
-            self._refuse(_TooLarge(f"over {cap} bytes of it came", cap))
-
-    def _too_long(self) -> bool:
-        """Refused (True) when the Content-Length is over the cap."""
-        length = self.headers.get(b"content-length", b"")
-        if not length.isdigit() or int(length) <= self.cap:
-            return False
-        self._refuse(_TooLarge(f"its Content-Length is {int(length)} bytes", self.cap))
-        return True
-
-    def take(self) -> bytes:
-        """What arrived of the body since the last take."""
-        data = b"".join(self.parts) if len(self.parts) != 1 else self.parts[0]
-        self.parts.clear()
-        self.buffered = 0
-        self._resume()
-        return data
-
-    def close(self) -> None:
-        """Closed, its place in the pool freed (a request on it is hung up on: llama-server
-        stops generating for it)."""
-        self.call = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self.closed:
-            self.closed = True
-            if self.transport is not None:
-                self.transport.close()
-            self.replica.closed()
-
-    def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
-        self.close()
-
-    def _resume(self) -> None:
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self._read_at = time.monotonic()  # the wait was the client's, not the replica's
-            self.transport.resume_reading()
-
-    # --- what the event loop calls ---
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream connection's: asyncio's protocol API types it as the base class.
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        self._read_at = time.monotonic()  # the read timeout counts from here
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            self._fail(ValueError(f"the replica's answer is not HTTP/1.1: {e}"))
-            self.abort()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        if self.status and not self.complete and self.failed is None \
-                and b"content-length" not in self.headers \
-                and self.headers.get(b"transfer-encoding", b"").lower() != b"chunked":
-            # An answer without a length ends where the connection does.
-            self.headers[b"connection"] = b"close"
-            self.on_message_complete()
-            return
-        self._fail(asyncio.IncompleteReadError(b"x" if self.got_bytes else b"", None)
-                   if exc is None else exc)
-        self.close()
-
-    # --- what httptools calls ---
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.lower()] = value
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        if self.cap:  # gathered whole: the reader is told of its end alone
-            self._too_long()
-        elif self.call is not None:
-            self.call._head()
-
-    def on_body(self, body: bytes) -> None:
-        if self.failed is not None:  # refused: the rest of the read is dropped
-            return
-        self.parts.append(body)
-        self.buffered += len(body)
-        self.received += len(body)
-        if self.cap:
-            if self.received > self.cap:
-                self._refuse(_TooLarge(f"over {self.cap} bytes of it came", self.cap))
-            return
-        if self.buffered > READ_AHEAD_BYTES and not self._paused and \
-                self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        if self.call is not None:
-            self.call._data()
-
-    def on_message_complete(self) -> None:
-        if self.failed is not None:
-            return
-        self.complete = True
-        if not self.parser.should_keep_alive():
-            self.headers[b"connection"] = b"close"
-        if self.call is not None:
-            self.call._data()
-
-    def _refuse(self, error: _TooLarge) -> None:
-        """An answer too large to gather: none of it is kept, even were it all in."""
-        self.parts.clear()
-        self.buffered = 0
-        self.complete = False
-        self._fail(error)
-        self.abort()
-
-    def _fail(self, error: BaseException) -> None:
-        if self.complete or self.failed is not None:
-            return
-        self.failed = error
-        call, self.call = self.call, None
-        if call is not None:
-            call._failed(self, error)
-
-    def _expire(self) -> None:
-        """read_s without a byte from the replica while a request is out (not counting
-        a wait for the client to take what came) fails it."""
-        self._timer = None
-        if self.call is None or self.closed or self.complete:
-            return
-        idle_s = time.monotonic() - self._read_at
-        if self._paused or idle_s < self.read_s:
-            self._timer = asyncio.get_running_loop().call_later(
-                self.read_s - idle_s if not self._paused else self.read_s, self._expire)
-            return
-        self._fail(TimeoutError())
-        self.abort()
-
-
-class _TooLarge(ValueError):
-    def __init__(self, found: str, cap: int) -> None:
-        super().__init__(f"the replica's answer is too large to take whole: {found}, and "
-                         f"the cap is {cap} bytes")
 
 
 class Call:
@@ -375,14 +131,14 @@ class Call:
             return
         conn.call = None
         if conn.complete and conn.headers.get(b"connection", b"").lower() != b"close":
-            self.upstream._give_back(conn)
+            self.upstream.give_back(conn)
         else:
             conn.close()
 
     # --- the sequence ---
 
     def start(self, pooled: bool = True) -> None:
-        replica = self.upstream._replica(self.key)
+        replica = self.upstream.replica(self.key)
         conn = replica.pop_idle(time.monotonic()) if pooled and replica.idle else None
         if conn is not None:
             self._send(conn, reused=True)
@@ -392,7 +148,7 @@ class Call:
         else:
             self._wait_turn(replica)
 
-    def _wait_turn(self, replica: _Replica) -> None:
+    def _wait_turn(self, replica: Replica) -> None:
         """A connection handed back, or the place of one that closed, within read_s."""
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[ReplicaConnection | None] = loop.create_future()
@@ -418,7 +174,7 @@ class Call:
                 if conn is None:
                     replica.closed()
                 else:
-                    self.upstream._give_back(conn)
+                    self.upstream.give_back(conn)
             elif conn is None:
                 self._open(replica)
             else:
@@ -426,9 +182,9 @@ class Call:
 
         waiter.add_done_callback(handed)
 
-    def _open(self, replica: _Replica) -> None:
+    def _open(self, replica: Replica) -> None:
         """A new connection, in a task of its own (its place at the limit taken)."""
-        opening = asyncio.ensure_future(self.upstream._connect(self.key, replica))
+        opening = asyncio.ensure_future(self.upstream.connect(self.key, replica))
         self._pending = cast("asyncio.Future[ReplicaConnection | None]", opening)
 
         def opened(_: object) -> None:
@@ -456,17 +212,17 @@ class Call:
         self.conn, self.reused = conn, reused
         conn.send(self, self.request, self.cap)
 
-    def _head(self) -> None:
+    def head_read(self) -> None:
         self.reader.answer_head(self)
 
-    def _data(self) -> None:
+    def body_read(self) -> None:
         self.reader.answer_data(self)
 
     def _refused(self, error: ConnectFailed) -> None:
         self._ended = True
         self.reader.answer_failed(self, error)
 
-    def _failed(self, conn: ReplicaConnection, error: BaseException) -> None:
+    def failed(self, conn: ReplicaConnection, error: BaseException) -> None:
         """The one place a sent request may be sent again: on a pooled connection the
         replica had already closed (its engine restarted or died, or it dropped the idle
         connection) nothing of an answer came, so it never reached a live engine. It goes
@@ -495,7 +251,7 @@ class Call:
         if isinstance(error, TimeoutError):
             return (f"the replica sent nothing for {read_s:g} s (upstream_read_timeout_s in "
                     "server.yaml)")
-        if isinstance(error, _TooLarge):
+        if isinstance(error, TooLarge):
             return str(error)
         return f"the replica broke off its answer: {error!r}"
 
@@ -576,7 +332,7 @@ class Upstream:
                  max_connections: int = MAX_CONNECTIONS_PER_REPLICA) -> None:
         self.timeouts = timeouts or Timeouts()
         self.max_connections = max_connections
-        self._replicas: dict[tuple[str, int], _Replica] = {}
+        self._replicas: dict[tuple[str, int], Replica] = {}
         self._targets: dict[tuple[str, str, str, str], tuple[tuple[str, int], bytes]] = {}
 
     def call(self, reader: Reader, endpoint: str, path: str, api_key: str,
@@ -628,13 +384,13 @@ class Upstream:
         self._targets[(method, endpoint, path, api_key)] = (key, head)
         return key, head
 
-    def _replica(self, key: tuple[str, int]) -> _Replica:
+    def replica(self, key: tuple[str, int]) -> Replica:
         replica = self._replicas.get(key)
         if replica is None:
-            replica = self._replicas[key] = _Replica(self.max_connections)
+            replica = self._replicas[key] = Replica(self.max_connections)
         return replica
 
-    async def _connect(self, key: tuple[str, int], replica: _Replica) -> ReplicaConnection:
+    async def connect(self, key: tuple[str, int], replica: Replica) -> ReplicaConnection:
         loop = asyncio.get_running_loop()
         read_s = self.timeouts.read_s
         try:
@@ -645,7 +401,7 @@ class Upstream:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {e!r}") from e
         return conn
 
-    def _give_back(self, conn: ReplicaConnection) -> None:
+    def give_back(self, conn: ReplicaConnection) -> None:
         conn.idle_since = time.monotonic()
         if not conn.replica.hand_over(conn):
             conn.replica.idle.append(conn)
