@@ -3,7 +3,7 @@
 Run on demand, not in the suite:
 
     python bench/gateway_overhead.py [--seconds 3] [--pairs 15]      # its own engine and gateway
-    python bench/gateway_overhead.py --both-paths                    # and one without the fast path
+    python bench/gateway_overhead.py --old-src ../old/src            # and an older checkout's
     python bench/gateway_overhead.py --host [--state-dir DIR]        # a provisioned host's
 
 By default it serves the tests' tiny GGUF with the real llama-server (a few ms per 8-token
@@ -18,6 +18,11 @@ engine: upstream keep-alive, no buffering, the replica's key set by the proxy as
 sets it; the bench writes its nginx.conf in a temporary folder and runs it as its child,
 one process (master_process off, as one gateway process), on loopback. --no-nginx leaves
 it out.
+
+With --old-src, another checkout's gateway (its src folder: `git worktree add ../old
+main` makes one) is a side too, served the same way over the same store and engine in the
+same rounds, so a change to the gateway is measured against the code before it:
+`gateway/old` is new over old.
 
 A fourth side is LiteLLM's proxy (the Python gateway users pick instead), fronting the same
 engine: one worker, a master key, the engine as an `openai/...` model of its config's
@@ -238,24 +243,34 @@ def measured(load, side: Side, body: str, width: int, seconds: float,  # type: i
     return run
 
 
-def serve_gateway(work: Path, port: int, fast: bool) -> None:
-    """The real gateway app over the bench's store, served as `llmgw gateway` serves it
-    (every request on the coroutine path when not fast)."""
+def serve_gateway(work: Path, port: int) -> None:
+    """The real gateway app over the bench's store, served as `llmgw gateway` serves it:
+    Http1Server with the gateway's fast handler (the Forwarder; in a checkout from before
+    it, given with --old-src, the FastPath it had)."""
     from prometheus_client import CollectorRegistry
 
     from llmgw._http1 import Http1Server
-    from llmgw.control._fastpath import FastPath
 
     app = make_gateway_app(Store(work / "control.db"), upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
-    Http1Server(app, f"127.0.0.1:{port}", fast=FastPath(app) if fast else None).run()
+    try:
+        from llmgw.control._forward import Forwarder
+        fast = Forwarder(app)
+    except ImportError:  # --old-src: the code before the Forwarder
+        from llmgw.control._fastpath import FastPath  # type: ignore[import-not-found]
+        fast = FastPath(app)
+    Http1Server(app, f"127.0.0.1:{port}", fast=fast).run()
 
 
-def start_gateway(work: Path, fast: bool = True) -> tuple[subprocess.Popen[bytes], Side]:
-    """A gateway process over the bench's store (start_own's), with its fast path or not."""
+def start_gateway(work: Path, src: str = "") -> tuple[subprocess.Popen[bytes], Side]:
+    """A gateway process over the bench's store (start_own's): this checkout's, or the
+    one whose src folder is src."""
     port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(src).resolve()) if src else "",
+                    os.environ.get("PYTHONPATH", "")) if p)}
     gateway = subprocess.Popen([sys.executable, __file__, "--serve-gateway", str(work),
-                                str(port), "fast" if fast else "coroutine"])
+                                str(port)], env=env)
     wait_ok(f"http://127.0.0.1:{port}/healthz")
     return gateway, Side(f"http://127.0.0.1:{port}/v1/chat/completions", "", gateway.pid)
 
@@ -454,7 +469,7 @@ def _host_key(layout: Layout, tokens: list[str]) -> str:
 
 def main() -> None:
     if sys.argv[1:2] == ["--serve-gateway"]:
-        serve_gateway(Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "fast")
+        serve_gateway(Path(sys.argv[2]), int(sys.argv[3]))
         return
     if sys.argv[1:2] == ["--generate"]:
         url, key, body, width, seconds = sys.argv[2:7]
@@ -474,9 +489,9 @@ def main() -> None:
                         help="more flags for the bench's llama-server, as one string: "
                              "'--threads 1' leaves the gateway and the load generator a core "
                              "of 2; '--poll 0' stops its threads spinning while they wait")
-    parser.add_argument("--both-paths", action="store_true",
-                        help="a fourth side: a second gateway without its fast path (every "
-                             "request on the coroutine path), to compare the two")
+    parser.add_argument("--old-src", default="",
+                        help="another checkout's src folder: its gateway is measured too, "
+                             "in the same rounds (gateway/old: this code over that)")
     parser.add_argument("--no-nginx", action="store_true",
                         help="leave out the third side, nginx in front of the engine")
     parser.add_argument("--no-litellm", action="store_true",
@@ -510,10 +525,13 @@ def main() -> None:
         litellm, proxied = start_litellm(work, direct, json.loads(body)["model"])
         procs.append(litellm)
         sides.append(("LiteLLM", proxied))
-    if args.both_paths and not args.host:
-        coroutine, plain = start_gateway(work, fast=False)
-        procs.append(coroutine)
-        sides.append(("coroutine", plain))
+    if args.old_src and not args.host:
+        if not (Path(args.old_src) / "llmgw").is_dir():
+            sys.exit(f"--old-src {args.old_src} holds no llmgw package: name a checkout's "
+                     "src folder")
+        old, before = start_gateway(work, args.old_src)
+        procs.append(old)
+        sides.append(("old", before))
     results: dict[tuple[str, int], list[Run]] = {}
     pids = {"engine": direct.pid, **{name: side.pid for name, side in sides[1:]}}
     try:
@@ -576,12 +594,13 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
           f"{'met' if all(met) else 'NOT met: ' + str(met)}")
     print(f"gateway/direct: throughput {t16:.2f}× at 16, {t1:.2f}× at 1; p50 {added:+.1f} ms "
           "at 1")
-    if ("coroutine", 1) in results:
-        print(f"gateway/coroutine (the same gateway without its fast path): throughput "
-              f"{ratio(16, 'coroutine'):.2f}× at 16, {ratio(1, 'coroutine'):.2f}× at 1; own "
-              f"CPU ms per request {cpu('gateway', 16, 'gateway'):.2f} vs "
-              f"{cpu('coroutine', 16, 'coroutine'):.2f} at 16, "
-              f"{cpu('gateway', 1, 'gateway'):.2f} vs {cpu('coroutine', 1, 'coroutine'):.2f} at 1")
+    if ("old", 1) in results:
+        new_old = (ratio(1, "old"), ratio(16, "old"))
+        print(f"gateway/old (this checkout's gateway over --old-src's): throughput "
+              f"{new_old[1]:.2f}× at 16, {new_old[0]:.2f}× at 1; own CPU ms per request "
+              f"{cpu('gateway', 16, 'gateway'):.3f} vs {cpu('old', 16, 'old'):.3f} at 16, "
+              f"{cpu('gateway', 1, 'gateway'):.3f} vs {cpu('old', 1, 'old'):.3f} at 1; goal "
+              f"(>=0.97x at both): {'met' if min(new_old) >= 0.97 else 'NOT met'}")
     for side in ("nginx", "LiteLLM"):
         if (side, 1) in results:
             print(f"{side}/direct: throughput {ratio(16, 'direct', side):.2f}× at 16, "

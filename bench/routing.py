@@ -172,7 +172,7 @@ def wait_ok(url: str, proc: subprocess.Popen[bytes]) -> None:
 
 def serve_gateway(work: Path, port: int, routing: str) -> None:
     from llmgw._http1 import Http1Server
-    from llmgw.control._fastpath import FastPath
+    from llmgw.control._forward import Forwarder
 
     app = make_gateway_app(Store(work / "control.db"),
                            ServerConfig(gateway_routing=routing),  # type: ignore[arg-type]
@@ -184,7 +184,7 @@ def serve_gateway(work: Path, port: int, routing: str) -> None:
             time.sleep(0.5)
 
     threading.Thread(target=write_decisions, daemon=True).start()
-    Http1Server(app, f"127.0.0.1:{port}", fast=FastPath(app)).run()
+    Http1Server(app, f"127.0.0.1:{port}", fast=Forwarder(app)).run()
 
 
 def start(work: Path, args: argparse.Namespace, procs: list[subprocess.Popen[bytes]]

@@ -18,8 +18,10 @@ What a client may send, and how slowly, is held as it reads (`Limits`): the head
 bytes, the header count, the body with its framing (the parser), a deadline for the head,
 a minimum rate for the body and for taking the answer (the connection).
 
-A fast handler (fast=, the gateway's fast path) may take a request whose body is in and
-answer it from callbacks, with no task: Cycle.answer writes it whole.
+A fast handler (fast=, the gateway's Forwarder: the one fast interface) is offered each
+request once its whole body is in, and may answer it from callbacks, with no task:
+Cycle.answer writes it whole, or Cycle.start, write and end as it comes, told when the
+client takes what was written (when_writable) or leaves (when_gone).
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ class Http1Server:
     idle connections are closed without losing a request on the wire; then whatever is
     left is cut.
 
-    fast, when given, is offered each request (but one that expects 100-continue) once its
-    whole body is in, before the app: it returns False to leave it to the app, or True
-    having taken it, and then answers it from the event loop's callbacks, no task (with
-    cycle.answer), or lets go of it unanswered (cycle.fall_back: the app answers). A
-    body over the read-ahead goes to the app as it comes.
+    fast, when given (the server's one fast interface, the gateway's alone), is offered
+    each request once its whole body is in (held up to limits.max_body_bytes; a client
+    that expects 100-continue is told to send it), before the app: it returns False to
+    leave it to the app, or True having taken it, and then answers it from the event
+    loop's callbacks, no task: cycle.answer, or cycle.start, write and end.
 
     limits: what each client may send and how slowly (`Limits`; its defaults otherwise).
     A caller that accepts connections itself (TLS admission) serves them with

@@ -16,6 +16,7 @@ import logging
 import os
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from llmgw._asgi import Scope
@@ -110,7 +111,7 @@ class _Connection(asyncio.Protocol):
             self._timer = None
         for cycle in (self.current, self.parsing, *self.queued):
             if cycle is not None:
-                cycle.wake()
+                cycle.left()
         self.queued.clear()
         self._wake_writer()
 
@@ -132,8 +133,17 @@ class _Connection(asyncio.Protocol):
 
     async def writable(self) -> None:
         if self.paused_writing and not self.lost:
-            self._drained = self.loop.create_future()
+            if self._drained is None:
+                self._drained = self.loop.create_future()
             await self._drained
+
+    def when_writable(self, callback: Callable[[], None]) -> None:
+        if not self.paused_writing or self.lost:
+            self.loop.call_soon(callback)
+            return
+        if self._drained is None:
+            self._drained = self.loop.create_future()
+        self._drained.add_done_callback(lambda _: callback())
 
     # --- what the parser tells ---
 
@@ -159,9 +169,8 @@ class _Connection(asyncio.Protocol):
         if self.current is not None:
             self.queued.append(cycle)
             self.pause_reading()
-        elif self.server.fast is not None and not expect_continue:
-            self.current = cycle  # answered once its body is in (_begin)
-            cycle.deferred = True
+        elif self.server.fast is not None:
+            self._defer(cycle)
         else:
             self._start(cycle)
 
@@ -171,9 +180,8 @@ class _Connection(asyncio.Protocol):
             return
         cycle.body.append(data)
         cycle.buffered += len(data)
-        if cycle.buffered > BODY_READ_AHEAD_BYTES:
-            if cycle.deferred:  # a large body: the app reads it as it comes
-                self._start(cycle)
+        if cycle.buffered > BODY_READ_AHEAD_BYTES and not cycle.deferred:
+            # (a fast handler's is held whole: limits.max_body_bytes bounds it)
             self.pause_reading()
         cycle.wake()
 
@@ -196,6 +204,15 @@ class _Connection(asyncio.Protocol):
         self._fail(status, why)
 
     # --- answers ---
+
+    def _defer(self, cycle: Cycle) -> None:
+        """Held for the fast handler until its whole body is in (_begin); a client that
+        waits for 100 Continue is told to send it."""
+        self.current = cycle
+        cycle.deferred = True
+        if cycle.expect_continue and not cycle.body_complete:
+            cycle.expect_continue = False
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _begin(self, cycle: Cycle) -> None:
         """A request whose body is all in: the fast handler's, or else the app's."""
@@ -257,11 +274,12 @@ class _Connection(asyncio.Protocol):
             cycle = self.queued.popleft()
             if not self.queued and not self.parser.stopped:
                 self.resume_reading()
-            if self.server.fast is not None and cycle.body_complete and \
-                    not cycle.expect_continue:
+            if self.server.fast is None:
+                self._start(cycle)
+            elif cycle.body_complete:
                 self._begin(cycle)
             else:
-                self._start(cycle)
+                self._defer(cycle)
             return
         if self._refusal:  # a bad request behind the ones just answered
             self.write(self._refusal)

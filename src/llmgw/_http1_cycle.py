@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -69,6 +70,7 @@ class Cycle:
         self.headers: list[tuple[bytes, bytes]] = []
         # Held for the server's fast handler until the whole body is in.
         self.deferred = False
+        self._on_gone: Callable[[], None] | None = None
 
     # --- what a fast handler (Http1Server's fast=) uses ---
 
@@ -86,9 +88,47 @@ class Cycle:
         self.headers = headers
         self._write(body, False)
 
-    def fall_back(self) -> None:
-        """The fast handler let go of the request, before answering: the app answers it."""
-        self.conn._start(self)
+    def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """An answer whose body follows in parts (write, then end): its head goes now."""
+        self.started = True
+        self.status = status
+        self.headers = headers
+        self._write(b"", True)
+
+    def write(self, data: bytes) -> None:
+        """One part of the answer start() began (an HTTP chunk): see paused."""
+        if data:
+            self._write(data, True)
+
+    def end(self, data: bytes = b"") -> None:
+        """The last part of the answer start() began; then on to the next request."""
+        self._write(data, False)
+
+    @property
+    def paused(self) -> bool:
+        """The client has not taken what was written: write more once when_writable calls."""
+        return self.conn.paused_writing
+
+    @property
+    def gone(self) -> bool:
+        """The connection is lost or let go: what is written goes nowhere."""
+        return self.conn.lost or self.conn.closing
+
+    def when_writable(self, callback: Callable[[], None]) -> None:
+        """callback, from the event loop, once the client takes what was written (at once
+        if it has) or the connection is lost."""
+        self.conn.when_writable(callback)
+
+    def when_gone(self, callback: Callable[[], None]) -> None:
+        """callback, once, should the connection be lost before the answer is done."""
+        self._on_gone = callback
+
+    def left(self) -> None:
+        """The connection is lost (the connection's side)."""
+        self.wake()
+        callback, self._on_gone = self._on_gone, None
+        if callback is not None and not self.complete:
+            callback()
 
     def wake(self) -> None:
         waiter, self.waiter = self.waiter, None

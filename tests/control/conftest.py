@@ -13,7 +13,6 @@ from llmgw import admin_token, pki
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.store import Store
-from tests.control import servers
 
 
 @dataclass
@@ -71,12 +70,3 @@ def live_control_plane(tmp_path: Path) -> Iterator[ControlPlane]:
     finally:
         agent_api.stop()
         store.close()
-
-
-@pytest.fixture(params=["fast path", "coroutine path"])
-def gateway_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A gateway test once with the fast path on, as `llmgw gateway` serves, and once with
-    every request on the coroutine path (what the fast path leaves to it): both answer
-    alike (pytestmark = pytest.mark.usefixtures("gateway_path"))."""
-    monkeypatch.setattr(servers, "FAST_PATH", request.param == "fast path")
-    return str(request.param)

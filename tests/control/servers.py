@@ -1,5 +1,5 @@
 """Real servers on loopback for the services' tests: an ASGI app under llmgw's own server
-in a thread (as the admin API, or as the gateway with its fast path), and an upstream that
+in a thread (as the admin API, or as the gateway with its Forwarder), and an upstream that
 answers with exactly the bytes a test scripts."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw._http1 import Http1Server
-from llmgw.control._fastpath import FastPath
+from llmgw.control._forward import Forwarder
 from llmgw.control.gateway import Gateway
 from llmgw.netaddr import free_port
 
@@ -47,25 +47,20 @@ def _served(server: Http1Server, port: int, tls: bool) -> Iterator[str]:
 def serve_asgi(app: Any, certfile: str = "", keyfile: str = ""
                ) -> contextlib.AbstractContextManager[str]:
     """The app on a free loopback port under Http1Server, as `llmgw server` serves the admin
-    API (no fast path), for the length of the block; HTTPS with certfile and keyfile."""
+    API (no fast handler), for the length of the block; HTTPS with certfile and keyfile."""
     port = free_port()
     return _served(Http1Server(app, f"127.0.0.1:{port}", certfile=certfile, keyfile=keyfile),
                    port, bool(certfile))
 
 
-# Whether serve_gateway offers requests to the fast path first, as `llmgw gateway` does;
-# the gateway's tests run once each way (tests/control/conftest.py).
-FAST_PATH = True
-
-
 def serve_gateway(app: Any, certfile: str = "", keyfile: str = "",
-                  fast: FastPath | None = None) -> contextlib.AbstractContextManager[str]:
+                  fast: Forwarder | None = None) -> contextlib.AbstractContextManager[str]:
     """The app on a free loopback port under the server `llmgw gateway` runs (Http1Server,
-    with the fast path for a Gateway unless FAST_PATH is off; fast: that one), for the
-    length of the block; HTTPS with certfile and keyfile."""
+    with a Gateway's Forwarder as its fast handler; fast: that one), for the length of the
+    block; HTTPS with certfile and keyfile."""
     port = free_port()
-    if fast is None and FAST_PATH and isinstance(app, Gateway):
-        fast = FastPath(app)
+    if fast is None and isinstance(app, Gateway):
+        fast = Forwarder(app)
     return _served(Http1Server(app, f"127.0.0.1:{port}", drain_s=5.0, certfile=certfile,
                                keyfile=keyfile, fast=fast), port, bool(certfile))
 

@@ -26,8 +26,6 @@ from tests.control.servers import (
     serve_gateway,
 )
 
-pytestmark = pytest.mark.usefixtures("gateway_path")
-
 MODEL = {"name": "tiny", "aliases": ["tiny-chat"], "source": "http://m/tiny.gguf", "sha256": "",
          "scaling": {"min": 1, "max": 1},
          "profiles": [{"name": "cpu", "engine": "llamacpp", "gpu_class": "", "priority": 100,

@@ -29,7 +29,6 @@ from llmgw.control.store import Store
 from tests.control.servers import scripted_upstream, serve_gateway
 from tests.control.test_gateway import CHAT, json_answer, ready, store  # noqa: F401
 
-pytestmark = pytest.mark.usefixtures("gateway_path")
 HI = [{"role": "user", "content": "hi"}]
 
 

@@ -1,31 +1,29 @@
-"""A small pooled HTTP/1.1 client for the gateway's hot path: replicas only, POST only.
+"""A small pooled HTTP/1.1 client for the data plane: the gateway's requests to replicas and
+the slot poller's GETs.
 
 httpx costs the gateway about as much CPU per request as the engine spends on a short
-answer (profiled), so the hot path speaks HTTP/1.1 itself: an asyncio protocol
-per connection, its answers parsed by httptools (the parser uvicorn uses).
-It tells the two failures that matter apart: ConnectFailed (the request never reached
-the engine: safe to try another replica) and UpstreamError (it was sent: never resent,
-so a generation is never run twice).
+answer (profiled), so the data plane speaks HTTP/1.1 itself: an asyncio protocol per
+connection, its answers parsed by httptools (the parser uvicorn uses), read by callbacks.
+One request is a `Call`, told of its answer by callbacks (`Reader`); `post()` and `get()`
+are thin futures over one. It tells the two failures that matter apart: ConnectFailed
+(the request never reached the engine: safe to try another replica) and UpstreamError (it
+was sent: never resent, so a generation is never run twice), but for one case, decided in
+one place (`Call.failed`): a pooled connection the replica had closed is sent once more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import NoReturn, cast
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
-import httptools
-
 from llmgw.config import ServerConfig
+from llmgw.control._replica_conn import Replica, ReplicaConnection, TooLarge
 from llmgw.errors import Error
 
-# llama-server (cpp-httplib) closes a connection idle for 5 s; a pooled one is dropped
-# sooner, so a request is never written into a socket the engine is closing.
-IDLE_EXPIRY_S = 2.0
 # cpp-httplib gives each open connection one of the engine's HTTP threads for as long as
 # requests keep coming on it; a connection beyond the threads waits, unserved, until one
 # frees. With 32 busy keep-alive connections on a default engine (6 threads: slots + 2) a
@@ -35,6 +33,9 @@ IDLE_EXPIRY_S = 2.0
 # threads than this (control/engine_args.py HTTP_THREADS): some are always free for the
 # probe. A request beyond them waits in the gateway for a connection, not in the engine.
 MAX_CONNECTIONS_PER_REPLICA = 64
+# The most of one answer gathered whole (Call.gather): a chat completion or a batch of
+# embeddings is far less; anything near this is no answer the gateway should hold.
+MAX_WHOLE_ANSWER_BYTES = 64 << 20
 
 
 class UpstreamError(Error):
@@ -58,302 +59,270 @@ class Timeouts:
     read_s: float = _SERVER_FIELDS["upstream_read_timeout_s"].default
 
 
-class _Replica:
-    """One replica's connections: the idle ones, how many are open, and the requests
-    waiting for one (each is handed a connection, or a free place to open one)."""
+class Reader(Protocol):
+    """What a Call tells of its answer, from the event loop's callbacks. Nothing here may
+    raise into them."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.idle: list[ReplicaConnection] = []
-        self.open = 0
-        self.waiters: deque[asyncio.Future[ReplicaConnection | None]] = deque()
+    def answer_head(self, call: Call) -> None:
+        """call.status and call.headers are read."""
 
-    def hand_over(self, conn: ReplicaConnection | None) -> bool:
-        """Give a connection (or, for None, its place) to the first waiter, if any."""
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(conn)
-                return True
-        return False
+    def answer_data(self, call: Call) -> None:
+        """More of the body to take (call.take()), or its end (call.complete)."""
 
-    def pop_idle(self, now: float) -> ReplicaConnection | None:
-        """The most recently pooled connection still usable; the stale ones are closed."""
-        while self.idle:
-            conn = self.idle.pop()
-            if conn.usable(now):
-                return conn
-            conn.close()
-        return None
-
-    def closed(self) -> None:
-        """A connection closed: its place goes to a waiter, or is free."""
-        if not self.hand_over(None):
-            self.open -= 1
+    def answer_failed(self, call: Call, error: UpstreamError) -> None:
+        """The call failed (ConnectFailed: never sent); its connection is closed. What
+        came of the body before may still be taken."""
 
 
-# A connection stops reading from the replica while this much of an answer waits, unread
-# by the gateway (a slow client of a stream): the replica then waits, not the gateway's RAM.
-READ_AHEAD_BYTES = 1 << 20
+class Call:
+    """One request to a replica and its answer: a connection found (pooled, else opened,
+    else waited for at the replica's limit), the request written, the reader told of the
+    answer as it comes. end() when done with it."""
 
+    __slots__ = ("upstream", "endpoint", "key", "request", "reader", "cap", "conn",
+                 "reused", "resent", "_pending", "_ended")
 
-class ReplicaConnection(asyncio.Protocol):
-    """One connection to a replica, read by the event loop's callbacks: httptools parses
-    each answer as it arrives (de-chunked), and the request waiting on it is woken only
-    when there is something to take. No stream reader, no task, no timer per read: those
-    were most of what relaying an answer cost (profiled against a scripted replica). Upstream
-    .send_now uses it from callbacks alone: on_done is called when the answer is whole."""
+    def __init__(self, upstream: Upstream, endpoint: str, key: tuple[str, int],
+                 request: bytes, reader: Reader, cap: int = 0) -> None:
+        self.upstream, self.endpoint, self.key = upstream, endpoint, key
+        self.request, self.reader, self.cap = request, reader, cap
+        self.conn: ReplicaConnection | None = None
+        self.reused = False
+        self.resent = False
+        # The wait under way for a connection: a place at the limit, or one opening.
+        self._pending: asyncio.Future[ReplicaConnection | None] | None = None
+        self._ended = False
 
-    def __init__(self, replica: _Replica) -> None:
-        self.replica = replica
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.idle_since = 0.0
-        self._closed = False
-        self.lost = False
-        # Sent by Upstream.send_now: called once the answer is in whole, or failed.
-        self.on_done: Callable[[ReplicaConnection], None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self.read_at = 0.0
-        self._begin()
-
-    def _begin(self) -> None:
-        """Ready for the next answer."""
-        self.head: asyncio.Future[None] | None = None
-        self.status = 0
-        self.headers: dict[bytes, bytes] = {}
-        self.parts: list[bytes] = []
-        self.buffered = 0
-        self.complete = False
-        self.failed: BaseException | None = None
-        self.got_bytes = False
-        self.waiter: asyncio.Future[None] | None = None
-
-    def send(self, data: bytes) -> asyncio.Future[None]:
-        """Write one request; the future is done when its answer's head is read."""
-        self._begin()
-        self.head = asyncio.get_running_loop().create_future()
-        assert self.transport is not None
-        self.transport.write(data)
-        return self.head
-
-    def usable(self, now: float) -> bool:
-        return (not self.lost and self.transport is not None
-                and not self.transport.is_closing()
-                and now - self.idle_since < IDLE_EXPIRY_S)
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._closed:
-            self._closed = True
-            if self.transport is not None:
-                self.transport.close()
-            self.replica.closed()
-
-    # --- what the event loop calls ---
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream connection's: asyncio's protocol API types it as the base class.
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        if self._timer is not None:
-            self.read_at = time.monotonic()  # the read timeout counts from here
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            self._fail(ValueError(f"the replica's answer is not HTTP/1.1: {e}"))
-            assert self.transport is not None
-            self.transport.abort()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        if self.head is not None and self.head.done() and not self.complete and \
-                b"content-length" not in self.headers and \
-                self.headers.get(b"transfer-encoding", b"").lower() != b"chunked":
-            # An answer without a length ends where the connection does.
-            self.headers[b"connection"] = b"close"
-            self.on_message_complete()
-            return
-        self._fail(asyncio.IncompleteReadError(b"x" if self.got_bytes else b"", None)
-                   if exc is None else exc)
-
-    # --- what httptools calls ---
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.lower()] = value
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        if self.head is not None and not self.head.done():
-            self.head.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        self.parts.append(body)
-        self.buffered += len(body)
-        if self.buffered > READ_AHEAD_BYTES and self.transport is not None and \
-                self.on_done is None:  # sent by send_now, the answer is kept whole
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        if not self.parser.should_keep_alive():
-            self.headers[b"connection"] = b"close"
-        if self.on_done is not None:
-            self._done()
-        else:
-            self._wake()
-
-    def _fail(self, error: BaseException) -> None:
-        if self.complete or self.failed is not None:
-            return
-        self.failed = error
-        if self.on_done is not None:
-            self._done()
-            return
-        if self.head is not None and not self.head.done():
-            self.head.set_exception(error)
-        self._wake()
-
-    def _done(self) -> None:
-        done, self.on_done = self.on_done, None
-        if done is not None:
-            done(self)
-
-    def _expire(self, timeout_s: float) -> None:
-        """send_now's read timeout: timeout_s without a byte from the replica, as post()
-        and iter_raw() wait. One timer a connection, moved on when it fires, not made
-        and cancelled for every request; with no request out it just ends."""
-        if self.on_done is None:
-            self._timer = None
-            return
-        idle_s = time.monotonic() - self.read_at
-        if idle_s < timeout_s:
-            self._timer = asyncio.get_running_loop().call_later(
-                timeout_s - idle_s, self._expire, timeout_s)
-            return
-        self._timer = None
-        self._fail(TimeoutError())
-
-    def _wake(self) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # --- what the request reads ---
-
-    def take(self) -> bytes:
-        """What arrived of the body since the last take."""
-        data = b"".join(self.parts) if len(self.parts) != 1 else self.parts[0]
-        self.parts.clear()
-        if self.buffered > READ_AHEAD_BYTES and self.transport is not None:
-            self.transport.resume_reading()
-        self.buffered = 0
-        return data
-
-    async def more(self, timeout_s: float) -> None:
-        """Until more of the body, its end, or a failure arrives."""
-        self.waiter = asyncio.get_running_loop().create_future()
-        await _within(self.waiter, timeout_s)
-
-
-class _Expired(Exception):
-    pass
-
-
-async def _within(future: asyncio.Future[None], timeout_s: float) -> None:
-    """Wait for future, raising TimeoutError after timeout_s: one timer, no task (which
-    asyncio.wait_for makes) and no context manager (asyncio.timeout) per wait."""
-    def expire() -> None:
-        if not future.done():
-            future.set_exception(_Expired())
-
-    timer = asyncio.get_running_loop().call_later(timeout_s, expire)
-    try:
-        await future
-    except _Expired:
-        raise TimeoutError from None
-    finally:
-        timer.cancel()
-
-
-@dataclass
-class Response:
-    """A replica's answer: status and headers read, the body still on the wire."""
-
-    status: int
-    headers: dict[bytes, bytes]
-    # None once released: the connection is the pool's again.
-    _conn: ReplicaConnection | None
-    _pool: Upstream
-    _read_s: float
-    _done: bool = field(default=False)
-    # Called once, when the answer is done with (read whole, broken off or hung up on).
-    on_release: Callable[[], None] | None = None
-    # The replica that answers (its id), for what is said when it fails.
-    source: str = ""
+    # --- what the reader uses ---
 
     @property
-    def chunked(self) -> bool:
-        return self.headers.get(b"transfer-encoding", b"").lower() == b"chunked"
+    def status(self) -> int:
+        return self.conn.status if self.conn is not None else 0
 
-    async def read(self) -> bytes:
-        conn = self._conn
-        assert conn is not None, "a replica's answer is read once"
-        if conn.complete:  # the usual case: the whole answer came with its head
-            data = conn.take()
-            self._done = True
-            self.release()
-            return data
+    @property
+    def headers(self) -> dict[bytes, bytes]:
+        return self.conn.headers if self.conn is not None else {}
+
+    @property
+    def complete(self) -> bool:
+        return self.conn is not None and self.conn.complete
+
+    def take(self) -> bytes:
+        """What arrived of the body since the last take (reading resumes if it paused)."""
+        return self.conn.take() if self.conn is not None else b""
+
+    def gather(self, cap: int = MAX_WHOLE_ANSWER_BYTES) -> None:
+        """The reader takes the body whole, once complete: it is not paused for, and is
+        refused (answer_failed) past cap bytes."""
+        if self.conn is not None:
+            self.conn.gather(cap)
+
+    def end(self) -> None:
+        """Done with: the connection back to the pool when its answer came whole and the
+        replica keeps it open; else closed (a request under way is hung up on, or its wait
+        for a connection given up)."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._pending is not None:
+            self._pending.cancel()
+        conn, self.conn = self.conn, None
+        if conn is None or conn.closed:
+            return
+        conn.call = None
+        if conn.complete and conn.headers.get(b"connection", b"").lower() != b"close":
+            self.upstream.give_back(conn)
+        else:
+            conn.close()
+
+    # --- the sequence ---
+
+    def start(self, pooled: bool = True) -> None:
+        replica = self.upstream.replica(self.key)
+        conn = replica.pop_idle(time.monotonic()) if pooled and replica.idle else None
+        if conn is not None:
+            self._send(conn, reused=True)
+        elif replica.open < replica.limit:
+            replica.open += 1
+            self._open(replica)
+        else:
+            self._wait_turn(replica)
+
+    def _wait_turn(self, replica: Replica) -> None:
+        """A connection handed back, or the place of one that closed, within read_s."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[ReplicaConnection | None] = loop.create_future()
+        replica.waiters.append(waiter)
+        self._pending = waiter
+        read_s = self.upstream.timeouts.read_s
+        timer = loop.call_later(read_s, waiter.cancel)
+
+        def handed(_: object) -> None:
+            timer.cancel()
+            self._pending = None
+            if waiter.cancelled():
+                if waiter in replica.waiters:
+                    replica.waiters.remove(waiter)
+                if not self._ended:  # the wait ran out, not given up
+                    self._refused(ConnectFailed(
+                        f"all {replica.limit} connections to {self.key[0]}:{self.key[1]} "
+                        f"stayed busy for {read_s:g} s (upstream_read_timeout_s in "
+                        "server.yaml); the request was not sent"))
+                return
+            conn = waiter.result()
+            if self._ended:  # given up just as it was handed: pass it on
+                if conn is None:
+                    replica.closed()
+                else:
+                    self.upstream.give_back(conn)
+            elif conn is None:
+                self._open(replica)
+            else:
+                self._send(conn, reused=True)
+
+        waiter.add_done_callback(handed)
+
+    def _open(self, replica: Replica) -> None:
+        """A new connection, in a task of its own (its place at the limit taken)."""
+        opening = asyncio.ensure_future(self.upstream.connect(self.key, replica))
+        self._pending = cast("asyncio.Future[ReplicaConnection | None]", opening)
+
+        def opened(_: object) -> None:
+            self._pending = None
+            if opening.cancelled():
+                replica.closed()
+                return
+            error = opening.exception()
+            if error is not None:
+                replica.closed()
+                if not self._ended:
+                    self._refused(error if isinstance(error, ConnectFailed) else
+                                  ConnectFailed(f"cannot connect to {self.key[0]}:"
+                                                f"{self.key[1]}: {error!r}"))
+                return
+            conn = opening.result()
+            if self._ended:
+                conn.close()
+            else:
+                self._send(conn, reused=False)
+
+        opening.add_done_callback(opened)
+
+    def _send(self, conn: ReplicaConnection, reused: bool) -> None:
+        self.conn, self.reused = conn, reused
+        conn.send(self, self.request, self.cap)
+
+    def head_read(self) -> None:
+        self.reader.answer_head(self)
+
+    def body_read(self) -> None:
+        self.reader.answer_data(self)
+
+    def _refused(self, error: ConnectFailed) -> None:
+        self._ended = True
+        self.reader.answer_failed(self, error)
+
+    def failed(self, conn: ReplicaConnection, error: BaseException) -> None:
+        """The one place a sent request may be sent again: on a pooled connection the
+        replica had already closed (its engine restarted or died, or it dropped the idle
+        connection) nothing of an answer came, so it never reached a live engine. It goes
+        once more on a new connection, which fails as ConnectFailed when the engine is gone
+        (the gateway then moves on). Any other failure is the reader's."""
+        conn.close()
+        if self._ended:
+            return
+        if self.reused and not self.resent and not conn.got_bytes and isinstance(
+                error, (ConnectionError, asyncio.IncompleteReadError)):
+            self.resent = True
+            self.conn = None
+            self.start(pooled=False)
+            return
+        self._ended = True
+        self.reader.answer_failed(self, UpstreamError(self._why(conn, error)))
+
+    def _why(self, conn: ReplicaConnection, error: BaseException) -> str:
+        read_s = self.upstream.timeouts.read_s
+        if not conn.status:  # no answer's head came
+            if isinstance(error, TimeoutError):
+                return (f"{self.endpoint} sent no answer within {read_s:g} s "
+                        "(upstream_read_timeout_s in server.yaml)")
+            return (f"{self.endpoint} took the request and closed the connection without an "
+                    f"answer: {error!r}")
+        if isinstance(error, TimeoutError):
+            return (f"the replica sent nothing for {read_s:g} s (upstream_read_timeout_s in "
+                    "server.yaml)")
+        if isinstance(error, TooLarge):
+            return str(error)
+        return f"the replica broke off its answer: {error!r}"
+
+
+class Response:
+    """An answer read through futures (post(), get()): status and headers read, the body
+    still on the wire."""
+
+    def __init__(self, call: Call, reader: _Awaited) -> None:
+        self._call, self._reader = call, reader
+        self.status, self.headers = call.status, dict(call.headers)
+
+    async def read(self, cap: int = MAX_WHOLE_ANSWER_BYTES) -> bytes:
+        """The whole body (UpstreamError past cap bytes); the connection pooled after."""
+        self._call.gather(cap)
         return b"".join([part async for part in self.iter_raw()])
 
     async def iter_raw(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive, de-chunked; the connection is pooled after."""
-        conn = self._conn
-        assert conn is not None, "a replica's answer is read once"
+        """The body's bytes as they arrive, de-chunked; reading from the replica pauses
+        while they are not taken. The connection is pooled after."""
+        call, reader = self._call, self._reader
         try:
             while True:
-                if conn.parts:
-                    yield conn.take()
-                    continue
-                if conn.complete:
-                    break
-                if conn.failed is not None:
-                    raise conn.failed
-                try:
-                    await conn.more(self._read_s)
-                except TimeoutError as e:
-                    raise UpstreamError(f"the replica sent nothing for {self._read_s:g} s "
-                                        "(upstream_read_timeout_s in server.yaml)") from e
-            self._done = True
-        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
-            raise UpstreamError(f"the replica broke off its answer: {e!r}") from e
+                data = call.take()
+                if data:
+                    yield data
+                elif call.complete:
+                    return
+                elif reader.error is not None:
+                    raise reader.error
+                else:
+                    await reader.more()
         finally:
-            self.release()
+            call.end()
 
     def abort(self) -> None:
         """Hang up on the replica mid-answer: llama-server stops generating for it."""
-        if self._conn is not None:
-            self._conn.close()
-        self._released()
+        self._call.end()
 
-    def release(self) -> None:
-        """Back to the pool when the body was read whole and the replica keeps it open."""
-        if self._conn is None:
-            return
-        keep = self._done and self.headers.get(b"connection", b"").lower() != b"close"
-        self._pool._give_back(self._conn, keep)
-        self._conn = None
-        self._released()
 
-    def _released(self) -> None:
-        hook, self.on_release = self.on_release, None
-        if hook is not None:
-            hook()
+class _Awaited:
+    """A Reader for post() and get(): futures for the head and for more of the body."""
+
+    __slots__ = ("head", "error", "_more")
+
+    def __init__(self) -> None:
+        self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.error: UpstreamError | None = None
+        self._more: asyncio.Future[None] | None = None
+
+    def answer_head(self, call: Call) -> None:
+        if not self.head.done():
+            self.head.set_result(None)
+
+    def answer_data(self, call: Call) -> None:
+        self._wake()
+
+    def answer_failed(self, call: Call, error: UpstreamError) -> None:
+        self.error = error
+        if not self.head.done():
+            self.head.set_exception(error)
+        self._wake()
+
+    async def more(self) -> None:
+        self._more = asyncio.get_running_loop().create_future()
+        await self._more
+
+    def _wake(self) -> None:
+        more, self._more = self._more, None
+        if more is not None and not more.done():
+            more.set_result(None)
 
 
 class Upstream:
@@ -363,180 +332,76 @@ class Upstream:
                  max_connections: int = MAX_CONNECTIONS_PER_REPLICA) -> None:
         self.timeouts = timeouts or Timeouts()
         self.max_connections = max_connections
-        self._replicas: dict[tuple[str, int], _Replica] = {}
-        self._targets: dict[tuple[str, str, str, bytes], tuple[tuple[str, int], bytes]] = {}
+        self._replicas: dict[tuple[str, int], Replica] = {}
+        self._targets: dict[tuple[str, str, str, str], tuple[tuple[str, int], bytes]] = {}
 
-    async def post(self, endpoint: str, path: str, body: bytes, api_key: str,
-                   content_type: bytes = b"application/json") -> Response:
+    def call(self, reader: Reader, endpoint: str, path: str, api_key: str,
+             body: bytes | None = None, whole: bool = False) -> Call:
+        """Send a request to a replica (a POST of body, a GET without one); reader is told
+        of its answer from the event loop's callbacks: whole, only of its end (the body
+        gathered, up to MAX_WHOLE_ANSWER_BYTES) or its failure."""
+        key, head = self._target("GET" if body is None else "POST", endpoint, path, api_key)
+        request = head + b"0\r\n\r\n" if body is None else \
+            head + b"%d\r\n\r\n" % len(body) + body
+        call = Call(self, endpoint, key, request, reader,
+                    MAX_WHOLE_ANSWER_BYTES if whole else 0)
+        call.start()
+        return call
+
+    async def post(self, endpoint: str, path: str, body: bytes, api_key: str) -> Response:
         """Send one POST to a replica and read its status and headers."""
-        key, head = self._target(endpoint, path, api_key, content_type)
-        head += b"%d\r\n\r\n" % len(body)
-        conn, reused = await self._checkout(key)
+        return await self._awaited(endpoint, path, api_key, body)
+
+    async def get(self, endpoint: str, path: str, api_key: str) -> Response:
+        """Send one GET to a replica and read its status and headers."""
+        return await self._awaited(endpoint, path, api_key, None)
+
+    async def _awaited(self, endpoint: str, path: str, api_key: str,
+                       body: bytes | None) -> Response:
+        reader = _Awaited()
+        call = self.call(reader, endpoint, path, api_key, body)
         try:
-            await _within(conn.send(head + body), self.timeouts.read_s)
-        except BaseException as e:
-            conn.close()
-            if reused and not conn.got_bytes and isinstance(
-                    e, (ConnectionError, asyncio.IncompleteReadError)):
-                # A pooled connection the replica had already closed (its engine restarted
-                # or died, or it dropped the idle connection): nothing of an answer came,
-                # so the request never reached a live engine. Send it once on a new
-                # connection, which fails as ConnectFailed when the engine is gone (the
-                # gateway then moves on).
-                return await self._post_fresh(endpoint, key, head + body)
-            self._no_answer(endpoint, e)
-        return Response(conn.status, conn.headers, conn, self, self.timeouts.read_s)
+            await reader.head
+        except BaseException:
+            call.end()  # a wait given up (cancelled): nothing is left behind
+            raise
+        return Response(call, reader)
 
-    def send_now(self, endpoint: str, path: str, body: bytes, api_key: str,
-                 done: Callable[[ReplicaConnection], None]) -> ReplicaConnection | None:
-        """Write one POST on an idle pooled connection to the replica, at once, and call
-        done(conn) from the event loop when the whole answer is in (conn.status,
-        conn.headers, conn.take()) or it failed (conn.failed); then give it to finish().
-        None, with nothing sent, when no pooled connection is at hand."""
-        key, head = self._target(endpoint, path, api_key, b"application/json")
-        replica = self._replicas.get(key)
-        now = time.monotonic()
-        conn = replica.pop_idle(now) if replica is not None else None
-        if conn is None:
-            return None
-        conn._begin()
-        conn.on_done = done
-        read_s = self.timeouts.read_s
-        conn.read_at = now
-        if conn._timer is None:
-            conn._timer = asyncio.get_running_loop().call_later(read_s, conn._expire, read_s)
-        assert conn.transport is not None  # an idle pooled connection is connected
-        conn.transport.write(head + b"%d\r\n\r\n" % len(body) + body)
-        return conn
-
-    @staticmethod
-    def stale(conn: ReplicaConnection) -> bool:
-        """A request sent by send_now on a connection the replica had closed: nothing of an
-        answer came, so it never reached a live engine and may be sent again (as post()
-        does on a new connection)."""
-        return not conn.got_bytes and isinstance(
-            conn.failed, (ConnectionError, asyncio.IncompleteReadError))
-
-    def failure(self, conn: ReplicaConnection, endpoint: str) -> str:
-        """What went wrong with a request send_now sent, worded as post() and iter_raw()
-        word it."""
-        error, read_s = conn.failed, self.timeouts.read_s
-        if not conn.status:  # no answer's head came
-            if isinstance(error, TimeoutError):
-                return (f"{endpoint} sent no answer within {read_s:g} s "
-                        "(upstream_read_timeout_s in server.yaml)")
-            return (f"{endpoint} took the request and closed the connection without an "
-                    f"answer: {error!r}")
-        if isinstance(error, TimeoutError):
-            return (f"the replica sent nothing for {read_s:g} s (upstream_read_timeout_s in "
-                    "server.yaml)")
-        return f"the replica broke off its answer: {error!r}"
-
-    def finish(self, conn: ReplicaConnection) -> None:
-        """After send_now's done: the connection back to the pool, or closed."""
-        keep = conn.complete and conn.headers.get(b"connection", b"").lower() != b"close"
-        self._give_back(conn, keep)
-
-    def _target(self, endpoint: str, path: str, api_key: str, content_type: bytes
+    def _target(self, method: str, endpoint: str, path: str, api_key: str
                 ) -> tuple[tuple[str, int], bytes]:
         """Where a request goes and its head up to the body's length, made once."""
-        made = self._targets.get((endpoint, path, api_key, content_type))
+        made = self._targets.get((method, endpoint, path, api_key))
         if made is not None:
             return made
         url = urlsplit(endpoint)
         key = (url.hostname or "127.0.0.1", url.port or 80)
-        head = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: " + url.netloc.encode()
-                + b"\r\nAuthorization: Bearer " + api_key.encode()
-                + b"\r\nContent-Type: " + content_type + b"\r\nContent-Length: ")
+        head = (method.encode() + b" " + path.encode() + b" HTTP/1.1\r\nHost: "
+                + url.netloc.encode() + b"\r\nAuthorization: Bearer " + api_key.encode()
+                + (b"\r\nContent-Type: application/json" if method == "POST" else b"")
+                + b"\r\nContent-Length: ")
         if len(self._targets) >= 4096:  # replicas come and go: the cache stays small
             self._targets.clear()
-        self._targets[(endpoint, path, api_key, content_type)] = (key, head)
+        self._targets[(method, endpoint, path, api_key)] = (key, head)
         return key, head
 
-    async def _post_fresh(self, endpoint: str, key: tuple[str, int],
-                          request: bytes) -> Response:
-        conn, _ = await self._checkout(key, pooled=False)
-        try:
-            await _within(conn.send(request), self.timeouts.read_s)
-        except BaseException as e:
-            conn.close()
-            self._no_answer(endpoint, e)
-        return Response(conn.status, conn.headers, conn, self, self.timeouts.read_s)
-
-    def _no_answer(self, endpoint: str, e: BaseException) -> NoReturn:
-        """Raise the error for a request sent that got no answer's head (e itself when it
-        is not the replica's doing: a cancellation)."""
-        if isinstance(e, TimeoutError):
-            raise UpstreamError(f"{endpoint} sent no answer within "
-                                f"{self.timeouts.read_s:g} s (upstream_read_timeout_s in "
-                                "server.yaml)") from e
-        if isinstance(e, (OSError, asyncio.IncompleteReadError, ValueError)):
-            raise UpstreamError(f"{endpoint} took the request and closed the connection "
-                                f"without an answer: {e!r}") from e
-        raise e
-
-    async def _checkout(self, key: tuple[str, int], pooled: bool = True
-                        ) -> tuple[ReplicaConnection, bool]:
-        """A pooled connection (and True), else a new one (and False); at the replica's
-        limit, the first connection given back or the place of one that closed."""
+    def replica(self, key: tuple[str, int]) -> Replica:
         replica = self._replicas.get(key)
         if replica is None:
-            replica = self._replicas[key] = _Replica(self.max_connections)
-        conn = replica.pop_idle(time.monotonic()) if pooled else None
-        if conn is not None:
-            return conn, True
-        if replica.open < replica.limit:
-            replica.open += 1
-        else:
-            handed = await self._wait_turn(key, replica)
-            if handed is not None:
-                return handed, True
-        try:
-            return await self._connect(key, replica), False
-        except BaseException:
-            replica.closed()
-            raise
+            replica = self._replicas[key] = Replica(self.max_connections)
+        return replica
 
-    async def _wait_turn(self, key: tuple[str, int], replica: _Replica
-                         ) -> ReplicaConnection | None:
-        waiter: asyncio.Future[ReplicaConnection | None] = \
-            asyncio.get_running_loop().create_future()
-        replica.waiters.append(waiter)
-        try:
-            async with asyncio.timeout(self.timeouts.read_s):
-                return await waiter
-        except BaseException as e:
-            if waiter.done() and not waiter.cancelled():
-                # Handed a connection or a place just as the wait ended: pass it on.
-                handed = waiter.result()
-                if handed is None:
-                    replica.closed()
-                else:
-                    self._give_back(handed, keep=True)
-            if isinstance(e, TimeoutError):
-                raise ConnectFailed(
-                    f"all {replica.limit} connections to {key[0]}:{key[1]} stayed busy for "
-                    f"{self.timeouts.read_s:g} s (upstream_read_timeout_s in server.yaml); "
-                    "the request was not sent") from e
-            raise
-        finally:
-            if waiter in replica.waiters:
-                replica.waiters.remove(waiter)
-
-    async def _connect(self, key: tuple[str, int], replica: _Replica) -> ReplicaConnection:
+    async def connect(self, key: tuple[str, int], replica: Replica) -> ReplicaConnection:
         loop = asyncio.get_running_loop()
+        read_s = self.timeouts.read_s
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: ReplicaConnection(replica), *key),
+                loop.create_connection(lambda: ReplicaConnection(replica, read_s), *key),
                 self.timeouts.connect_s)
         except (OSError, TimeoutError) as e:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {e!r}") from e
         return conn
 
-    def _give_back(self, conn: ReplicaConnection, keep: bool) -> None:
-        if not keep:
-            conn.close()
-            return
+    def give_back(self, conn: ReplicaConnection) -> None:
         conn.idle_since = time.monotonic()
         if not conn.replica.hand_over(conn):
             conn.replica.idle.append(conn)

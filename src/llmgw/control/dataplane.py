@@ -32,7 +32,7 @@ from llmgw._http1 import Http1Server
 from llmgw._http1_limits import Limits
 from llmgw._service import on_stop_signals
 from llmgw.config import ServerConfig, load_server, parse_listen
-from llmgw.control._fastpath import FastPath
+from llmgw.control._forward import Forwarder
 from llmgw.control._slottable import RouteDecisions
 from llmgw.control.gateway import make_gateway_app
 from llmgw.control.metrics import GatewayMetrics
@@ -325,7 +325,7 @@ async def serve_worker(config_path: Path) -> None:
     registry.register(RouteDecisions(app.balancer.decisions))
     servers = [Http1Server(app, drain_s=config.gateway_drain_s,
                            certfile=config.gateway_tls.cert, keyfile=config.gateway_tls.key,
-                           fast=FastPath(app), limits=gateway_limits(config)),
+                           fast=Forwarder(app), limits=gateway_limits(config)),
                Http1Server(metrics_app(registry), drain_s=1.0)]
 
     def stop() -> None:

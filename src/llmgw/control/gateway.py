@@ -1,9 +1,10 @@
 """The OpenAI-compatible gateway: models by name or alias, spread over ready replicas.
 
-A plain ASGI app, not FastAPI: the hot path (read the body, pick a replica, relay the
-answer's bytes) is most of what the gateway costs, and a router plus a JSON round trip
-per request cost as much as the engine's own answer to a short prompt
-(profiled).
+A plain ASGI app, not FastAPI, for everything but forwarding: the hot path (read the body,
+pick a replica, relay the answer's bytes) is most of what the gateway costs, and a router
+plus a JSON round trip per request cost as much as the engine's own answer to a short
+prompt (profiled). The forwarded POSTs are driven from the server's callbacks, by
+`_forward.Forwarder` (the server's one fast handler), through this module's `Exchange`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from llmgw._asgi import Receive, Scope, Send
 from llmgw.config import ServerConfig
 from llmgw.contract.records import ModelSpec
 from llmgw.control import _wire, keys
-from llmgw.control._relay import kept, relay_events, respond, whole_answer
+from llmgw.control._relay import kept, respond, whole_answer
 from llmgw.control._router import Router
 from llmgw.control._slots import SlotPoller
-from llmgw.control._upstream import ConnectFailed, Response, Timeouts, Upstream, UpstreamError
+from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.balancer import (
     RETRY_AFTER_S,
     Balancer,
@@ -83,8 +84,9 @@ STATIC = Caller(keys.STATIC)
 
 
 class Gateway:
-    """The ASGI app: GET /v1/models[/{id}], POST /v1/chat/completions, /v1/completions and
-    /v1/embeddings; every error in OpenAI's shape.
+    """The ASGI app: GET /v1/models[/{id}] and /healthz; the POSTs to /v1/chat/completions,
+    /v1/completions and /v1/embeddings are its Forwarder's (served as `fast=`); every error
+    in OpenAI's shape.
 
     keys_required: every request needs a gateway key (or a server.yaml token); without it a
     request with none goes as anonymous unless tokens are listed. A key-shaped credential is
@@ -103,7 +105,7 @@ class Gateway:
         self.usage_flush_s = usage_flush_s
         self._callers: dict[str, Caller] = {}
         self.balancer = balancer
-        self.slots = SlotPoller(self.balancer, self.router.all_ready)
+        self.slots = SlotPoller(self.balancer, self.router.all_ready, upstream)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -148,8 +150,12 @@ class Gateway:
         if kind is not None:
             if method != "POST":
                 raise _not_allowed(method, path, "POST")
-            await self._forward(scope, receive, send, kind)
-            return
+            # Forwarding has one driver, the server's fast handler (`_forward`): a POST
+            # here was served without it.
+            raise GatewayError(500, f"this gateway forwards {path} from its server's fast "
+                               "handler, and it was served without one: serve it with "
+                               "Http1Server(app, fast=Forwarder(app)) (control/_forward.py)",
+                               "server_error", "gateway_error")
         if path in KNOWN_GET or path.startswith("/v1/models/"):
             if method not in ("GET", "HEAD"):
                 raise _not_allowed(method, path, "GET")
@@ -212,35 +218,6 @@ class Gateway:
                                "model_not_found", "model")
         return found
 
-    async def _forward(self, scope: Scope, receive: Receive, send: Send,
-                       kind: str) -> None:
-        """The sequence (Exchange) with its waits: from the start, or from where the fast
-        path handed it over."""
-        ex: Exchange | None = scope.pop(HANDED, None)
-        if ex is None:
-            ex = Exchange(self, scope, kind)
-        try:
-            if ex.raw is None:
-                ex.authorize()
-                ex.check(await self._body(scope, receive))
-            response = await self._send_to_replica(ex)
-            ex.status = response.status
-            if ex.stream and response.status == 200:
-                ex.usage = await relay_events(response, send, ex.member, receive,
-                                              lambda e: ex.broke(response.source, e).body())
-            else:
-                try:
-                    data = await response.read()
-                except UpstreamError as e:
-                    raise ex.broke(response.source, e) from e
-                data, headers = ex.relayed(response.status, response.headers, data)
-                await respond(send, response.status, data, headers)
-        except GatewayError as e:
-            ex.status = e.status
-            raise
-        finally:
-            ex.done()
-
     def count_usage(self, caller: Caller, status: int, usage: tuple[int, int] | None) -> None:
         """A key's usage: its request (a 429 is none) and tokens, and its token window."""
         if not caller.id or status == 429:
@@ -250,41 +227,10 @@ class Gateway:
         if caller.limits:
             caller.limits.spend(time.monotonic(), prompt + completion)
 
-    async def _send_to_replica(self, ex: Exchange) -> Response:
-        """The replica the balancer leases that takes the connection, the next one if it
-        is refused; a request that reached one is never sent to another (no generation
-        runs twice). The lease ends when the answer is relayed."""
-        raw = ex.raw
-        assert raw is not None, "an exchange is sent once check() has taken its body"
-        tried: set[str] = set()
-        refused = ""
-        while lease := await self._lease(ex.name, ex.conv, tried):
-            replica = lease.replica
-            try:
-                response = await self.upstream.post(replica["endpoint"], ex.scope["path"],
-                                                    lease.body(raw), replica["api_key"])
-            except ConnectFailed as e:
-                lease.release()
-                log.warning("replica %s of %s could not take the request, trying the next: "
-                            "%s", replica["id"], ex.name, e)
-                tried.add(replica["id"])
-                refused = f"; the last one tried: {e}"
-                continue
-            except UpstreamError as e:
-                lease.release()
-                raise ex.broke(replica["id"], e) from e
-            except BaseException:
-                lease.release()
-                raise
-            response.on_release = lease.release
-            response.source = replica["id"]
-            return response
-        raise GatewayError(503, f"no replica of {ex.name} could take the request: "
-                           f"{self.router.states(ex.name)}{refused}; try again shortly",
-                           "service_unavailable", "no_ready_replica")
-
-    async def _lease(self, model: str, conv: Conversation | None,
-                     tried: set[str]) -> Lease | None:
+    async def lease(self, model: str, conv: Conversation | None,
+                    tried: set[str]) -> Lease | None:
+        """A replica of model not in tried, waiting in the balancer's queue when all are at
+        their slots (a 503 when it stays so); None when there is no such replica."""
         replicas = self.router.ready(model)
         if all(r["id"] in tried for r in replicas):
             # About to answer 503: first make sure no replica became ready since the last
@@ -297,21 +243,12 @@ class Gateway:
                                "replicas_busy",
                                headers=[(b"retry-after", str(RETRY_AFTER_S).encode())]) from e
 
-    async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and \
-                    int(value) > self.max_body_bytes:
-                raise self._too_large()
-        parts, size = [], 0
-        while True:
-            message = await receive()
-            part = message.get("body", b"")
-            size += len(part)
-            if size > self.max_body_bytes:
-                raise self._too_large()
-            parts.append(part)
-            if not message.get("more_body"):
-                return b"".join(parts)
+    def no_replica(self, model: str, refused: str) -> GatewayError:
+        """The 503 for a request no replica could take (refused: why the last one tried
+        could not, or "")."""
+        return GatewayError(503, f"no replica of {model} could take the request: "
+                            f"{self.router.states(model)}{refused}; try again shortly",
+                            "service_unavailable", "no_ready_replica")
 
     def _too_large(self) -> GatewayError:
         return GatewayError(413, f"the request body is over {self.max_body_bytes} bytes, the "
@@ -319,19 +256,12 @@ class Gateway:
                             "invalid_request_error", "request_too_large")
 
 
-# The scope key under which the fast path hands a request it began to the coroutine path.
-HANDED = "llmgw.exchange"
-
-
 class Exchange:
     """One forwarded request and the gateway's sequence for it, written once: authorise,
     check the body (its model, the model's kind, the key's minute), lease a replica,
     forward, relay the answer (the model renamed, its usage read), count (the key's usage,
-    the metrics). Gateway._forward awaits the steps that may wait; the fast path
-    (`_fastpath`) runs them at once, from the event loop's callbacks, and where one would
-    wait (a stream, a queue, a connection to open) hands the exchange to the coroutine
-    path (`scope[HANDED]`), which goes on from that step: none runs twice, so a key's
-    minute is spent once and the request is counted once."""
+    the metrics). One driver runs them (`_forward`), from the event loop's callbacks: each
+    step runs once, so a key's minute is spent once and the request is counted once."""
 
     __slots__ = ("gw", "scope", "kind", "started", "caller", "raw", "requested", "stream",
                  "name", "conv", "status", "usage")

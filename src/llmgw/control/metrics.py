@@ -37,7 +37,7 @@ class GatewayMetrics:
     """What the gateway counts on its hot path, a registry per gateway process: plain
     counts, made Prometheus samples only when /metrics is read. (A prometheus_client
     Counter takes a lock and several calls each inc: seven a request were a tenth of the
-    fast path's Python, profiled. The event loop's one thread counts and scrapes.)"""
+    hot path's Python, profiled. The event loop's one thread counts and scrapes.)"""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.in_flight = 0

@@ -1,6 +1,7 @@
-"""The gateway's fast path against real loopback servers: what it takes it answers as the
-coroutine path does; what it cannot do at once it leaves to that path before sending; a
-replica's failure, a silence, a client that leaves and a drain end as they do there."""
+"""The gateway's one driver of forwarded requests (the Forwarder, the server's fast handler)
+against real loopback servers: it takes every forwarded POST and the app none; each step
+runs once; a replica's failure, a silence, a client that leaves or is slow to read, a
+large body, 100-continue and a drain each end as they should."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -17,7 +18,8 @@ from prometheus_client import CollectorRegistry
 
 from llmgw._http1 import Http1Server
 from llmgw.config import ServerConfig
-from llmgw.control._fastpath import FastPath
+from llmgw.control import _replica_conn
+from llmgw.control._forward import Forwarder
 from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.admin_api import KeyRequest, create_key
 from llmgw.control.gateway import Gateway, make_gateway_app
@@ -38,7 +40,7 @@ def whole(body: bytes, extra: bytes = b"") -> list[Step]:
 
 
 @contextmanager
-def raw_replica(script: Callable[[int, bytes], list[Step] | None]
+def raw_replica(script: Callable[[int, bytes], Iterable[Step] | None]
                 ) -> Iterator[tuple[str, list[bytes]]]:
     """A replica that reads each POST on each connection and answers the nth (from 0,
     counted over all connections) with script(n, body)'s steps, byte for byte; None hangs up
@@ -87,135 +89,86 @@ def store(tmp_path) -> Iterator[Store]:
 
 
 @contextmanager
-def fast_gateway(store: Store, timeouts: Timeouts | None = None, with_fast: bool = True,
-                 **options: object) -> Iterator[tuple[httpx.Client, FastPath, Gateway]]:
-    """A gateway served with its fast path (or, not with_fast, without: the coroutine path
-    alone), its client, the fast path (how many requests it took) and the app."""
+def forward_gateway(store: Store, timeouts: Timeouts | None = None, **options: object
+                    ) -> Iterator[tuple[httpx.Client, Forwarder, Gateway]]:
+    """A gateway served as `llmgw gateway` serves it, its client, its Forwarder (how many
+    requests it took) and the app."""
     app = make_gateway_app(store, ServerConfig(**options), upstream=Upstream(timeouts),  # type: ignore[arg-type]
                            metrics=GatewayMetrics(CollectorRegistry()))
-    fast = FastPath(app)
-    with serve_gateway(app, fast=fast if with_fast else None) as url, \
+    forwarder = Forwarder(app)
+    with serve_gateway(app, fast=forwarder) as url, \
             httpx.Client(base_url=url, timeout=30) as client:
-        yield client, fast, app
+        yield client, forwarder, app
 
 
-def answers(store: Store, requests: list[dict[str, object]], with_fast: bool
-            ) -> tuple[list[tuple[int, list[tuple[str, str]], bytes]], int]:
-    """Each request's status, headers (but Date) and body, and how many the fast path took."""
-    got = []
-    with fast_gateway(store, with_fast=with_fast) as (gw, fast, _):
-        for request in requests:
-            r = gw.post("/v1/chat/completions", json=request)
-            got.append((r.status_code, [(k, v) for k, v in r.headers.items() if k != "date"],
-                        r.content))
-    return got, fast.taken
-
-
-def test_a_plain_answer_is_taken_once_a_connection_is_pooled_and_matches_the_other_path(
-        store) -> None:
-    """The first request opens the replica's connection (the coroutine path's work); the
-    rest ride it on the fast path, and every answer is the coroutine path's, byte for byte
-    (the model renamed to the alias asked for, usage passed through)."""
+def test_every_forwarded_post_is_the_forwarders_and_everything_else_the_apps(store) -> None:
+    """The Forwarder takes each POST to a forwarded route (answers and errors alike, the
+    first, which opens the replica's connection, too); the app answers the rest."""
     with scripted_upstream(lambda p, b: (200, "application/json", [json_answer()])) as up:
         ready(store, "r1", up.endpoint)
-        asked = [{**CHAT, "model": "tiny-chat"}] * 4
-        fast, taken = answers(store, asked, with_fast=True)
-        plain, none_taken = answers(store, asked, with_fast=False)
-    assert (taken, none_taken) == (3, 0)
-    assert fast == plain
-    assert json.loads(fast[-1][2])["model"] == "tiny-chat"
+        with forward_gateway(store) as (gw, forwarder, _):
+            codes = [gw.post("/v1/chat/completions", json={**CHAT, "model": "tiny-chat"}
+                             ).status_code for _ in range(3)]
+            codes.append(gw.post("/v1/chat/completions", content=b"{not json").status_code)
+            answer = gw.post("/v1/completions", json=CHAT).json()
+            codes += [gw.get("/v1/models").status_code,
+                      gw.get("/v1/chat/completions").status_code]
+    assert codes == [200, 200, 200, 400, 200, 405]
+    assert forwarder.taken == 5 and answer["model"] == "tiny"
 
 
-@pytest.mark.parametrize("request_, status, taken_", [
-    ({**CHAT, "stream": True}, 200, 0),
-    ({**CHAT, "model": "nope"}, 404, 2),
-    ({"messages": []}, 422, 2),
-    ({**CHAT, "model": "tiny-embed"}, 400, 2),
-])
-def test_a_stream_goes_to_the_coroutine_path_and_an_error_is_answered_at_once(
-        store, request_, status, taken_) -> None:
-    """A stream waits on its replica: the coroutine path relays it. An error is written at
-    once, from the fast path (the first request, which opens the replica's connection, is
-    the coroutine path's); either way the answers are a gateway's without the fast path,
-    byte for byte."""
-    events = [b'data: {"model":"m","choices":[]}\n\n', b"data: [DONE]\n\n"]
-    with scripted_upstream(lambda p, b: (200, "text/event-stream", events)
-                           if json.loads(b).get("stream") else
-                           (200, "application/json", [json_answer()])) as up:
-        ready(store, "r1", up.endpoint)
-        ready(store, "e1", up.endpoint, model="tiny-embed")
-        warm_then = [CHAT, request_, request_]
-        fast, taken = answers(store, warm_then, with_fast=True)
-        plain, _ = answers(store, warm_then, with_fast=False)
-    assert taken == taken_
-    assert [s for s, _, _ in fast] == [200, status, status]
-    assert fast == plain
-
-
-def test_bad_json_is_answered_at_once_as_the_coroutine_path_answers_it(store) -> None:
-    asked = [CHAT, "{not json", "[1]"]
-    got = []
+def test_negative_control_the_app_alone_forwards_nothing(store) -> None:
+    """Served without its Forwarder, the app is no second driver: a forwarded POST is a 500
+    that names the fix, and nothing reaches the replica."""
     with scripted_upstream(lambda p, b: (200, "application/json", [json_answer()])) as up:
         ready(store, "r1", up.endpoint)
-        for with_fast in (True, False):
-            with fast_gateway(store, with_fast=with_fast) as (gw, fast, _):
-                got.append(([(r.status_code, r.json()["error"]["code"] if r.is_error else "",
-                              r.content) for r in (
-                    gw.post("/v1/chat/completions", json=a) if isinstance(a, dict) else
-                    gw.post("/v1/chat/completions", content=a.encode()) for a in asked)],
-                            fast.taken))
-    (on_fast, taken), (plain, none_taken) = got
-    assert [(s, c) for s, c, _ in on_fast] == [(200, ""), (400, "invalid_json"),
-                                               (422, "invalid_body")]
-    assert on_fast == plain and (taken, none_taken) == (2, 0)
+        app = make_gateway_app(store, upstream=Upstream())
+        port = free_port()
+        server = Http1Server(app, f"127.0.0.1:{port}", drain_s=1.0)
+        thread = run_in_thread(server)
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as gw:
+                r = gw.post("/v1/chat/completions", json=CHAT)
+        finally:
+            server.should_exit = True
+            thread.join(10)
+        assert up.seen == []
+    assert r.status_code == 500 and "fast=Forwarder(app)" in r.json()["error"]["message"]
 
 
-def test_a_key_with_limits_spends_its_minute_once_whichever_path_ends_the_request(
-        store) -> None:
-    """rpm 2: the first request goes to the coroutine path part-way (no pooled connection
-    yet) with its minute already spent there; the second rides the fast path; the third
-    is the 429, written at once. Were a step run again on the way over, the second would
-    be refused. The coroutine path alone gives the same answers."""
+def test_a_key_with_limits_spends_its_minute_once_a_request(store) -> None:
+    """rpm 2: two answers, then the 429, written at once; were a step of a request run
+    twice (a second driver taking over part-way), the second would be refused."""
     made = create_key(store, KeyRequest(name="ci", rpm=2))["key"]
-    outcomes = []
     with scripted_upstream(lambda p, b: (200, "application/json", [json_answer()])) as up:
         ready(store, "r1", up.endpoint)
-        for with_fast in (True, False):
-            with fast_gateway(store, with_fast=with_fast) as (gw, fast, _):
-                codes = [gw.post("/v1/chat/completions", json=CHAT,
-                                 headers={"Authorization": f"Bearer {made}"}).status_code
-                         for _ in range(3)]
-            outcomes.append((codes, fast.taken))  # each gateway keeps its own minute
-    assert outcomes == [([200, 200, 429], 2), ([200, 200, 429], 0)]
+        with forward_gateway(store) as (gw, forwarder, _):
+            codes = [gw.post("/v1/chat/completions", json=CHAT,
+                             headers={"Authorization": f"Bearer {made}"}).status_code
+                     for _ in range(3)]
+    assert codes == [200, 200, 429] and forwarder.taken == 3
 
 
-def test_a_pooled_connection_the_replica_closed_goes_back_and_is_sent_once_more(
-        store) -> None:
-    """The fast path's request met a pooled connection the replica had closed (no byte
-    came): the coroutine path sends it once on a new connection, as it does itself; the
-    replica, which hangs up on the next requests too, then gets the 502."""
+def test_a_pooled_connection_the_replica_closed_is_sent_once_more_then_502(store) -> None:
+    """The second request met a pooled connection the replica had closed (no byte came):
+    it is sent once on a new connection; the replica, which hangs up on that and on the
+    third request too (on a new connection: not sent again), gets the 502s."""
     def script(n: int, body: bytes) -> list[Step] | None:
         return whole(json_answer()) if n == 0 else None
 
-    outcomes = []
-    for with_fast in (True, False):
-        with raw_replica(script) as (endpoint, seen):
-            ready(store, "r1", endpoint)
-            with fast_gateway(store, with_fast=with_fast) as (gw, fast, _):
-                codes = [gw.post("/v1/chat/completions", json=CHAT).status_code
-                         for _ in range(2)]
-                message = gw.post("/v1/chat/completions", json=CHAT).json()
-            outcomes.append((codes, len(seen), fast.taken))
-    # The second request, sent twice (the stale connection, then a new one), and the third.
-    assert outcomes[0][:2] == outcomes[1][:2] == ([200, 502], 4)
-    assert outcomes[0][2] == 1 and outcomes[1][2] == 0
+    with raw_replica(script) as (endpoint, seen):
+        ready(store, "r1", endpoint)
+        with forward_gateway(store) as (gw, _, app):
+            codes = [gw.post("/v1/chat/completions", json=CHAT).status_code
+                     for _ in range(2)]
+            message = gw.post("/v1/chat/completions", json=CHAT).json()
+            in_flight = app.balancer.loads["r1"].in_flight
+    assert codes == [200, 502] and len(seen) == 4 and in_flight == 0
     assert "closed the connection without an answer" in message["error"]["message"]
 
 
-@pytest.mark.parametrize("with_fast", [True, False], ids=["fast path", "coroutine path"])
-def test_a_replica_that_breaks_off_its_answer_is_502_and_not_resent(store, with_fast) -> None:
-    """Both paths answer a 502 in OpenAI's shape (the coroutine path answered a plain 500
-    before the fast path came), and the request is not sent again."""
+def test_a_replica_that_breaks_off_its_answer_is_502_and_not_resent(store) -> None:
+    """A 502 in OpenAI's shape, and the request is not sent again."""
     def script(n: int, body: bytes) -> list[Step] | None:
         if n == 0:
             return whole(json_answer())
@@ -225,15 +178,15 @@ def test_a_replica_that_breaks_off_its_answer_is_502_and_not_resent(store, with_
     with raw_replica(lambda n, b: script(n, b) if n < 2 else whole(json_answer())) as \
             (endpoint, seen):
         ready(store, "r1", endpoint)
-        with fast_gateway(store, with_fast=with_fast) as (gw, fast, app):
+        with forward_gateway(store) as (gw, forwarder, app):
             first = gw.post("/v1/chat/completions", json=CHAT)
             broken = gw.post("/v1/chat/completions", json=CHAT)
             again = [gw.post("/v1/chat/completions", json=CHAT).status_code for _ in range(2)]
     assert first.status_code == 200 and broken.status_code == 502
     assert broken.json()["error"]["code"] == "replica_failed"
     assert "broke off its answer" in broken.json()["error"]["message"]
-    # The broken one once; the next opens a new connection (the coroutine path's work).
-    assert len(seen) == 4 and fast.taken == (2 if with_fast else 0)
+    # The broken one once; the next opens a new connection.
+    assert len(seen) == 4 and forwarder.taken == 4
     assert again == [200, 200]
     assert app.balancer.loads["r1"].in_flight == 0
 
@@ -256,7 +209,7 @@ def test_the_read_timeout_counts_silence_not_the_whole_answer(store) -> None:
 
     with raw_replica(script) as (endpoint, seen):
         ready(store, "r1", endpoint)
-        with fast_gateway(store, Timeouts(connect_s=1.0, read_s=0.5)) as (gw, fast, _):
+        with forward_gateway(store, Timeouts(connect_s=1.0, read_s=0.5)) as (gw, _, _):
             codes = []
             messages = []
             for _ in range(5):
@@ -266,18 +219,16 @@ def test_the_read_timeout_counts_silence_not_the_whole_answer(store) -> None:
     assert codes == [200, 200, 502, 200, 502], messages
     assert "sent nothing for 0.5 s (upstream_read_timeout_s" in messages[2]
     assert "sent no answer within 0.5 s (upstream_read_timeout_s" in messages[4]
-    assert fast.taken == 3  # 1, 2 and 4; 3 opened a new connection, on the coroutine path
 
 
 def test_pipelined_requests_are_answered_in_order(store) -> None:
-    """Three requests in one write: the first opens the replica's connection, the next two
-    ride the fast path, each answered in turn with its own content."""
+    """Three requests in one write, each answered in turn with its own content."""
     def script(n: int, body: bytes) -> list[Step] | None:
         return whole(json_answer(content=json.loads(body)["messages"][0]["content"]))
 
     with raw_replica(script) as (endpoint, _):
         ready(store, "r1", endpoint)
-        with fast_gateway(store) as (gw, fast, _):
+        with forward_gateway(store) as (gw, forwarder, _):
             gw.post("/v1/chat/completions", json=CHAT)  # the connection to the replica
             port = int(str(gw.base_url).rsplit(":", 1)[1].rstrip("/"))
             requests = b""
@@ -293,7 +244,7 @@ def test_pipelined_requests_are_answered_in_order(store) -> None:
                 while got.count(b"HTTP/1.1 200") < 3 or not got.endswith(b"}"):
                     got += s.recv(65536)
     order = [got.index(word) for word in (b'"one"', b'"two"', b'"three"')]
-    assert order == sorted(order) and fast.taken >= 2
+    assert order == sorted(order) and forwarder.taken == 4
 
 
 def test_a_client_that_leaves_ends_nothing_but_its_answer(store) -> None:
@@ -304,29 +255,29 @@ def test_a_client_that_leaves_ends_nothing_but_its_answer(store) -> None:
 
     with raw_replica(script) as (endpoint, seen):
         ready(store, "r1", endpoint)
-        with fast_gateway(store) as (gw, fast, app):
+        with forward_gateway(store) as (gw, forwarder, app):
             gw.post("/v1/chat/completions", json=CHAT)
             with pytest.raises(httpx.ReadTimeout):
                 gw.post("/v1/chat/completions", json=CHAT, timeout=0.2)
             time.sleep(0.6)
             after = gw.post("/v1/chat/completions", json=CHAT).status_code
             in_flight = app.balancer.loads["r1"].in_flight
-    assert after == 200 and len(seen) == 3 and fast.taken == 2
+    assert after == 200 and len(seen) == 3 and forwarder.taken == 3
     assert in_flight == 0
 
 
-def test_a_drain_answers_a_request_on_the_fast_path_and_closes(store) -> None:
-    """The server told to stop while a fast-path request is at the replica: its answer
-    comes whole, with Connection: close."""
+def test_a_drain_answers_a_forwarded_request_and_closes(store) -> None:
+    """The server told to stop while a request is at the replica: its answer comes whole,
+    with Connection: close."""
     def script(n: int, body: bytes) -> list[Step] | None:
         return [(0.5 if n == 1 else 0.0, whole(json_answer())[0][1])]
 
     with raw_replica(script) as (endpoint, _):
         ready(store, "r1", endpoint)
         app = make_gateway_app(store, upstream=Upstream())
-        fast = FastPath(app)
+        forwarder = Forwarder(app)
         port = free_port()
-        server = Http1Server(app, f"127.0.0.1:{port}", drain_s=5.0, fast=fast)
+        server = Http1Server(app, f"127.0.0.1:{port}", drain_s=5.0, fast=forwarder)
         thread = run_in_thread(server)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as gw:
             gw.post("/v1/chat/completions", json=CHAT)
@@ -339,25 +290,25 @@ def test_a_drain_answers_a_request_on_the_fast_path_and_closes(store) -> None:
             caller.join(10)
         thread.join(10)
     assert result and result[0].status_code == 200
-    assert result[0].headers["connection"] == "close" and fast.taken == 1
+    assert result[0].headers["connection"] == "close" and forwarder.taken == 2
 
 
-def test_usage_and_metrics_count_fast_path_answers(store) -> None:
+def test_usage_and_metrics_count_forwarded_answers(store) -> None:
     """A key's usage reaches the store and the request counts reach /metrics, from answers
-    the fast path relayed."""
+    the Forwarder relayed."""
     made = create_key(store, KeyRequest(name="ci"))["key"]
     registry = CollectorRegistry()
     with scripted_upstream(lambda p, b: (200, "application/json", [json_answer()])) as up:
         ready(store, "r1", up.endpoint)
         app = make_gateway_app(store, upstream=Upstream(),
                                metrics=GatewayMetrics(registry), usage_flush_s=0.2)
-        fast = FastPath(app)
-        with serve_gateway(app, fast=fast) as url, httpx.Client(base_url=url) as gw:
+        forwarder = Forwarder(app)
+        with serve_gateway(app, fast=forwarder) as url, httpx.Client(base_url=url) as gw:
             for _ in range(4):
                 gw.post("/v1/chat/completions", json=CHAT,
                         headers={"Authorization": f"Bearer {made}"}).raise_for_status()
             time.sleep(0.6)
-    assert fast.taken == 3
+    assert forwarder.taken == 4
     (stored,) = store.keys()
     assert (stored["requests"], stored["prompt_tokens"], stored["completion_tokens"]) == \
         (4, 12, 20)
@@ -365,3 +316,86 @@ def test_usage_and_metrics_count_fast_path_answers(store) -> None:
                                       {"model": "tiny", "status": "200", "key": "ci"})
     assert count == 4
     assert registry.get_sample_value("llmgw_gateway_requests_in_flight") == 0
+
+
+EVENT = b"data: " + json.dumps({"model": "m", "choices": [{"delta": {"content": "x" * 65000}}]}
+                              ).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("lifted", [False, True], ids=["slow-client", "control-no-read-ahead"])
+def test_a_stream_whose_client_does_not_read_holds_the_replica_back(
+        store, monkeypatch, lifted) -> None:
+    """A client that stops reading a stream: once the gateway's socket to it is full, the
+    Forwarder stops taking the replica's events, the replica's connection stops reading at
+    READ_AHEAD_BYTES, and the replica waits (what it sent stays far short of the stream).
+    Read on, the client gets every event. The control lifts the read-ahead bound: the
+    gateway then reads the whole stream while the client sleeps."""
+    if lifted:
+        monkeypatch.setattr(_replica_conn, "READ_AHEAD_BYTES", 1 << 40)
+    events = 768  # 48 MiB
+    sent = [0]
+
+    def stream(n: int, body: bytes) -> Iterator[Step]:
+        if not json.loads(body).get("stream"):
+            yield from whole(json_answer())
+            return
+        yield (0.0, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+        for _ in range(events):
+            yield (0.0, chunk)
+            sent[0] += 1
+        yield (0.0, b"0\r\n\r\n")
+
+    with raw_replica(stream) as (endpoint, _):
+        ready(store, "r1", endpoint)
+        with forward_gateway(store) as (gw, _, app):
+            port = int(str(gw.base_url).rsplit(":", 1)[1].rstrip("/"))
+            body = json.dumps({**CHAT, "stream": True}).encode()
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+                s.settimeout(30)
+                s.connect(("127.0.0.1", port))
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                          + str(len(body)).encode() + b"\r\n\r\n" + body)
+                parts = [s.recv(1 << 16)]
+                time.sleep(1.5)
+                while_asleep = sent[0]
+                while not (parts[-1] or b"0\r\n\r\n").endswith(b"0\r\n\r\n"):
+                    parts.append(s.recv(1 << 20))
+            in_flight = app.balancer.loads["r1"].in_flight
+    print(f"{while_asleep} of {events} events sent while the client slept")
+    assert b"".join(parts).count(b'"choices"') == events and in_flight == 0
+    if lifted:
+        assert while_asleep == events
+    else:
+        assert while_asleep < events // 2, f"{while_asleep} of {events} events sent"
+
+
+def test_a_large_body_and_one_sent_after_100_continue_are_forwarded_too(store) -> None:
+    """A body past the server's read-ahead, and a client that waits for 100 Continue, are
+    the Forwarder's as any other (the app would answer them 500): the body reaches the
+    replica whole. The control: past gateway_max_body_bytes, the 413."""
+    def script(n: int, body: bytes) -> list[Step] | None:
+        return whole(json_answer(content=str(len(body))))
+
+    big = {**CHAT, "messages": [{"role": "user", "content": "y" * (600 << 10)}]}
+    large_body, body = json.dumps(big).encode(), json.dumps(CHAT).encode()
+    with raw_replica(script) as (endpoint, seen):
+        ready(store, "r1", endpoint)
+        with forward_gateway(store, gateway_max_body_bytes=1 << 20) as (gw, forwarder, _):
+            large = gw.post("/v1/chat/completions", content=large_body)
+            over = gw.post("/v1/chat/completions", json={**big, "pad": "z" * (1 << 20)})
+            port = int(str(gw.base_url).rsplit(":", 1)[1].rstrip("/"))
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: "
+                          b"100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+                told = s.recv(1 << 16)
+                s.sendall(body)
+                answer = b""
+                while not answer.endswith(b"}"):
+                    answer += s.recv(1 << 16)
+    assert large.status_code == 200 and seen[0] == large_body
+    assert over.status_code == 413
+    assert told == b"HTTP/1.1 100 Continue\r\n\r\n" and answer.startswith(b"HTTP/1.1 200")
+    assert seen[1] == body and forwarder.taken == 3
