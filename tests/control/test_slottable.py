@@ -208,17 +208,3 @@ def test_the_decisions_are_counted_as_llmgw_route_decisions_total() -> None:
     assert 'llmgw_route_decisions_total{reason="slot"} 1.0' in text
     assert 'llmgw_route_decisions_total{reason="guard"} 0.0' in text
 
-
-def test_a_lease_given_back_unsent_leaves_the_table_as_it_was() -> None:
-    """The fast path leased, then could not send (no idle connection): the coroutine path
-    leases again, and must find the conversation as new as it was, not pinned to the slot
-    the first lease noted. The negative control: a lease that ran does leave it there."""
-    balancer = polled(2, "r1")
-    first = turn(balancer, "a", replicas=[R1])
-    first.unused()
-    again = turn(balancer, "a", replicas=[R1])
-    assert (again.reason, again.slot) == (st.NEW, None)
-    again.release()
-    ran = turn(balancer, "a", replicas=[R1])
-    assert (ran.reason, ran.slot) == (st.SLOT, again.tracked)
-    assert balancer.decisions[st.NEW] == 1

@@ -100,13 +100,6 @@ class Homes:
         if len(self.table) > self.entries:
             self.table.popitem(last=False)
 
-    def put_back(self, key: bytes, was: tuple[str, int | None] | None) -> None:
-        """Undo remember(key, ...): the entry it replaced, or none."""
-        if was is None:
-            self.table.pop(key, None)
-        else:
-            self.table[key] = was
-
     def forget(self, lookups: tuple[bytes, ...], replica_id: str) -> None:
         for key in lookups:
             found = self.table.get(key)

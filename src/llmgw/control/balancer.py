@@ -210,17 +210,6 @@ def busy_slot(free: list[ReplicaRecord], loads: dict[str, Load],
     return Route(best[1], best[2], st.SLOT_BUSY_PREFIX) if best else None
 
 
-@dataclass(frozen=True)
-class _Undo:
-    """What a lease changed in the table, put back if nothing is sent (Lease.unused): the
-    slot it counted and what that held, the conversation's key and its entry before."""
-
-    slot: Slot | None
-    holder: frozenset[bytes]
-    key: bytes | None
-    home: tuple[str, int | None] | None
-
-
 class Lease:
     """A replica taken for one request; release() once its answer was relayed (or failed).
     slot: the slot of it the request is pinned to (sent as id_slot), or None; tracked: the
@@ -231,7 +220,6 @@ class Lease:
         self.balancer, self.model, self.replica, self.reason = balancer, model, replica, reason
         self.slot: int | None = None
         self.tracked: int | None = None
-        self.undo: _Undo | None = None
         self._held = True
 
     def body(self, raw: bytes) -> bytes:
@@ -242,22 +230,6 @@ class Lease:
         if self._held:
             self._held = False
             self.balancer._release(self)
-
-    def unused(self) -> None:
-        """Released at once, nothing sent (Balancer.try_now's caller could not send): the
-        turn it took is given back, so the request's next pick is the one it would have
-        been (ties among the idlest go in turn)."""
-        if self._held:
-            self._held = False
-            self.balancer._release(self, ran=False)
-            self.balancer._turn -= 1
-            self.balancer.decisions[self.reason] -= 1
-            undo = self.undo  # nothing reached the engine: the table as it was
-            if undo is not None:
-                if undo.slot is not None:
-                    undo.slot.holder = undo.holder
-                if undo.key is not None:
-                    self.balancer.homes.put_back(undo.key, undo.home)
 
 
 @dataclass
@@ -306,8 +278,7 @@ class Balancer:
     def try_now(self, model: str, replicas: list[ReplicaRecord],
                 conv: Conversation | None) -> Lease | None:
         """A lease at once, or None when none is free or requests already wait (acquire
-        then queues the request behind them). Nothing may run between this and the lease's
-        unused(), if it is not used."""
+        then queues the request behind them)."""
         if not replicas or self._queues.get(model):
             return None
         return self._try(model, replicas, conv)
@@ -342,9 +313,6 @@ class Balancer:
         tracked = slot if slot is not None else st.engine_pick(load.states)
         lease.slot, lease.tracked = slot, tracked
         state = load.states[tracked] if tracked is not None else None
-        lease.undo = _Undo(state, state.holder if state else frozenset(),
-                           conv.record if conv else None,
-                           self.homes.table.get(conv.record) if conv else None)
         if state is not None:
             state.leased += 1
             state.touched = True
@@ -385,16 +353,15 @@ class Balancer:
         if conv is not None:
             self.homes.forget(conv.lookups, replica_id)
 
-    def _release(self, lease: Lease, ran: bool = True) -> None:
+    def _release(self, lease: Lease) -> None:
         load = self.loads[lease.replica["id"]]
         load.in_flight -= 1
         if lease.tracked is not None and lease.tracked < len(load.states):
             state = load.states[lease.tracked]
             state.leased = max(0, state.leased - 1)
             state.touched = True
-            if ran:  # the engine's slot was used now: it goes last in its LRU order
-                self._clock += 1
-                state.used = self._clock
+            self._clock += 1  # the engine's slot was used now: last in its LRU order
+            state.used = self._clock
         self._hand_over(lease.model, lease.replica["id"])
 
     def _hand_over(self, model: str, freed: str | None = None) -> None:
