@@ -31,6 +31,7 @@ Error
  ├── control.gateway.GatewayError (an answer in OpenAI's error shape)
  ├── control._upstream.UpstreamError (a replica failed once the request was sent)
  │    └── control._upstream.ConnectFailed (it never reached the engine: try another)
+ ├── control._replica_conn.TooLarge (a replica's answer over the cap gathered whole)
  ├── commands._admin.Unreachable (no control plane answers the CLI)
  ├── mirror._sources.Changed (the source is no longer the file a partial came from)
  ├── mirror._sources.Gone (the source refused in a way a retry will not fix)

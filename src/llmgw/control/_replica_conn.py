@@ -10,6 +10,8 @@ from typing import Protocol, cast
 
 import httptools
 
+from llmgw.errors import Error
+
 # llama-server (cpp-httplib) closes a connection idle for 5 s; a pooled one is dropped
 # sooner, so a request is never written into a socket the engine is closing.
 IDLE_EXPIRY_S = 2.0
@@ -258,7 +260,9 @@ class ReplicaConnection(asyncio.Protocol):
         self.abort()
 
 
-class TooLarge(ValueError):
+class TooLarge(Error, ValueError):
+    """A replica's answer over the cap the gateway gathers whole (the caller answers 502)."""
+
     def __init__(self, found: str, cap: int) -> None:
         super().__init__(f"the replica's answer is too large to take whole: {found}, and "
                          f"the cap is {cap} bytes")
