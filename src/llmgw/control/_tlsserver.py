@@ -2,13 +2,13 @@
 thread of its own (no thread per connection).
 
 Not the core's own listener: the handshake is admitted here, before a connection may cost
-anything, and identity comes from it (the core hands the verified client certificate's CN and serial
-to the app in the scope's TLS extension). Every node reaches this port, and a client
-without a certificate may connect (to join), so a connection is admitted in three steps:
-its first byte and whole ClientHello must come within first_byte_timeout_s (it takes no
-handshake slot meanwhile: a silent or half-done connection cannot keep a node out), then
-it waits for one of HANDSHAKES_AT_ONCE slots (at most HANDSHAKE_QUEUE_S), then the
-handshake must end within the handshake deadline. The requests are read by the core
+anything, and identity comes from it (the core hands the verified client certificate's CN
+and serial to the app in the scope's TLS extension). Every node reaches this port, and a
+client without a certificate may connect (to join), so a connection is admitted in three
+steps: its first byte and whole ClientHello must come within first_byte_timeout_s (it
+takes no handshake slot meanwhile: a silent or half-done connection cannot keep a node
+out), then it waits for one of HANDSHAKES_AT_ONCE slots (at most HANDSHAKE_QUEUE_S), then
+the handshake must end within the handshake deadline. The requests are read by the core
 (`llmgw._http1`) under its limits: a head or body that stops part-way is closed by its
 deadline, before any certificate check would matter; framing the core refuses (two
 Content-Lengths, an unknown coding, folded lines) never reaches the handler.
@@ -46,8 +46,6 @@ HANDSHAKES_AT_ONCE = 32
 HANDSHAKE_QUEUE_S = 5.0
 # The handshake's deadline when set (tests set it); else the limits' handshake_timeout_s.
 HANDSHAKE_TIMEOUT_S: float | None = None
-# The agent API's limits unless server.yaml's agent_http says otherwise (its defaults).
-DEFAULT_LIMITS = AGENT_LIMITS
 # A TLS record: type 22 (handshake), a version, a length of at most 2^14 (+ expansion).
 _HANDSHAKE_RECORD = 0x16
 _MAX_RECORD = (1 << 14) + 2048
@@ -129,7 +127,8 @@ class TLSServer:
         self._handler = handler
         self._refused = refused
         self._gate = gate
-        self.limits = limits or DEFAULT_LIMITS
+        # server.yaml's agent_http, or its defaults.
+        self.limits = limits or AGENT_LIMITS
         self.http = Http1Server(self._app, drain_s=DRAIN_S, limits=self.limits)
         self._loop = new_event_loop()
         self._sock = self._listen(host, port)
