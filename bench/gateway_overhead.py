@@ -151,8 +151,8 @@ def listener_pid(port: int) -> int:
 def engine_binary() -> str:
     engine = LlamaCpp(EngineConfig())
     status = engine.provision()
-    if status.state != "ready" or engine.found is None:
-        sys.exit(f"no llama-server: {status.detail}")
+    if status["state"] != "ready" or engine.found is None:
+        sys.exit(f"no llama-server: {status['detail']}")
     return str(engine.found.path)
 
 

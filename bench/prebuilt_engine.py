@@ -57,8 +57,8 @@ class Side:
 def provisioned(prebuilt: str, cache_dir: str = "") -> str:
     engine = LlamaCpp(EngineConfig(prebuilt=prebuilt, cache_dir=cache_dir))
     status = engine.provision()
-    if status.state != "ready" or engine.found is None:
-        sys.exit(f"no engine for engine.prebuilt: {prebuilt}: {status.detail}")
+    if status["state"] != "ready" or engine.found is None:
+        sys.exit(f"no engine for engine.prebuilt: {prebuilt}: {status['detail']}")
     return str(engine.found.path)
 
 
