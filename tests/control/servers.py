@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,17 +19,7 @@ from llmgw._http1 import Http1Server
 from llmgw.control._forward import Forwarder
 from llmgw.control.gateway import Gateway
 from llmgw.netaddr import free_port
-
-
-def run_in_thread(server: Http1Server) -> threading.Thread:
-    """server running in a daemon thread of its own, once it has started."""
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    return thread
+from tests.http1.servers import run_in_thread
 
 
 @contextmanager

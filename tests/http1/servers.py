@@ -1,6 +1,7 @@
 """Http1Server in a thread for the HTTP core's tests: on uvloop (what services run) or on
 asyncio's own loop (its native sendfile), listening itself or fed connections accepted
-by the test, as a caller with its own TLS admission does."""
+by the test, as a caller with its own TLS admission does; and the waits and the echo app
+those tests share."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 from llmgw._http1 import Http1Server
 from llmgw.netaddr import free_port
-from tests.http1.wire import WAIT_S
+from tests.http1.wire import WAIT_S, answer
 
 LoopKind = Literal["uvloop", "asyncio"]
 
@@ -27,22 +28,28 @@ def _wait_started(server: Http1Server, thread: threading.Thread) -> None:
         time.sleep(0.01)
 
 
-@contextmanager
-def serving(app: Any, loop: LoopKind = "uvloop", **options: Any
-            ) -> Iterator[tuple[Http1Server, int]]:
-    """app under Http1Server(**options) on a free loopback port, on that loop, for the
-    length of the block: the server and its port."""
-    port = free_port()
-    server = Http1Server(app, f"127.0.0.1:{port}", **{"drain_s": 2.0, **options})
+def run_in_thread(server: Http1Server, loop: LoopKind = "uvloop") -> threading.Thread:
+    """server running in a daemon thread of its own, on that loop, once it has started."""
     target = server.run if loop == "uvloop" else lambda: asyncio.run(server.serve())
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
     _wait_started(server, thread)
+    return thread
+
+
+@contextmanager
+def running(app: Any, loop: LoopKind = "uvloop", drain_s: float = 5.0, **options: Any
+            ) -> Iterator[tuple[Http1Server, threading.Thread, int]]:
+    """app under Http1Server(**options) on a free loopback port, on that loop, for the
+    length of the block: the server (to stop it), its thread and its port."""
+    port = free_port()
+    server = Http1Server(app, f"127.0.0.1:{port}", drain_s=drain_s, **options)
+    thread = run_in_thread(server, loop)
     try:
-        yield server, port
+        yield server, thread, port
     finally:
         server.should_exit = True
-        thread.join(WAIT_S + server.drain_s)
+        thread.join(WAIT_S + drain_s)
 
 
 @contextmanager
@@ -94,3 +101,25 @@ def in_loop(server: Http1Server, call: Callable[[], Any]) -> Any:
         return call()
 
     return asyncio.run_coroutine_threadsafe(run(), server.loop).result(WAIT_S)
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {WAIT_S} s"
+        time.sleep(0.01)
+
+
+def echo_path_app(delays: dict[str, float] | None = None) -> Any:
+    """Answers each request with its path, after delays[path] seconds."""
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep((delays or {}).get(scope["path"], 0))
+        await answer(send, scope["path"].encode())
+
+    return app
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])

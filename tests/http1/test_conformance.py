@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
+from tests.http1.servers import running
 from tests.http1.wire import answer, read_body
-from tests.test_http1 import running
 
 CORPUS = Path(__file__).parent / "corpus" / "gunicorn"
 SEED = 20261203

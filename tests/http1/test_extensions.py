@@ -17,7 +17,7 @@ import pytest
 
 from llmgw import pki
 from llmgw._http1 import SENDFILE_CHUNK_BYTES
-from tests.http1.servers import LoopKind, accepting, in_loop, serving
+from tests.http1.servers import LoopKind, accepting, in_loop, running
 from tests.http1.wire import Client, get
 
 
@@ -104,7 +104,7 @@ def test_a_plain_connection_has_no_tls_extension_but_the_zero_copy_one() -> None
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": body})
 
-    with serving(app) as (_, port), Client(port) as client:
+    with running(app) as (_, _, port), Client(port) as client:
         client.send(get("/"))
         assert json.loads(client.answer().body) == ["http.response.zerocopysend"]
 
@@ -181,7 +181,7 @@ def test_a_zero_copy_send_answers_the_files_bytes(
     by the app's content-length, one the server sets, or chunks; then HEAD has none."""
     path, data = big_file
     offset, count = 1000, len(data) - 5000
-    with serving(file_app(path, offset, count, length, more), loop) as (_, port), \
+    with running(file_app(path, offset, count, length, more), loop) as (_, _, port), \
             Client(port) as client:
         client.send(get("/"))
         got = client.answer()
@@ -198,8 +198,9 @@ def test_a_zero_copy_send_over_tls_reads_the_file_without_a_count(
     """TLS has no sendfile: the same bytes by reads; no count means to the file's end."""
     path, data = big_file
     context, _ = cluster.client_context()
-    with serving(file_app(path, 7, None, False, False), certfile=str(cluster.cert),
-                 keyfile=str(cluster.key)) as (_, port), Client(port, context=context) as client:
+    with running(file_app(path, 7, None, False, False), certfile=str(cluster.cert),
+                 keyfile=str(cluster.key)) as (_, _, port), \
+            Client(port, context=context) as client:
         client.send(get("/"))
         assert client.answer().body == data[7:]
 
@@ -218,7 +219,7 @@ def test_a_pipelined_request_whose_connection_is_gone_by_its_turn_is_never_start
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
 
-    with serving(app) as (_, port):
+    with running(app) as (_, _, port):
         sock = socket.create_connection(("127.0.0.1", port))
         sock.sendall(get("/first") + get("/second"))
         time.sleep(0.1)  # both heads are in

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from tests.http1.servers import running
 from tests.http1.wire import Client, answer, read_body
-from tests.test_http1 import running
 
 
 class Recording:

@@ -16,8 +16,8 @@ import pytest
 from llmgw._http1_limits import Limits
 from llmgw.config import ConfigError, ServerConfig, parse
 from llmgw.control.dataplane import BODY_FRAMING_SLACK_BYTES, gateway_limits
+from tests.http1.servers import running, wait_for
 from tests.http1.wire import Client, answer, get, read_body
-from tests.test_http1 import running, wait_for
 
 MARGIN_S = 4.0
 SHORT_S = 1.0
