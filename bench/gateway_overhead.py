@@ -74,8 +74,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmgw.agent.engine import LlamaCpp  # noqa: E402
-from llmgw.config import EngineConfig, connect_host, load_server  # noqa: E402
+from bench._engine import llama_server, wait_ok  # noqa: E402
+from llmgw.config import connect_host, load_server  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
 from llmgw.control.gateway import make_gateway_app  # noqa: E402
 from llmgw.control.metrics import GatewayMetrics  # noqa: E402
@@ -146,26 +146,6 @@ def listener_pid(port: int) -> int:
         except OSError:
             continue
     return 0
-
-
-def engine_binary() -> str:
-    engine = LlamaCpp(EngineConfig())
-    status = engine.provision()
-    if status["state"] != "ready" or engine.found is None:
-        sys.exit(f"no llama-server: {status['detail']}")
-    return str(engine.found.path)
-
-
-def wait_ok(url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    sys.exit(f"{url} did not answer within 60s")
 
 
 def hey(side: Side, body: str, width: int, seconds: float) -> Run:
@@ -287,7 +267,7 @@ def start_own(work: Path, width: int, engine_args: list[str]
     write_tiny_gguf(gguf)
     key, engine_port = secrets.token_urlsafe(16), free_port()
     engine = subprocess.Popen(
-        [engine_binary(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(engine_port),
+        [llama_server(), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(engine_port),
          "--api-key", key, "--metrics", "--ctx-size", "2048", "--parallel", str(width),
          "--threads-http", str(HTTP_THREADS), *engine_args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -35,8 +35,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmgw.agent.engine import LlamaCpp  # noqa: E402
-from llmgw.config import EngineConfig  # noqa: E402
+from bench._engine import llama_server, wait_ok  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402
 from tests.hosts import ThrowawayHost  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
@@ -52,14 +51,6 @@ class Side:
 
     def add(self, what: str, value: float) -> None:
         self.runs.setdefault(what, []).append(value)
-
-
-def provisioned(prebuilt: str, cache_dir: str = "") -> str:
-    engine = LlamaCpp(EngineConfig(prebuilt=prebuilt, cache_dir=cache_dir))
-    status = engine.provision()
-    if status["state"] != "ready" or engine.found is None:
-        sys.exit(f"no engine for engine.prebuilt: {prebuilt}: {status['detail']}")
-    return str(engine.found.path)
 
 
 def default_model(work: Path) -> Path:
@@ -81,23 +72,6 @@ def chat(base: str, key: str, tokens: int) -> dict:
     return r.json()
 
 
-def wait_health(base: str, proc: subprocess.Popen[bytes], deadline_s: float = 120) -> None:
-    deadline = time.monotonic() + deadline_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the engine exited ({proc.returncode}) before /health answered")
-        try:
-            r = httpx.get(f"{base}/health", timeout=2)
-            if r.status_code == 200:
-                return
-            last = f"{r.status_code} {r.text[:80]}"
-        except httpx.HTTPError as e:
-            last = str(e)
-        time.sleep(0.05)
-    sys.exit(f"/health did not answer 200 within {deadline_s}s (last: {last})")
-
-
 def one_round(side: Side, model: Path, args: argparse.Namespace, log: Path) -> None:
     port, key = free_port("127.0.0.1"), secrets.token_urlsafe(16)
     argv = [side.binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
@@ -109,7 +83,7 @@ def one_round(side: Side, model: Path, args: argparse.Namespace, log: Path) -> N
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
     try:
-        wait_health(base, proc)
+        wait_ok(f"{base}/health", proc, 120)
         side.add("start to /health 200 (s)", time.monotonic() - t0)
         chat(base, key, 1)
         side.add("start to first answer (s)", time.monotonic() - t0)
@@ -132,7 +106,7 @@ def one_round(side: Side, model: Path, args: argparse.Namespace, log: Path) -> N
 def timed_install() -> float:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-cache-") as cache:
         t0 = time.monotonic()
-        provisioned("xllamacpp", cache)
+        llama_server("xllamacpp", cache)
         return time.monotonic() - t0
 
 
@@ -188,8 +162,8 @@ def main() -> None:
             return
         if args.install:
             print(f"installing the wheel into an empty cache: {timed_install():.1f}s")
-        sides = [Side("source build 0.3.36", provisioned("off")),
-                 Side("prebuilt xllamacpp", provisioned("xllamacpp"))]
+        sides = [Side("source build 0.3.36", llama_server("off")),
+                 Side("prebuilt xllamacpp", llama_server("xllamacpp"))]
         for i in range(args.rounds):
             for side in sides if i % 2 == 0 else sides[::-1]:
                 one_round(side, model, args, work / "engine.log")

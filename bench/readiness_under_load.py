@@ -39,14 +39,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gateway_overhead import (  # noqa: E402
-    Side,
-    engine_binary,
-    hey,
-    python_load,
-    request_body,
-    wait_ok,
-)
+from bench._engine import llama_server, wait_ok  # noqa: E402
+from bench.gateway_overhead import Side, hey, python_load, request_body  # noqa: E402
 from llmgw.agent.engine_process import stop_engines  # noqa: E402
 from llmgw.agent.replicas import ReplicaSupervisor  # noqa: E402
 from llmgw.control.store import Store  # noqa: E402
@@ -93,7 +87,7 @@ def main() -> None:
         SimpleHTTPRequestHandler, directory=str(work)))
     threading.Thread(target=files.serve_forever, daemon=True).start()
     source = f"http://127.0.0.1:{files.server_port}/tiny.gguf"
-    engine = engine_binary()
+    engine = llama_server()
     sup = ReplicaSupervisor(state_dir=work / "agent", weights_dir=work / "weights",
                             engine=lambda: engine, bind_host="127.0.0.1")
     profile = {"args": ["--ctx-size", "2048", "--parallel", str(args.parallel),

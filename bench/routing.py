@@ -67,6 +67,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._engine import llama_server, wait_ok  # noqa: E402
 from llmgw.config import ServerConfig
 from llmgw.contract.records import ModelSpec, ProfileSpec  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
@@ -145,31 +146,6 @@ def model_path(name: str, work: Path) -> tuple[Path, int]:
     return path, 4096
 
 
-def engine_binary() -> str:
-    from llmgw.agent.engine import LlamaCpp
-    from llmgw.config import EngineConfig
-
-    engine = LlamaCpp(EngineConfig())
-    status = engine.provision()
-    if status["state"] != "ready" or engine.found is None:
-        sys.exit(f"no llama-server: {status['detail']}")
-    return str(engine.found.path)
-
-
-def wait_ok(url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"{url}: its process exited with {proc.returncode} before answering")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    sys.exit(f"{url} did not answer 200 within 120 s")
-
-
 def serve_gateway(work: Path, port: int, routing: str) -> None:
     from llmgw._http1 import Http1Server
     from llmgw.control._forward import Forwarder
@@ -190,7 +166,7 @@ def serve_gateway(work: Path, port: int, routing: str) -> None:
 def start(work: Path, args: argparse.Namespace, procs: list[subprocess.Popen[bytes]]
           ) -> tuple[Engines, dict[str, str], list[str]]:
     """--replicas engines and one gateway per mode (into procs); each gateway's URL."""
-    binary, key = engine_binary(), secrets.token_urlsafe(16)
+    binary, key = llama_server(), secrets.token_urlsafe(16)
     gguf, slot_ctx = model_path(args.model, work)
     store = Store(work / "control.db")
     store.add_model({"name": "bench", "aliases": [], "source": gguf.as_uri(), "sha256": "",
@@ -211,7 +187,7 @@ def start(work: Path, args: argparse.Namespace, procs: list[subprocess.Popen[byt
         store.put_replica({"id": f"r{i + 1}", "model": "bench", "node": "bench",
                            "profile": "cpu", "state": "ready", "endpoint": engines.urls[-1],
                            "api_key": key})
-        wait_ok(f"{engines.urls[-1]}/health", procs[-1])
+        wait_ok(f"{engines.urls[-1]}/health", procs[-1], 120)
     store.close()
     urls = {}
     for mode in MODES:
@@ -219,7 +195,7 @@ def start(work: Path, args: argparse.Namespace, procs: list[subprocess.Popen[byt
         procs.append(subprocess.Popen([sys.executable, __file__, "--serve-gateway", str(work),
                                        str(port), mode]))
         urls[mode] = f"http://127.0.0.1:{port}"
-        wait_ok(f"{urls[mode]}/healthz", procs[-1])
+        wait_ok(f"{urls[mode]}/healthz", procs[-1], 120)
     return engines, urls, flags
 
 
