@@ -83,6 +83,7 @@ from llmgw.control.store import Store  # noqa: E402
 from llmgw.engine_args import HTTP_THREADS  # noqa: E402
 from llmgw.layout import Layout  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402
+from tests.procs import cpu_s, listener_pid  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 WIDTHS = (1, 16)
@@ -113,39 +114,10 @@ class Run:
     cpu_ms: dict[str, float] | None = None
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process has used (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def children_cpu_s() -> float:
     """CPU seconds of this process's finished children: the load generator's runs."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def listener_pid(port: int) -> int:
-    """The process listening on a local TCP port, from /proc (0 when none is visible)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                return int(proc.name)
-        except OSError:
-            continue
-    return 0
 
 
 def hey(side: Side, body: str, width: int, seconds: float) -> Run:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import os
 import ssl
 import statistics
 import sys
@@ -25,11 +24,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw import pki  # noqa: E402
 from llmgw.control._tlsserver import new_event_loop  # noqa: E402
 from llmgw.control.agent_api import mtls_context  # noqa: E402
 from llmgw.netaddr import free_port  # noqa: E402
+from tests.procs import cpu_s  # noqa: E402
 
 SIDES = {"no tickets (the agent API's)": 0, "two tickets (OpenSSL's default)": 2}
 
@@ -53,11 +54,6 @@ def serve(folder: str, port: int, tickets: int, ready: Any) -> None:
         await asyncio.Event().wait()
 
     new_event_loop().run_until_complete(main())
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def handshakes(port: int, ctx: ssl.SSLContext, count: int) -> None:

@@ -17,6 +17,7 @@ from llmgw import admin_token, pki
 from llmgw.config import AgentConfig, EngineConfig, MirrorRef, ServerConfig, TLSFiles, render
 from llmgw.control.client import AdminClient
 from llmgw.netaddr import free_port
+from tests.procs import cpu_s
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -131,8 +132,7 @@ class ControlPlane:
     def cpu_s(self) -> float:
         """CPU seconds the control plane process has used (user + system)."""
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_s(self.proc.pid)
 
     def issue(self, cn: str, directory: Path) -> TLSFiles:
         """A node identity straight from the CA (as the control plane's own node gets)."""
