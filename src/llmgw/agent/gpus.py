@@ -1,4 +1,6 @@
-"""NVIDIA GPUs of this machine: NVML for what the driver sees, the PCI bus for what it should."""
+"""NVIDIA GPUs of this machine: NVML for what the driver sees (the cards once at start, then
+each card's memory at every heartbeat: LiveCards), the PCI bus for what it should, and the
+class a card's name makes."""
 
 from __future__ import annotations
 
