@@ -1,10 +1,10 @@
 """The control plane's state: nodes and certificates, join tokens, the catalog, replicas,
-gateway keys and their usage, viewer keys, the control planes sharing it and which one schedules, in
+gateway keys, their usage and the shares of their limits gateways took, viewer keys, the control planes sharing it and which one schedules, in
 SQLite (a file, the embedded default) or PostgreSQL (`store: postgresql://…` in
 server.yaml), through SQLAlchemy Core.
 
 One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py,
-viewers.py, control_planes.py); _db.py
+viewers.py, control_planes.py, budgets.py); _db.py
 opens the store and brings its schema to this code's revision (migrations/, Alembic).
 """
 
@@ -28,6 +28,7 @@ from ._db import (
     refusal,
     store_url,
 )
+from .budgets import BudgetStore, Grant, Settled, Want
 from .catalog import CatalogStore
 from .control_planes import SCHEDULER, ControlPlaneStore, Lease, LeaseLost
 from .keys import KeyStore
@@ -36,12 +37,12 @@ from .replicas import ReplicaStore
 from .tokens import TokenStore
 from .viewers import ViewerStore
 
-__all__ = ["SCHEDULER", "Lease", "LeaseLost", "SchemaError", "Store", "StoreConflict",
-           "StoreError", "answers", "redacted", "refusal", "store_url"]
+__all__ = ["SCHEDULER", "Grant", "Lease", "LeaseLost", "SchemaError", "Settled", "Store",
+           "StoreConflict", "StoreError", "Want", "answers", "redacted", "refusal", "store_url"]
 
 
 class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, ControlPlaneStore,
-            ViewerStore):
+            ViewerStore, BudgetStore):
     """The store, shared by the API threads of one process.
 
     where: a SQLite file's path, or a URL (`sqlite:///PATH`, `postgresql://…`).

@@ -125,4 +125,24 @@ viewers = sa.Table(
              postgresql_where=sa.text("revoked IS NULL")),
 )
 
-TABLES = (nodes, models, replicas, certs, tokens, keys, control_planes, leases, viewers)
+# Shares of gateway keys' minutes (rpm, tpm) that gateways took (store/budgets.py): a row
+# counts amount units against its key's limit from at for a minute. Transient: rows older than
+# a minute mean nothing, and copies (backup, restore, store migrate) leave the table out.
+key_budget = sa.Table(
+    "key_budget", metadata,
+    # BIGSERIAL in PostgreSQL; SQLite's INTEGER PRIMARY KEY is its rowid (a BIGINT one is not).
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
+              autoincrement=True),
+    sa.Column("key_id", sa.Text, nullable=False),
+    # "requests" or "tokens"
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("gateway", sa.Text, nullable=False),
+    sa.Column("at", Time, nullable=False),
+    sa.Column("amount", sa.BigInteger, nullable=False),
+    sa.Index("key_budget_by_key", "key_id", "kind", "at"),
+)
+
+TABLES = (nodes, models, replicas, certs, tokens, keys, control_planes, leases, viewers,
+          key_budget)
+# Tables whose rows are of the moment, not of the fleet: never backed up, restored or moved.
+TRANSIENT = frozenset({"key_budget"})

@@ -19,9 +19,12 @@ import sqlalchemy as sa
 from llmgw.errors import Error
 
 from . import Store
-from ._schema import metadata
+from ._schema import TRANSIENT, metadata
 
 Rows = dict[str, list[dict[str, Any]]]
+# What a copy holds: every table but those of the moment (the shares of keys' minutes that
+# gateways took, which mean nothing a minute later).
+TABLES = [t for t in metadata.sorted_tables if t.name not in TRANSIENT]
 
 
 class CopyError(Error):
@@ -30,8 +33,8 @@ class CopyError(Error):
 
 @dataclass(frozen=True)
 class Copy:
-    """Every table's rows (ordered by primary key) at one moment, and the schema revision
-    they were read at."""
+    """Every table's rows (ordered by primary key) at one moment, but the transient ones,
+    and the schema revision they were read at."""
 
     revision: str
     rows: Rows
@@ -48,7 +51,7 @@ def read(store: Store) -> Copy:
     with store.db.snapshot() as conn:
         revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
         rows: Rows = {}
-        for table in metadata.sorted_tables:
+        for table in TABLES:
             query = sa.select(table).order_by(*table.primary_key.columns)
             rows[table.name] = [dict(r) for r in conn.execute(query).mappings()]
     return Copy(str(revision or ""), rows)
@@ -64,13 +67,13 @@ def write(store: Store, copy: Copy) -> None:
             f"is at {have}: restore it with the llmgw that made it (`llmgw --version` there), "
             "then upgrade")
     with store.db.tx() as conn:
-        for table in metadata.sorted_tables:
+        for table in TABLES:
             if conn.execute(sa.select(sa.func.count()).select_from(table)).scalar():
                 raise CopyError(
                     f"the store {store.path} already holds {table.name}: a copy goes into "
                     "an empty store only (a new database, or a state dir without "
                     "control.db), so nothing there is lost")
-        for table in metadata.sorted_tables:
+        for table in TABLES:
             rows = copy.rows.get(table.name, [])
             unknown = set().union(*rows) - set(table.columns.keys()) if rows else set()
             if unknown:

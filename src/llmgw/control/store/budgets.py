@@ -1,0 +1,128 @@
+"""Shares of gateway keys' per-minute limits: what each gateway took of a key's minute, so
+that the sum over every gateway sharing the store stays within the key's rpm and tpm."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ._db import Aggregate
+from ._schema import key_budget, keys
+
+WINDOW_S = 60.0
+# A key's limit per kind of share.
+_LIMIT = {"requests": keys.c.rpm, "tokens": keys.c.tpm}
+
+
+@dataclass(frozen=True)
+class Want:
+    """What a gateway asks of one key's minute: up to amount units of kind ("requests" or
+    "tokens") while the minute has them; forced units were spent already (tokens an answer
+    used beyond the gateway's share) and are counted whatever is left."""
+
+    key_id: str
+    kind: str
+    amount: int
+    forced: int = 0
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a gateway got: amount units (0: none left) under the row claim (0 when none was
+    written); when it got less than it wanted, wait_s until enough of the minute frees up."""
+
+    key_id: str
+    kind: str
+    claim: int
+    amount: int
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A claim a gateway is done with: spent units of it were used, the last at last (unix
+    time); the rest goes back to the key's minute."""
+
+    claim: int
+    spent: int
+    last: float
+
+
+class BudgetStore(Aggregate):
+    def claim_budget(self, gateway: str, wants: Sequence[Want],
+                     settled: Sequence[Settled] = ()) -> tuple[list[Grant], int]:
+        """In one transaction: settle what gateway is done with, then grant each want what
+        its key's minute has left (the key's row locked, so two gateways never both take
+        the last of it); the grants and how many gateways took shares in the last minute.
+
+        A settled claim keeps only its spent units, counted from its last use (never
+        earlier than it was taken); one with none spent is removed. Rows older than a
+        minute are removed as each key is claimed."""
+        now = self.clock()
+        with self.db.tx() as conn:
+            for done in settled:
+                _settle(conn, done)
+            # Keys in one order, so that two gateways claiming the same keys never wait on
+            # each other's locks in a cycle.
+            grants = [_grant(conn, gateway, want, now)
+                      for want in sorted(wants, key=lambda w: (w.key_id, w.kind))]
+            seen = conn.execute(sa.select(sa.func.count(sa.distinct(key_budget.c.gateway)))
+                                .where(key_budget.c.at > now - WINDOW_S)).scalar()
+        return grants, int(seen or 0)
+
+    def key_budget(self, key_id: str, kind: str) -> dict[str, int]:
+        """What each gateway holds of the key's minute now (units by gateway)."""
+        now = self.clock()
+        rows = self.db.read(
+            sa.select(key_budget.c.gateway, sa.func.sum(key_budget.c.amount).label("n"))
+            .where(key_budget.c.key_id == key_id, key_budget.c.kind == kind,
+                   key_budget.c.at > now - WINDOW_S).group_by(key_budget.c.gateway))
+        return {r["gateway"]: int(r["n"]) for r in rows}
+
+
+def _settle(conn: Connection, done: Settled) -> None:
+    row = key_budget.c
+    if done.spent <= 0:
+        conn.execute(key_budget.delete().where(row.id == done.claim))
+        return
+    conn.execute(key_budget.update().where(row.id == done.claim).values(
+        amount=done.spent, at=sa.case((row.at > done.last, row.at), else_=done.last)))
+
+
+def _grant(conn: Connection, gateway: str, want: Want, now: float) -> Grant:
+    row = key_budget.c
+    limit = conn.execute(sa.select(_LIMIT[want.kind]).where(keys.c.id == want.key_id)
+                         .with_for_update()).scalar()
+    if not limit:  # no such key, or no limit of this kind: nothing to share
+        return Grant(want.key_id, want.kind, 0, 0)
+    mine = (row.key_id == want.key_id) & (row.kind == want.kind)
+    conn.execute(key_budget.delete().where(mine, row.at <= now - WINDOW_S))
+    spent = conn.execute(sa.select(row.at, row.amount).where(mine).order_by(row.at)).all()
+    used = sum(int(n) for _, n in spent)
+    granted = max(0, min(want.amount, int(limit) - used - want.forced))
+    if want.forced:
+        conn.execute(key_budget.insert().values(key_id=want.key_id, kind=want.kind,
+                                                gateway=gateway, at=now, amount=want.forced))
+    claim = 0
+    if granted:
+        claim = int(conn.execute(key_budget.insert().values(
+            key_id=want.key_id, kind=want.kind, gateway=gateway, at=now,
+            amount=granted)).inserted_primary_key[0])
+    taken = used + want.forced + granted
+    wait_s = 0.0 if granted >= want.amount else _wait_s(spent, taken + 1 - int(limit), now)
+    return Grant(want.key_id, want.kind, claim, granted, wait_s)
+
+
+def _wait_s(spent: Sequence[tuple[float, int]], over: int, now: float) -> float:
+    """Seconds until over units of the minute's rows have left it (the oldest first)."""
+    if over <= 0:
+        return 0.0
+    freed = 0
+    for at, n in spent:
+        freed += int(n)
+        if freed >= over:
+            return max(at + WINDOW_S - now, 0.001)
+    return WINDOW_S
