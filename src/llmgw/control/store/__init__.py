@@ -1,5 +1,6 @@
 """The control plane's state: nodes and certificates, join tokens, the catalog, replicas,
-gateway keys, their usage and the shares of their limits gateways took, viewer keys, the control planes sharing it and which one schedules, in
+gateway keys, their usage and the shares of their minutes that gateways took, viewer keys,
+the control planes sharing it and which one schedules, in
 SQLite (a file, the embedded default) or PostgreSQL (`store: postgresql://…` in
 server.yaml), through SQLAlchemy Core.
 

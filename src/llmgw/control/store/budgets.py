@@ -108,9 +108,9 @@ def _grant(conn: Connection, gateway: str, want: Want, now: float) -> Grant:
                                                 gateway=gateway, at=now, amount=want.forced))
     claim = 0
     if granted:
-        claim = int(conn.execute(key_budget.insert().values(
-            key_id=want.key_id, kind=want.kind, gateway=gateway, at=now,
-            amount=granted)).inserted_primary_key[0])
+        made = conn.execute(key_budget.insert().values(
+            key_id=want.key_id, kind=want.kind, gateway=gateway, at=now, amount=granted))
+        claim = int(made.inserted_primary_key[0])  # type: ignore[index]
     taken = used + want.forced + granted
     wait_s = 0.0 if granted >= want.amount else _wait_s(spent, taken + 1 - int(limit), now)
     return Grant(want.key_id, want.kind, claim, granted, wait_s)
