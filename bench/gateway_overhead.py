@@ -32,6 +32,12 @@ $LLMGW_BENCH_LITELLM (a `litellm` executable) or ~/.cache/llmgw-bench/litellm-ve
 makes that venv (`pip install 'litellm[proxy]'`) the first time; the first lines say
 which. --no-litellm leaves it out.
 
+A side "limited" is the same gateway sent a gateway key with an rpm and a tpm it never
+reaches (10^9 and 10^12): what it adds is the key's share of its minute, spent in memory,
+claimed from and settled with the store in the background (control/_budgets.py);
+`limited/gateway` is its throughput over the same gateway's without a key. --no-limited
+leaves it out.
+
 Each side's own CPU per request is its process's user + system time (/proc/PID/stat)
 over a round, divided by the requests answered in it.
 
@@ -76,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._engine import llama_server, wait_ok  # noqa: E402
 from llmgw.config import connect_host, load_server  # noqa: E402
+from llmgw.control import keys  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
 from llmgw.control.gateway import make_gateway_app  # noqa: E402
 from llmgw.control.metrics import GatewayMetrics  # noqa: E402
@@ -87,6 +94,9 @@ from tests.procs import cpu_s, listener_pid  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 WIDTHS = (1, 16)
+# The limited side's key: limits it never reaches, so every request is answered and what is
+# measured is the bookkeeping of its shares.
+LIMITED_RPM, LIMITED_TPM = 10**9, 10**12
 
 
 def request_body(model: str) -> str:
@@ -249,7 +259,11 @@ def start_own(work: Path, width: int, engine_args: list[str]
     store.put_replica({"id": "r1", "model": "tiny", "node": "bench", "profile": "cpu",
                        "state": "ready", "endpoint": f"http://127.0.0.1:{engine_port}",
                        "api_key": key})
+    made = keys.new_key()
+    store.add_key({"id": made.id, "name": "bench-limited", "prefix": made.prefix,
+                   "hash": made.hash, "rpm": LIMITED_RPM, "tpm": LIMITED_TPM})
     store.close()
+    (work / "limited-key").write_text(keys.render(made))
     wait_ok(f"http://127.0.0.1:{engine_port}/health")
     gateway, via = start_gateway(work)
     return ([gateway, engine],
@@ -448,6 +462,8 @@ def main() -> None:
                         help="leave out the third side, nginx in front of the engine")
     parser.add_argument("--no-litellm", action="store_true",
                         help="leave out the fourth side, LiteLLM's proxy in front of the engine")
+    parser.add_argument("--no-limited", action="store_true",
+                        help="leave out the side that sends the gateway a key with limits")
     parser.add_argument("--host", action="store_true",
                         help="measure this provisioned host's gateway and engine instead")
     parser.add_argument("--mode", default="auto", help="with --host: as pytest's --mode")
@@ -469,6 +485,8 @@ def main() -> None:
         if args.gateway_nice:
             os.setpriority(os.PRIO_PROCESS, via.pid, args.gateway_nice)
     sides = [("direct", direct), ("gateway", via)]
+    if not args.host and not args.no_limited:
+        sides.append(("limited", Side(via.url, (work / "limited-key").read_text(), via.pid)))
     if not args.no_nginx:
         nginx, proxy = start_nginx(work, direct)
         procs.append(nginx)
@@ -557,6 +575,13 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
         if (side, 1) in results:
             print(f"{side}/direct: throughput {ratio(16, 'direct', side):.2f}× at 16, "
                   f"{ratio(1, 'direct', side):.2f}× at 1")
+    if ("limited", 1) in results:
+        print(f"limited/gateway (a key with rpm and tpm over none): throughput "
+              f"{ratio(16, 'gateway', 'limited'):.2f}× at 16, "
+              f"{ratio(1, 'gateway', 'limited'):.2f}× at 1; own CPU ms per request "
+              f"{cpu('limited', 16, 'gateway'):.3f} vs {cpu('gateway', 16, 'gateway'):.3f} at "
+              f"16, {cpu('limited', 1, 'gateway'):.3f} vs {cpu('gateway', 1, 'gateway'):.3f} "
+              "at 1")
     for side in ("gateway", "nginx", "LiteLLM"):
         if (side, 1) in results:
             print(f"{side}'s own CPU ms per request: {cpu(side, 1, side):.3f} at 1, "
@@ -566,6 +591,9 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
         if (side, 1) in results:
             parts.append(f"gateway/{side} {ratio(1, side):.2f}x at 1, {ratio(16, side):.2f}x "
                          "at 16")
+    if ("limited", 1) in results and ("nginx", 1) in results:
+        parts.append(f"limited/nginx {ratio(1, 'nginx', 'limited'):.2f}x at 1, "
+                     f"{ratio(16, 'nginx', 'limited'):.2f}x at 16")
     if ("nginx", 1) in results and ("LiteLLM", 1) in results:
         met = [ratio(1, "nginx") >= 0.9, ratio(16, "nginx") >= 0.9,
                ratio(1, "LiteLLM") >= 5, ratio(16, "LiteLLM") >= 5]
@@ -573,6 +601,8 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
               f"{'met' if all(met) else 'NOT met: ' + str(met)}")
     own = [f"{side} {cpu(side, 16, side):.3f}" for side in ("gateway", "nginx", "LiteLLM")
            if (side, 16) in results]
+    if ("limited", 16) in results:
+        own.insert(1, f"limited {cpu('limited', 16, 'gateway'):.3f}")
     print("; ".join([*parts, "CPU per request ms: " + ", ".join(own)]))
 
 
