@@ -35,8 +35,8 @@ which. --no-litellm leaves it out.
 A side "limited" is the same gateway sent a gateway key with an rpm and a tpm it never
 reaches (10^9 and 10^12): what it adds is the key's share of its minute, spent in memory,
 claimed from and settled with the store in the background (control/_budgets.py);
-`limited/gateway` is its throughput over the same gateway's without a key. --no-limited
-leaves it out.
+`limited/gateway` is its throughput over the same gateway's without a key (with --old-src,
+`old-limited` is the older gateway sent the same key). --no-limited leaves it out.
 
 Each side's own CPU per request is its process's user + system time (/proc/PID/stat)
 over a round, divided by the requests answered in it.
@@ -205,14 +205,26 @@ def measured(load, side: Side, body: str, width: int, seconds: float,  # type: i
     return run
 
 
+def fill_store(path: Path, setup: dict[str, dict[str, object]]) -> None:
+    """The bench's store at path, made by the code that runs this (another checkout's may
+    be of another schema revision): the model, its replica and the limited key."""
+    store = Store(path)
+    if not store.models():
+        store.add_model(setup["model"])
+        store.put_replica(setup["replica"])
+        store.add_key(setup["key"])
+    store.close()
+
+
 def serve_gateway(work: Path, port: int) -> None:
-    """The real gateway app over the bench's store, served as `llmgw gateway` serves it:
-    Http1Server with the gateway's fast handler (the Forwarder; in a checkout from before
-    it, given with --old-src, the FastPath it had)."""
+    """The real gateway app over its own store (made from the bench's setup.json), served as
+    `llmgw gateway` serves it: Http1Server with the gateway's fast handler (the Forwarder;
+    in a checkout from before it, given with --old-src, the FastPath it had)."""
     from prometheus_client import CollectorRegistry
 
     from llmgw._http1 import Http1Server
 
+    fill_store(work / "control.db", json.loads((work.parent / "setup.json").read_text()))
     app = make_gateway_app(Store(work / "control.db"), upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
     try:
@@ -225,9 +237,11 @@ def serve_gateway(work: Path, port: int) -> None:
 
 
 def start_gateway(work: Path, src: str = "") -> tuple[subprocess.Popen[bytes], Side]:
-    """A gateway process over the bench's store (start_own's): this checkout's, or the
-    one whose src folder is src."""
+    """A gateway process over a store of its own in work/new or work/old: this checkout's,
+    or the one whose src folder is src."""
     port = free_port()
+    work = work / ("old" if src else "new")
+    work.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(Path(src).resolve()) if src else "",
                     os.environ.get("PYTHONPATH", "")) if p)}
@@ -253,16 +267,15 @@ def start_own(work: Path, width: int, engine_args: list[str]
          "--api-key", key, "--metrics", "--ctx-size", "2048", "--parallel", str(width),
          "--threads-http", str(HTTP_THREADS), *engine_args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    store = Store(work / "control.db")
-    store.add_model({"name": "tiny", "aliases": [], "source": gguf.as_uri(), "sha256": "",
-                     "profiles": []})
-    store.put_replica({"id": "r1", "model": "tiny", "node": "bench", "profile": "cpu",
-                       "state": "ready", "endpoint": f"http://127.0.0.1:{engine_port}",
-                       "api_key": key})
     made = keys.new_key()
-    store.add_key({"id": made.id, "name": "bench-limited", "prefix": made.prefix,
-                   "hash": made.hash, "rpm": LIMITED_RPM, "tpm": LIMITED_TPM})
-    store.close()
+    (work / "setup.json").write_text(json.dumps({
+        "model": {"name": "tiny", "aliases": [], "source": gguf.as_uri(), "sha256": "",
+                  "profiles": []},
+        "replica": {"id": "r1", "model": "tiny", "node": "bench", "profile": "cpu",
+                    "state": "ready", "endpoint": f"http://127.0.0.1:{engine_port}",
+                    "api_key": key},
+        "key": {"id": made.id, "name": "bench-limited", "prefix": made.prefix,
+                "hash": made.hash, "rpm": LIMITED_RPM, "tpm": LIMITED_TPM}}))
     (work / "limited-key").write_text(keys.render(made))
     wait_ok(f"http://127.0.0.1:{engine_port}/health")
     gateway, via = start_gateway(work)
@@ -502,6 +515,9 @@ def main() -> None:
         old, before = start_gateway(work, args.old_src)
         procs.append(old)
         sides.append(("old", before))
+        if not args.no_limited:
+            sides.append(("old-limited", Side(before.url, (work / "limited-key").read_text(),
+                                              before.pid)))
     results: dict[tuple[str, int], list[Run]] = {}
     pids = {"engine": direct.pid, **{name: side.pid for name, side in sides[1:]}}
     try:
@@ -575,6 +591,13 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
         if (side, 1) in results:
             print(f"{side}/direct: throughput {ratio(16, 'direct', side):.2f}× at 16, "
                   f"{ratio(1, 'direct', side):.2f}× at 1")
+    if ("old-limited", 1) in results:
+        print(f"limited/old-limited (the key with limits, this checkout's gateway over "
+              f"--old-src's): throughput {ratio(16, 'old-limited', 'limited'):.2f}× at 16, "
+              f"{ratio(1, 'old-limited', 'limited'):.2f}× at 1; own CPU ms per request "
+              f"{cpu('limited', 16, 'gateway'):.3f} vs {cpu('old-limited', 16, 'old'):.3f} at "
+              f"16, {cpu('limited', 1, 'gateway'):.3f} vs {cpu('old-limited', 1, 'old'):.3f} "
+              "at 1")
     if ("limited", 1) in results:
         print(f"limited/gateway (a key with rpm and tpm over none): throughput "
               f"{ratio(16, 'gateway', 'limited'):.2f}× at 16, "
