@@ -2,28 +2,35 @@
 own connections to one real PostgreSQL store (as two control planes' gateways are), share
 each key's minute; a gateway cut off from the store keeps only its fraction of it.
 
-Each gateway is served by llmgw's own HTTP server in a thread with its own event loop, in
-front of a scripted replica answering 3 prompt and 5 completion tokens."""
+Each gateway is served by llmgw's own HTTP server in a thread with its own event loop (and
+once as two `llmgw gateway` processes), in front of a scripted replica answering 3 prompt
+and 5 completion tokens."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
+import yaml
 
 from llmgw.config import ServerConfig
 from llmgw.control._upstream import Upstream
 from llmgw.control.admin_api import KeyRequest, create_key
 from llmgw.control.gateway import Gateway, make_gateway_app
 from llmgw.control.store import Store
+from llmgw.netaddr import free_port
 from tests.control.servers import scripted_upstream, serve_gateway
 from tests.control.test_gateway import CHAT, EMBED, MODEL, json_answer, ready
 from tests.control.test_store_split import Cable
+from tests.loadgen import until
 
 SENT = 40
 
@@ -71,12 +78,12 @@ def send_alternately(urls: list[str], secret: str, n: int = SENT) -> list[httpx.
 def copy_key(source: Store, target: Store) -> None:
     """The keys of source, hashes and limits as they are, into target (a store of its own)."""
     for k in source.keys():
-        assert target.add_key({f: k[f] for f in ("id", "name", "prefix", "hash", "rpm",  # type: ignore[literal-required]
+        assert target.add_key({f: k[f] for f in ("id", "name", "prefix", "hash", "rpm",
                                                  "tpm", "expires")}) == ""
 
 
 @pytest.fixture
-def two_more_databases(postgres_server) -> list[str]:  # type: ignore[no-untyped-def]
+def two_more_databases(postgres_server) -> list[str]:
     """Function: two more empty databases on the session's server (the negative control's
     stores, one for each gateway)."""
     return [postgres_server.create_database() for _ in range(2)]
@@ -162,3 +169,48 @@ def test_a_gateway_cut_off_from_the_store_keeps_only_its_fraction(
         assert admitted(send_alternately([url], cut_off)) == 10, \
             "back on the store: what was spent away counts against the minute"
     cable.cut()
+
+
+@contextmanager
+def gateway_process(root: Path, store_url: str) -> Iterator[str]:
+    """`llmgw gateway` (its master and worker) on free loopback ports, keys required, over
+    store_url; its URL."""
+    port, metrics = free_port(), free_port()
+    root.mkdir(parents=True)
+    config = root / "server.yaml"
+    config.write_text(yaml.safe_dump({
+        "gateway_listen": f"127.0.0.1:{port}", "gateway_metrics_listen": f"127.0.0.1:{metrics}",
+        "state_dir": str(root / "state"), "store": store_url, "gateway_keys": "required",
+        "gateway_drain_s": 2.0}))
+    log = root / "gateway.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "llmgw", "gateway", "--config",
+                                 str(config)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        until(f"{url}/healthz to answer", lambda: httpx.get(
+            f"{url}/healthz", timeout=1).status_code == 200,
+              lambda: log.read_text(errors="replace")[-2000:])
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_two_gateway_processes_on_one_store_answer_20_of_40_for_an_rpm_of_20(
+        postgres_url, tmp_path) -> None:
+    """The same through two `llmgw gateway` processes, as two control planes' hosts run
+    them: 18 to 22 of 40. Each stops cleanly, settling its shares: what neither spent goes
+    back, so the store holds at most what was answered."""
+    with control_plane_store(postgres_url) as store:
+        secret = create_key(store, KeyRequest(name="fleet", rpm=20))["key"]
+        with gateway_process(tmp_path / "a", postgres_url) as a, \
+                gateway_process(tmp_path / "b", postgres_url) as b:
+            got = admitted(send_alternately([a, b], secret))
+        assert 18 <= got <= 22, f"{got} of {SENT} answered"
+        held = sum(store.key_budget(store.keys()[0]["id"], "requests").values())
+        assert held == got, f"the store counts {held} requests of the minute, {got} were answered"

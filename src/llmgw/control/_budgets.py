@@ -77,7 +77,7 @@ class Budgets:
                 self._refill(key, now)
 
     def _refill(self, key: KeyShares, now: float) -> None:
-        if key.key_id not in self._claiming and key.low(now, self.gateways):
+        if key.key_id not in self._claiming and key.low(now):
             self._claim(key)
 
     def _claim(self, key: KeyShares) -> asyncio.Future[None]:
@@ -113,17 +113,19 @@ class Budgets:
         if not answered.done():
             answered.set_result(None)
 
-    async def _trade(self, wants: list[Want], settled: list[Settled]) -> list[Grant] | None:
+    async def _trade(self, wants: list[Want], settled: list[Settled], census: bool = False
+                     ) -> list[Grant] | None:
         """One call to the store: its grants, or None (the settlements kept for the next
-        call) when it failed."""
+        call) when it failed. With census, the gateways seen are counted again."""
         try:
             grants, seen = await asyncio.to_thread(self.store.claim_budget, self.id, wants,
-                                                   settled)
-        except StoreError as e:
+                                                   settled, census=census)
+        except (StoreError, OSError) as e:
             self._unsettled = [*settled, *self._unsettled]
-            self._went_away(self.store.why(e))
+            self._went_away(self.store.why(e) if isinstance(e, StoreError) else str(e))
             return None
-        self.gateways = max(1, seen)
+        if seen is not None:
+            self.gateways = max(1, seen)
         if self.away_since is not None:
             log.info("the store answers claims of key shares again, after %.1f s; limits "
                      "are shared across the gateways again",
@@ -137,7 +139,8 @@ class Budgets:
             log.warning("cannot take shares of gateway keys' limits from the store: %s; "
                         "until it answers, each key gets at most 1/%d of its rpm and tpm "
                         "here (this gateway's fraction), and the store is tried every "
-                        "%.0f s", why, max(2, self.gateways), self.tick_s)
+                        "%.0f s: see that it runs and that this machine reaches it",
+                        why, max(2, self.gateways), self.tick_s)
 
     # --- off the request path ---
 
@@ -151,8 +154,8 @@ class Budgets:
             await self.tick()
 
     async def tick(self) -> None:
-        """Settle the claims used up or past their time, count debts, and (with the store
-        away) try it again."""
+        """Settle the claims used up or past their time, count debts and the gateways that
+        share the store (and, with the store away, try it again)."""
         now = time.monotonic()
         settled = [*self._unsettled, *(s for k in self.keys.values() for s in k.done(now))]
         self._unsettled = []
@@ -162,8 +165,8 @@ class Budgets:
         for k in owing:
             for s in k.shares:
                 s.debt = 0
-        if settled or wants or self.away_since is not None:
-            if await self._trade(wants, settled) is None:
+        if settled or wants or self.away_since is not None or self.keys:
+            if await self._trade(wants, settled, census=True) is None:
                 for k in owing:
                     k.put_back([w for w in wants if w.key_id == k.key_id])
 

@@ -60,6 +60,7 @@ class Share:
     debt: int = 0
     refused_until: float = -math.inf
     refused_at: float = -math.inf
+    batch: int = 0  # what the last claim asked for
     spent: Window = field(init=False)
 
     def __post_init__(self) -> None:
@@ -91,16 +92,23 @@ class Share:
         return 0.0
 
     def want(self, now: float, gateways: int) -> int:
-        """What to ask the store for: what was spent here over the last AHEAD_S (at least
-        1), at most 1/(BATCHES × gateways) of the limit (at least 1)."""
+        """What to ask the store for: what was spent here over the last AHEAD_S, or twice
+        the last claim's ask when none is held (a burst, or traffic again after a pause:
+        few claims to reach its rate); at least 1, at most 1/(BATCHES × gateways) of the
+        limit (at least 1). Read once a claim (it walks those seconds' entries), kept as
+        batch."""
         cap = max(1, math.ceil(self.limit / (BATCHES * max(1, gateways))))
-        return max(1, min(cap, self.spent.since(now - AHEAD_S)))
+        wanted = self.spent.since(now - AHEAD_S)
+        if self.held(now) <= 0:
+            wanted = max(wanted, 2 * self.batch)
+        self.batch = max(1, min(cap, wanted))
+        return self.batch
 
-    def low(self, now: float, gateways: int) -> bool:
-        """Whether to ask for more ahead of need: under half of a claim's worth is held,
-        there is a debt to count, and the store did not just say none is left."""
-        return (self.debt > 0 or self.held(now) * 2 < self.want(now, gateways)) \
-            and not self.refused(now)
+    def low(self, now: float) -> bool:
+        """Whether to ask for more ahead of need (on the request path: no walk): under half
+        of the last claim's worth is held, or there is a debt to count; and the store did
+        not just say none is left."""
+        return (self.debt > 0 or self.held(now) * 2 < self.batch) and not self.refused(now)
 
     def granted(self, grant: Grant, wanted: int, now: float) -> None:
         if grant.amount:
@@ -194,5 +202,5 @@ class KeyShares:
     def done(self, now: float, every: bool = False) -> list[Settled]:
         return [s for share in self.shares for s in share.done(now, every)]
 
-    def low(self, now: float, gateways: int) -> bool:
-        return any(share.low(now, gateways) for share in self.shares)
+    def low(self, now: float) -> bool:
+        return any(share.low(now) for share in self.shares)

@@ -32,17 +32,18 @@ def test_claims_are_granted_up_to_the_limit_and_a_refusal_says_when_it_frees_up(
     clock = Clock()
     a, b = open_store(clock=clock), open_store(clock=clock)
     _key(a, rpm=20)
-    (first,), seen = a.claim_budget("gw-a", [Want("k1", "requests", 15)])
+    (first,), seen = a.claim_budget("gw-a", [Want("k1", "requests", 15)], census=True)
     assert (first.amount, first.wait_s, seen) == (15, 0.0, 1)
     clock.now += 10
-    (second,), seen = b.claim_budget("gw-b", [Want("k1", "requests", 15)])
+    (second,), seen = b.claim_budget("gw-b", [Want("k1", "requests", 15)], census=True)
     assert second.amount == 5 and seen == 2, "only what is left of the minute"
-    (third,), _ = b.claim_budget("gw-b", [Want("k1", "requests", 1)])
+    (third,), seen = b.claim_budget("gw-b", [Want("k1", "requests", 1)])
+    assert seen is None, "gateways are counted only when asked (once a second, not a claim)"
     assert third.amount == 0 and third.wait_s == pytest.approx(50.0), \
         "the first claim leaves the minute 60 s after it was taken"
     assert a.key_budget("k1", "requests") == {"gw-a": 15, "gw-b": 5}
     clock.now += 50.5
-    (fourth,), seen = b.claim_budget("gw-b", [Want("k1", "requests", 20)])
+    (fourth,), seen = b.claim_budget("gw-b", [Want("k1", "requests", 20)], census=True)
     assert fourth.amount == 15 and seen == 1, "gw-a's claim left the minute, and its row"
 
 

@@ -140,6 +140,7 @@ key_budget = sa.Table(
     sa.Column("at", Time, nullable=False),
     sa.Column("amount", sa.BigInteger, nullable=False),
     sa.Index("key_budget_by_key", "key_id", "kind", "at"),
+    sa.Index("key_budget_by_at", "at"),
 )
 
 TABLES = (nodes, models, replicas, certs, tokens, keys, control_planes, leases, viewers,

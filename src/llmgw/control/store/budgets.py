@@ -13,8 +13,6 @@ from ._db import Aggregate
 from ._schema import key_budget, keys
 
 WINDOW_S = 60.0
-# A key's limit per kind of share.
-_LIMIT = {"requests": keys.c.rpm, "tokens": keys.c.tpm}
 
 
 @dataclass(frozen=True)
@@ -53,22 +51,28 @@ class Settled:
 
 class BudgetStore(Aggregate):
     def claim_budget(self, gateway: str, wants: Sequence[Want],
-                     settled: Sequence[Settled] = ()) -> tuple[list[Grant], int]:
+                     settled: Sequence[Settled] = (), *, census: bool = False
+                     ) -> tuple[list[Grant], int | None]:
         """In one transaction: settle what gateway is done with, then grant each want what
         its key's minute has left (the key's row locked, so two gateways never both take
-        the last of it); the grants and how many gateways took shares in the last minute.
+        the last of it); the grants, and with census how many gateways took shares in the
+        last minute (else None).
 
         A settled claim keeps only its spent units, counted from its last use (never
         earlier than it was taken); one with none spent is removed. Rows older than a
-        minute are removed as each key is claimed."""
+        minute are removed as each key is claimed, and every key's with census."""
         now = self.clock()
         with self.db.tx() as conn:
             for done in settled:
                 _settle(conn, done)
             # Keys in one order, so that two gateways claiming the same keys never wait on
             # each other's locks in a cycle.
-            grants = [_grant(conn, gateway, want, now)
-                      for want in sorted(wants, key=lambda w: (w.key_id, w.kind))]
+            grants = [g for key_id in sorted({w.key_id for w in wants})
+                      for g in _grants(conn, gateway, key_id,
+                                       [w for w in wants if w.key_id == key_id], now)]
+            if not census:
+                return grants, None
+            conn.execute(key_budget.delete().where(key_budget.c.at <= now - WINDOW_S))
             seen = conn.execute(sa.select(sa.func.count(sa.distinct(key_budget.c.gateway)))
                                 .where(key_budget.c.at > now - WINDOW_S)).scalar()
         return grants, int(seen or 0)
@@ -92,17 +96,29 @@ def _settle(conn: Connection, done: Settled) -> None:
         amount=done.spent, at=sa.case((row.at > done.last, row.at), else_=done.last)))
 
 
-def _grant(conn: Connection, gateway: str, want: Want, now: float) -> Grant:
+def _grants(conn: Connection, gateway: str, key_id: str, wants: list[Want],
+            now: float) -> list[Grant]:
+    """One key's wants granted: its row locked, its rows older than the minute removed, and
+    what each kind has left of it."""
     row = key_budget.c
-    limit = conn.execute(sa.select(_LIMIT[want.kind]).where(keys.c.id == want.key_id)
-                         .with_for_update()).scalar()
-    if not limit:  # no such key, or no limit of this kind: nothing to share
-        return Grant(want.key_id, want.kind, 0, 0)
-    mine = (row.key_id == want.key_id) & (row.kind == want.kind)
-    conn.execute(key_budget.delete().where(mine, row.at <= now - WINDOW_S))
-    spent = conn.execute(sa.select(row.at, row.amount).where(mine).order_by(row.at)).all()
-    used = sum(int(n) for _, n in spent)
-    granted = max(0, min(want.amount, int(limit) - used - want.forced))
+    limits = conn.execute(sa.select(keys.c.rpm, keys.c.tpm).where(keys.c.id == key_id)
+                          .with_for_update()).first()
+    conn.execute(key_budget.delete().where(row.key_id == key_id, row.at <= now - WINDOW_S))
+    used = dict(conn.execute(sa.select(row.kind, sa.func.sum(row.amount))
+                             .where(row.key_id == key_id).group_by(row.kind)).all())
+    found = []
+    for want in wants:
+        limit = 0 if limits is None else int(limits[0 if want.kind == "requests" else 1])
+        if not limit:  # no such key, or no limit of this kind: nothing to share
+            found.append(Grant(key_id, want.kind, 0, 0))
+            continue
+        found.append(_grant(conn, gateway, want, limit, int(used.get(want.kind) or 0), now))
+    return found
+
+
+def _grant(conn: Connection, gateway: str, want: Want, limit: int, used: int,
+           now: float) -> Grant:
+    granted = max(0, min(want.amount, limit - used - want.forced))
     if want.forced:
         conn.execute(key_budget.insert().values(key_id=want.key_id, kind=want.kind,
                                                 gateway=gateway, at=now, amount=want.forced))
@@ -111,9 +127,13 @@ def _grant(conn: Connection, gateway: str, want: Want, now: float) -> Grant:
         made = conn.execute(key_budget.insert().values(
             key_id=want.key_id, kind=want.kind, gateway=gateway, at=now, amount=granted))
         claim = int(made.inserted_primary_key[0])  # type: ignore[index]
-    taken = used + want.forced + granted
-    wait_s = 0.0 if granted >= want.amount else _wait_s(spent, taken + 1 - int(limit), now)
-    return Grant(want.key_id, want.kind, claim, granted, wait_s)
+    if granted >= want.amount:
+        return Grant(want.key_id, want.kind, claim, granted)
+    row = key_budget.c
+    spent = conn.execute(sa.select(row.at, row.amount).where(
+        row.key_id == want.key_id, row.kind == want.kind).order_by(row.at)).all()
+    over = used + want.forced + granted + 1 - limit
+    return Grant(want.key_id, want.kind, claim, granted, _wait_s(spent, over, now))
 
 
 def _wait_s(spent: Sequence[tuple[float, int]], over: int, now: float) -> float:

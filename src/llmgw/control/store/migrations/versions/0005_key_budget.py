@@ -32,3 +32,4 @@ def upgrade() -> None:
         sa.Column("at", sa.Double, nullable=False),
         sa.Column("amount", sa.BigInteger, nullable=False))
     op.create_index("key_budget_by_key", "key_budget", ["key_id", "kind", "at"])
+    op.create_index("key_budget_by_at", "key_budget", ["at"])
