@@ -19,8 +19,10 @@ log = logging.getLogger("llmgw.gateway")
 # as away, and the request is judged by this gateway's fraction of the limit.
 CLAIM_WAIT_S = 0.5
 # Claims used up or past their time are settled, debts counted and an absent store tried
-# again this often.
+# again this often ...
 TICK_S = 1.0
+# ... and the gateways that share the store counted this often.
+CENSUS_S = 5.0
 
 
 def gateway_id() -> str:
@@ -45,6 +47,7 @@ class Budgets:
         self._claiming: dict[str, asyncio.Future[None]] = {}
         self._unsettled: list[Settled] = []
         self._ticker: asyncio.Task[None] | None = None
+        self._census_at = 0.0  # monotonic: when the gateways are next counted
 
     def shares(self, key_id: str, rpm: int, tpm: int) -> KeyShares:
         found = self.keys.get(key_id)
@@ -165,8 +168,11 @@ class Budgets:
         for k in owing:
             for s in k.shares:
                 s.debt = 0
-        if settled or wants or self.away_since is not None or self.keys:
-            if await self._trade(wants, settled, census=True) is None:
+        census = bool(self.keys) and now >= self._census_at
+        if census:
+            self._census_at = now + CENSUS_S
+        if settled or wants or census or self.away_since is not None:
+            if await self._trade(wants, settled, census=census) is None:
                 for k in owing:
                     k.put_back([w for w in wants if w.key_id == k.key_id])
 

@@ -38,7 +38,7 @@ def test_claims_are_granted_up_to_the_limit_and_a_refusal_says_when_it_frees_up(
     (second,), seen = b.claim_budget("gw-b", [Want("k1", "requests", 15)], census=True)
     assert second.amount == 5 and seen == 2, "only what is left of the minute"
     (third,), seen = b.claim_budget("gw-b", [Want("k1", "requests", 1)])
-    assert seen is None, "gateways are counted only when asked (once a second, not a claim)"
+    assert seen is None, "gateways are counted only when asked (every 5 s, not each claim)"
     assert third.amount == 0 and third.wait_s == pytest.approx(50.0), \
         "the first claim leaves the minute 60 s after it was taken"
     assert a.key_budget("k1", "requests") == {"gw-a": 15, "gw-b": 5}
