@@ -214,3 +214,26 @@ def test_two_gateway_processes_on_one_store_answer_20_of_40_for_an_rpm_of_20(
         assert 18 <= got <= 22, f"{got} of {SENT} answered"
         held = sum(store.key_budget(store.keys()[0]["id"], "requests").values())
         assert held == got, f"the store counts {held} requests of the minute, {got} were answered"
+
+
+def test_a_busy_key_asks_the_store_in_batches_not_once_a_request(postgres_url) -> None:
+    """300 requests of a key far from its limit, one after another through one gateway:
+    the store is asked a few times (each share is what the last 2 s spent, or twice the
+    last ask), not once a request. Control: a key whose share can only be 1 (--rpm 4: a
+    quarter of it) asks once for each request it is answered."""
+    with control_plane_store(postgres_url) as store, gateway_on(postgres_url) as (app, url):
+        busy = create_key(store, KeyRequest(name="busy", rpm=100_000))["key"]
+        narrow = create_key(store, KeyRequest(name="narrow", rpm=4))["key"]
+        asked: list[int] = []
+        claim = app.budgets.store.claim_budget
+
+        def counted(gateway, wants, settled=(), *, census=False):  # type: ignore[no-untyped-def]
+            asked.extend(1 for w in wants if w.amount)
+            return claim(gateway, wants, settled, census=census)
+
+        app.budgets.store.claim_budget = counted  # type: ignore[method-assign]
+        assert admitted(send_alternately([url], busy, 300)) == 300
+        assert len(asked) <= 30, f"the store was asked {len(asked)} times for 300 requests"
+        before = len(asked)
+        assert admitted(send_alternately([url], narrow, 8)) == 4
+        assert len(asked) - before >= 4, "control: shares of one, one claim a request"
