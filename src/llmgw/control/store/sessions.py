@@ -21,8 +21,9 @@ class SessionStore(Aggregate):
                     total: int) -> list[str]:
         """Store a session (hash, role, name, credential, expires), first dropping those
         expired. Past per_credential sessions of its credential, that credential's oldest
-        end; past total in all, the oldest of whichever credential holds the most, so one
-        credential signing in over and over never ends another's. The hashes ended."""
+        end; past total in all, the oldest of whichever credential holds the most (the one
+        signing in, on a tie), so one credential signing in over and over never ends
+        another's. The hashes ended."""
         now = self.clock()
         with self.db.tx() as conn:
             conn.execute(sessions.delete().where(sessions.c.expires <= now))
@@ -33,9 +34,11 @@ class SessionStore(Aggregate):
                                 _count(conn, session["credential"]) - per_credential)
             over = _count(conn) - total
             if over > 0:
+                mine = sa.case((sessions.c.credential == session["credential"], 1), else_=0)
                 most = conn.execute(
                     sa.select(sessions.c.credential).group_by(sessions.c.credential)
-                    .order_by(sa.func.count().desc()).limit(1)).scalar_one()
+                    .order_by(sa.func.count().desc(), sa.func.max(mine).desc(),
+                              sessions.c.credential).limit(1)).scalar_one()
                 ended += _end_oldest(conn, most, over)
         return ended
 
