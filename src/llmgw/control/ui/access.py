@@ -94,13 +94,15 @@ class Credentials:
                     "sign in again")
         return ""
 
-    async def end_old_admin_sessions(self) -> None:
+    async def end_old_admin_sessions(self, sessions: Sessions) -> None:
         """Once for each admin token this process sees (at its first request, then after
-        each change of the hash file): end, in the store, every session signed in with
-        another, so that putting an old token's hash back revives none of them."""
+        each change of the hash file): end every session signed in with another, in the
+        store and in what this process keeps, so that putting an old token's hash back
+        revives none of them."""
         current = self.verifier.current_hash()
         if not current or current == self._swept:
             return
+        sessions.forget_admin_but(current)
         try:
             await anyio.to_thread.run_sync(self.store.end_admin_sessions_but, current)
         except StoreError:
@@ -127,8 +129,9 @@ async def signed_in(credentials: Credentials, sessions: Sessions,
         found = await anyio.to_thread.run_sync(sessions.find, token)
     if found is None:
         return None, (f"the fleet page's session has ended (signed out, past its "
-                      f"{LIFETIME_S / 3600:.0f} hours, or ended by {PER_CREDENTIAL} newer "
-                      "sign-ins with the same credential); sign in again")
+                      f"{LIFETIME_S / 3600:.0f} hours, ended by a new admin token, its viewer "
+                      f"key revoked, or {PER_CREDENTIAL} newer sign-ins with the same "
+                      "credential); sign in again")
     why = credentials.refusal(found)
     if why:
         await anyio.to_thread.run_sync(sessions.forget, token)
@@ -151,8 +154,13 @@ class AdminAccess(RequireAdminToken):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        send = _with_headers(send)
-        await self.credentials.end_old_admin_sessions()
+        try:
+            await self._answer(scope, receive, _with_headers(send))
+        finally:
+            # After the answer, so a session of the old token is told why it ended.
+            await self.credentials.end_old_admin_sessions(self.sessions)
+
+    async def _answer(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         path = scope["path"]
         if path in ("/health", "/healthz", PAGE) or path.startswith(PAGE + "/"):
             await self.app(scope, receive, send)

@@ -123,6 +123,14 @@ class Sessions:
                            if s.principal.credential == credential]:
                 del self._kept[digest]
 
+    def forget_admin_but(self, credential: str) -> None:
+        """Keep no session of an admin token other than the one whose sha256 is
+        credential (the admin token has changed)."""
+        with self._lock:
+            for digest in [d for d, (s, _) in self._kept.items()
+                           if s.principal.role == "admin" and s.principal.credential != credential]:
+                del self._kept[digest]
+
     def _keep(self, digest: str, session: Session) -> None:
         now = self.monotonic()
         if len(self._kept) >= CACHE_MAX:

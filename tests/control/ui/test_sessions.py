@@ -1,0 +1,186 @@
+"""The fleet page's sessions end when they should, on every control plane: they live in the
+store (by the sha256 of the cookie, never the cookie), so a session made on one control
+plane is honoured by another of the fleet and signing out on either ends it on both; a
+session refused for any reason is forgotten there and then; one credential signing in
+over and over ends only its own oldest sessions; each process reads a session from the
+store at most once a second."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
+
+from llmgw import admin_token
+from llmgw._files import atomic_write
+from llmgw.control.admin_api import make_admin_app
+from llmgw.control.store import Store
+from llmgw.control.store._schema import sessions as sessions_table
+from llmgw.control.ui import sessions as sessions_module
+from llmgw.control.ui.sessions import COOKIE, LIFETIME_S, Principal, Sessions
+from tests.control.servers import serve_asgi
+from tests.control.ui.test_access import signed_in, viewer_key
+
+
+def _cookie(token: str) -> dict[str, str]:
+    return {"Cookie": f"{COOKIE}={token}"}
+
+
+def _sign_in(url: str, credential: str) -> str:
+    r = httpx.post(f"{url}/ui/session", json={"credential": credential}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.cookies[COOKIE]
+
+
+def _stored(store: Store) -> list[dict]:
+    return [dict(r) for r in store.db.read(sa.select(sessions_table))]
+
+
+@dataclass
+class Fleet:
+    """Two control planes' admin APIs on one PostgreSQL store, each its own process's
+    Store and Sessions, behind real HTTP servers. a's sessions read their cache on a clock
+    the test moves (tick)."""
+
+    a: str
+    b: str
+    store: Store
+    token: str
+    tick: list[float]
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, postgres_url: str) -> Iterator[Fleet]:
+    """Function: two control planes of one fleet (one admin token, one PostgreSQL store),
+    their admin APIs served on free loopback ports."""
+    token_path = tmp_path / "etc" / admin_token.TOKEN_FILE
+    admin_token.ensure(token_path)
+    hash_path = admin_token.hash_path_for(token_path)
+    store_a, store_b = Store(postgres_url), Store(postgres_url)
+    tick = [0.0]
+    app_a = make_admin_app(store_a, node_timeout_s=30.0, token_hash=hash_path,
+                           sessions=Sessions(store_a, monotonic=lambda: tick[0]))
+    app_b = make_admin_app(store_b, node_timeout_s=30.0, token_hash=hash_path)
+    try:
+        with serve_asgi(app_a) as a, serve_asgi(app_b) as b:
+            yield Fleet(a, b, store_b, admin_token.read_token(token_path), tick)
+    finally:
+        store_a.close()
+        store_b.close()
+
+
+def test_a_session_made_on_one_control_plane_is_honoured_by_another_and_ends_on_both(
+        fleet: Fleet) -> None:
+    """Signed in on a, the cookie reads b; signed out on b, a refuses it once its second
+    of trust is over; the store holds the cookie's sha256, never the cookie. (The control: a
+    cookie no control plane made is refused by both.)"""
+    cookie = _sign_in(fleet.a, fleet.token)
+    for url in (fleet.a, fleet.b):
+        assert httpx.get(f"{url}/api/v1/nodes", headers=_cookie(cookie)).status_code == 200
+        who = httpx.get(f"{url}/ui/session", headers=_cookie(cookie))
+        assert who.json() == {"role": "admin", "name": "admin"}
+    (row,) = _stored(fleet.store)
+    assert row["hash"] == hashlib.sha256(cookie.encode()).hexdigest()
+    assert cookie not in repr(row) and fleet.token not in repr(row)
+    for url in (fleet.a, fleet.b):
+        stranger = httpx.get(f"{url}/api/v1/nodes", headers=_cookie("made-up"))
+        assert stranger.status_code == 401, "the control: a cookie nobody made"
+
+    out = httpx.delete(f"{fleet.b}/ui/session", headers=_cookie(cookie))
+    assert out.status_code == 204 and "Max-Age=0" in out.headers["set-cookie"]
+    assert _stored(fleet.store) == []
+    on_b = httpx.get(f"{fleet.b}/api/v1/nodes", headers=_cookie(cookie))
+    assert on_b.status_code == 401 and "session has ended" in on_b.json()["detail"]
+    fleet.tick[0] += 1.0  # a's second of trust in what it read is over
+    on_a = httpx.get(f"{fleet.a}/api/v1/nodes", headers=_cookie(cookie))
+    assert on_a.status_code == 401 and "signed out" in on_a.json()["detail"]
+
+
+def test_revoking_a_viewer_key_on_one_control_plane_ends_its_sessions_on_another(
+        fleet: Fleet) -> None:
+    admin = {"Authorization": f"Bearer {fleet.token}"}
+    key = httpx.post(f"{fleet.b}/api/v1/viewers", headers=admin,
+                     json={"name": "ops"}).json()["key"]
+    cookie = _sign_in(fleet.b, key)
+    assert httpx.get(f"{fleet.a}/api/v1/nodes", headers=_cookie(cookie)).status_code == 200
+    assert httpx.delete(f"{fleet.b}/api/v1/viewers/ops", headers=admin).status_code == 200
+    fleet.tick[0] += 1.0
+    r = httpx.get(f"{fleet.a}/ui/session", headers=_cookie(cookie))
+    assert r.status_code == 401 and "'ops' has been revoked" in r.json()["detail"]
+    assert _stored(fleet.store) == [], "refused on a, forgotten for b too"
+
+
+def test_a_session_refused_for_a_new_admin_token_is_forgotten_for_good(
+        live_control_plane, tmp_path: Path) -> None:
+    """A new admin token ends the sessions of the old one: the one refused (by
+    GET /ui/session), and the one not used meanwhile, so putting the old token's hash back
+    revives neither. (The control: before the change both read.)"""
+    asked, idle = (signed_in(live_control_plane, live_control_plane.token) for _ in range(2))
+    for browser in (asked, idle):
+        assert browser.get("/api/v1/nodes").status_code == 200
+    token_path = tmp_path / "etc" / admin_token.TOKEN_FILE
+    hash_path = admin_token.hash_path_for(token_path)
+    old_hash = hash_path.read_text()
+    token_path.unlink()
+    admin_token.ensure(token_path)
+    r = asked.get("/ui/session")
+    assert r.status_code == 401 and "admin token has changed" in r.json()["detail"]
+    atomic_write(hash_path, old_hash, mode=admin_token.HASH_MODE)
+    for browser in (asked, idle):
+        for path in ("/ui/session", "/api/v1/nodes"):
+            r = browser.get(path)
+            assert r.status_code == 401, (path, r.text)
+            assert "session has ended" in r.json()["detail"]
+    assert _stored(live_control_plane.store) == []
+    old = TestClient(live_control_plane.app,
+                     headers={"Authorization": f"Bearer {live_control_plane.token}"})
+    assert old.get("/api/v1/nodes").status_code == 200, "the old token itself works again"
+
+
+def test_ten_thousand_viewer_sign_ins_leave_an_admins_session(live_control_plane) -> None:
+    """A viewer key signing in 10,001 times ends only its own oldest sessions: the admin's
+    reads on, the viewer key keeps its newest PER_CREDENTIAL. (The control: the viewer key's
+    first session is among those ended.)"""
+    admin = signed_in(live_control_plane, live_control_plane.token)
+    key = viewer_key(live_control_plane)
+    viewer = live_control_plane.anonymous()
+    first = viewer.post("/ui/session", json={"credential": key}).cookies[COOKIE]
+    for _ in range(sessions_module.MAX_SESSIONS):
+        assert viewer.post("/ui/session", json={"credential": key}).status_code == 200
+    assert admin.get("/api/v1/nodes").status_code == 200
+    assert admin.get("/ui/session").json() == {"role": "admin", "name": "admin"}
+    assert viewer.get("/ui/session").json() == {"role": "viewer", "name": "ops"}
+    refused = live_control_plane.anonymous().get("/api/v1/nodes", headers=_cookie(first))
+    assert refused.status_code == 401, "the control: the viewer key's own oldest went"
+    roles = [r["role"] for r in _stored(live_control_plane.store)]
+    assert roles.count("viewer") == sessions_module.PER_CREDENTIAL and roles.count("admin") == 1
+
+
+def test_a_session_ends_when_its_lifetime_does(tmp_path: Path) -> None:
+    now = [1000.0]
+    store = Store(tmp_path / "control.db", clock=lambda: now[0])
+    sessions = Sessions(store, cache_s=0.0)
+    token = sessions.open(Principal("viewer", "ops", "h", True))
+    found = sessions.find(token)
+    assert found is not None and found.expires == 1000.0 + LIFETIME_S
+    assert sessions.find("made-up") is None
+    store.close()
+
+
+def test_a_session_is_read_from_the_store_at_most_once_a_second(live_control_plane) -> None:
+    """Per request a session costs a dict lookup; the store is asked again once a second.
+    (The control: after that second, it is asked.)"""
+    browser = signed_in(live_control_plane, live_control_plane.token)
+    store = live_control_plane.store
+    reads = []
+    real = store.session
+    store.session = lambda digest: reads.append(digest) or real(digest)  # type: ignore[method-assign]
+    for _ in range(20):
+        assert browser.get("/api/v1/nodes").status_code == 200
+    assert len(reads) <= 1, f"{len(reads)} store reads for 20 requests within a second"
