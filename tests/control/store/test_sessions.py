@@ -108,3 +108,22 @@ def test_a_new_admin_token_ends_every_session_of_another(open_store: OpenStore) 
         store.add_session(_session(n, credential, role), per_credential=9, total=9)
     assert store.end_admin_sessions_but("new") == 1
     assert [store.session(f"s0000{n}") is not None for n in range(3)] == [False, True, True]
+
+
+def test_a_copy_of_the_store_leaves_the_sessions_behind(open_store: OpenStore,
+                                                        tmp_path) -> None:
+    """Backup, restore and `store migrate` copy every table but the sessions: a restored
+    backup never revives a session signed out after it was taken. (The control: the viewer
+    key beside it is copied, and the source still holds its session.)"""
+    from llmgw.control.store import copy
+
+    store = open_store()
+    store.add_viewer({"id": "v1", "name": "ops", "prefix": "p1", "hash": "vh"})
+    store.add_session(_session(1, "vh"), per_credential=9, total=9)
+    taken = copy.read(store)
+    assert "sessions" not in taken.rows and taken.counts()["viewers"] == 1
+    restored = Store(tmp_path / "restored.db")
+    copy.write_verified(restored, taken)
+    assert restored.session("s00001") is None and restored.viewer_by_hash("vh") is not None
+    assert store.session("s00001") is not None
+    restored.close()
