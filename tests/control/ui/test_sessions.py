@@ -197,3 +197,30 @@ def test_a_session_is_read_from_the_store_at_most_once_a_second(live_control_pla
     for _ in range(20):
         assert browser.get("/api/v1/nodes").status_code == 200
     assert len(reads) <= 1, f"{len(reads)} store reads for 20 requests within a second"
+
+
+def test_a_store_outage_refuses_a_session_with_503_and_ends_none(
+        postgres_url: str, tmp_path: Path) -> None:
+    """With the store cut off, a session cannot be checked: 503 saying so and what to use
+    meanwhile, never a 401; healed, the same session reads again (an outage is no refusal,
+    so nothing was forgotten). (The control: before the cut it reads.)"""
+    from tests.control.test_store_split import split_stores
+
+    token_path = tmp_path / "etc" / admin_token.TOKEN_FILE
+    admin_token.ensure(token_path)
+    with split_stores(postgres_url) as (store, _, cable, _):
+        app = make_admin_app(store, node_timeout_s=30.0,
+                             token_hash=admin_token.hash_path_for(token_path),
+                             sessions=Sessions(store, cache_s=0.0))
+        browser = TestClient(app)
+        signing = browser.post("/ui/session", json={"credential": token_path.read_text()})
+        assert signing.status_code == 200, signing.text
+        assert browser.get("/api/v1/drift").status_code == 200, "the control"
+        cable.cut()
+        r = browser.get("/api/v1/drift")  # a path the store does not serve
+        assert r.status_code == 503, r.text
+        assert "fleet-page session cannot be checked while the store is away" in r.text
+        assert "use the admin token as a bearer" in r.text
+        cable.mend()
+        assert browser.get("/api/v1/drift").status_code == 200
+        assert browser.get("/ui/session").json() == {"role": "admin", "name": "admin"}
