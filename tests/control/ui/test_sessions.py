@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import pytest
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
@@ -25,6 +22,7 @@ from llmgw.control.store import Store
 from llmgw.control.ui import sessions as sessions_module
 from llmgw.control.ui.sessions import COOKIE, LIFETIME_S, Principal, Sessions
 from tests.control.servers import serve_asgi
+from tests.control.ui.conftest import Fleet
 from tests.control.ui.test_access import signed_in
 
 
@@ -41,35 +39,6 @@ def _sign_in(url: str, credential: str) -> str:
 def _stored(store: Store) -> list[dict]:
     """The sessions table's rows, as any control plane of the fleet reads them."""
     return [dict(r) for r in store.db.read(sa.text("SELECT * FROM sessions"))]
-
-
-@dataclass
-class Fleet:
-    """Two control planes' admin APIs on one PostgreSQL store, each with its own Store
-    (as two processes), behind real HTTP servers."""
-
-    a: str
-    b: str
-    store: Store
-    token: str
-
-
-@pytest.fixture
-def fleet(tmp_path: Path, postgres_url: str) -> Iterator[Fleet]:
-    """Function: two control planes of one fleet (one admin token, one PostgreSQL store),
-    their admin APIs served on free loopback ports."""
-    token_path = tmp_path / "etc" / admin_token.TOKEN_FILE
-    admin_token.ensure(token_path)
-    hash_path = admin_token.hash_path_for(token_path)
-    store_a, store_b = Store(postgres_url), Store(postgres_url)
-    app_a = make_admin_app(store_a, node_timeout_s=30.0, token_hash=hash_path)
-    app_b = make_admin_app(store_b, node_timeout_s=30.0, token_hash=hash_path)
-    try:
-        with serve_asgi(app_a) as a, serve_asgi(app_b) as b:
-            yield Fleet(a, b, store_b, admin_token.read_token(token_path))
-    finally:
-        store_a.close()
-        store_b.close()
 
 
 def test_a_session_made_on_one_control_plane_is_honoured_by_another_and_ends_on_both(
