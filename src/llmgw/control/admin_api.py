@@ -169,7 +169,8 @@ def make_admin_app(
     /metrics too; a viewer key or a fleet-page session may GET (ui.access).
 
     on_node_removed gets a removed node's certificate serials (the agent API refuses
-    them from then on). sessions: the fleet page's, in store (a test gives its own clock)."""
+    them from then on). sessions: the fleet page's sign-ins (default: kept in the store,
+    each process trusting what it read of one for ui.sessions.CACHE_S)."""
     app = FastAPI(title="llmgw admin API", version="1")
     credentials, sessions = Credentials(token_hash, store), sessions or Sessions(store)
     app.add_middleware(AdminAccess, credentials=credentials, sessions=sessions)

@@ -1,12 +1,11 @@
 """The control plane's state: nodes and certificates, join tokens, the catalog, replicas,
 gateway keys and their usage, viewer keys and the fleet page's sessions, the control planes
-sharing it and which one schedules, in
-SQLite (a file, the embedded default) or PostgreSQL (`store: postgresql://…` in
-server.yaml), through SQLAlchemy Core.
+sharing it and which one schedules, in SQLite (a file, the embedded default) or PostgreSQL
+(`store: postgresql://…` in server.yaml), through SQLAlchemy Core.
 
 One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py,
-viewers.py, sessions.py, control_planes.py); _db.py
-opens the store and brings its schema to this code's revision (migrations/, Alembic).
+viewers.py, sessions.py, control_planes.py); _db.py opens the store and brings its schema
+to this code's revision (migrations/, Alembic).
 """
 
 from __future__ import annotations
