@@ -1,7 +1,7 @@
 """engine.cuda: off on a GPU host (the stand-in NVML's H100, tests/standin_nvml) is a CPU
-node in every line: the node step's GPU line, the starter's catalog entry and its line, and
-why the scheduler keeps a model with a GPU profile on CPU there. Each with its negative
-control: the same host with engine.cuda: auto says GPUs, as before."""
+node in every line: the node step's GPU line, the starter's line (and no `!!` line about
+its GPU profile), and why the scheduler keeps a model with a GPU profile on CPU there. Each
+with its negative control: the same host with engine.cuda: auto says GPUs, as before."""
 
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ class _ReadyCpuEngine:
         self.status = engine_status(ENGINE, self.source_version, EngineState.READY, "ready")
 
 
-def _beat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: str) -> Store:
+def _beat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: str) -> tuple[Store, Agent]:
     """A store that has had the first heartbeat of an agent with the stand-in NVML's H100
-    and engine.cuda as given, sent through the agent API's own handling."""
+    and engine.cuda as given, sent through the agent API's own handling; and the agent."""
     nvml = standin_nvml(monkeypatch, H100)
     found = discover(nvml)
     config = AgentConfig(server="https://127.0.0.1:1", node_id=NODE, state_dir=str(
@@ -59,7 +59,7 @@ def _beat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: str) -> Store:
                   discover=lambda: found, cards=LiveCards(found.gpus, nvml).read)
     store = Store(tmp_path / "control.db")
     AgentAPI(store).heartbeat(NODE, agent.inventory())
-    return store
+    return store, agent
 
 
 def _view(store: Store) -> NodeView:
@@ -74,7 +74,7 @@ def test_a_model_with_a_gpu_profile_is_held_on_cpu_saying_cuda_is_off_not_not_re
     """Placed on its CPU profile either way; held back because the GPU engine is switched
     off (off), never "not ready" beside the node's own "no GPU engine: engine.cuda: off";
     the control (auto): not ready, as it is while the engine is made."""
-    store = _beat(tmp_path, monkeypatch, cuda)
+    store, _ = _beat(tmp_path, monkeypatch, cuda)
     try:
         assert [g["class"] for g in _view(store)["gpus"]] == ["h100-80gb"], "NVML's card"
         store.add_model(model_spec("http://127.0.0.1:1/tiny.gguf", ""))  # type: ignore[arg-type]
@@ -92,7 +92,7 @@ def test_a_model_with_a_gpu_profile_is_held_on_cpu_saying_cuda_is_off_not_not_re
 
 
 class _Admin:
-    """The admin API of the store, as far as the starter's catalog fix asks it."""
+    """The admin API of the store, as far as the starter's promises ask it."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -100,20 +100,29 @@ class _Admin:
     def node(self, node_id: str) -> NodeView | None:
         return _view(self.store) if node_id == NODE else None
 
+    def nodes(self) -> list[NodeView]:
+        return [_view(self.store)]
+
     def models(self) -> list[Any]:
         return list(self.store.models())
+
+    def replicas(self, model: str | None = None) -> list[Any]:
+        return list(public_replicas(self.store, 30.0, model))
 
     def add_model(self, model: dict[str, Any]) -> None:
         self.store.add_model(CATALOG_MODEL.validate_python(model))  # as the admin API does
 
 
 @pytest.mark.parametrize("cuda", ["off", "auto"])
-def test_the_starter_gets_no_gpu_profile_where_cuda_is_switched_off(
+def test_the_starter_says_it_serves_on_cpu_where_cuda_is_switched_off_and_warns_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: str) -> None:
-    """Off: the catalog entry has its CPU profile alone ("served here on CPU (engine.cuda:
-    off)"), so it is never held back from a profile that cannot run here. The control
-    (auto): a GPU profile for the H100 and "served here on h100-80gb", as before."""
-    store = _beat(tmp_path, monkeypatch, cuda)
+    """Off: "served here on CPU (engine.cuda: off; …)", and once ready on its CPU profile no
+    `!!` line says why it is not on the GPU (the node step's line says it). Its GPU profile
+    stays in the catalog, written once: engine.cuda is agent.yaml's, switched back by a
+    person (bench/gpu_fleet.py --dry-run does), and the starter then moves onto the GPU.
+    The control (auto): "served here on h100-80gb", and the `!!` line while the GPU engine
+    is made."""
+    store, agent = _beat(tmp_path, monkeypatch, cuda)
 
     @contextmanager
     def admin(h: object) -> Any:
@@ -128,21 +137,28 @@ def test_the_starter_gets_no_gpu_profile_where_cuda_is_switched_off(
     assert starter.catalog.fixer is not None
     try:
         line = apply_fix(starter.catalog.fixer, h, starter.catalog(h))
-        (model,) = store.models()
         Scheduler(store, node_timeout_s=30.0).tick()
+        (placed,) = public_replicas(store, 30.0)
+        AgentAPI(store).heartbeat(NODE, {**agent.inventory(), "replicas": [
+            {"id": placed["id"], "state": "ready", "endpoint": "http://127.0.0.1:1"}]})
+        (model,) = store.models()
         (replica,) = public_replicas(store, 30.0)
+        assert starter.replicas_ready(h) is None
     finally:
         store.close()
-    profiles = [p["name"] for p in model["profiles"]]
+    warned = [o.message for o in h.recorder.outcomes if o.status == "warn"]
+    assert [p["name"] for p in model["profiles"]] == ["gpu-h100-80gb", "cpu"]
+    assert (replica["profile"], replica["state"]) == ("cpu", "ready")
     if cuda == "off":
-        assert line == f"{starter.NAME} in the catalog, served here on CPU (engine.cuda: off)"
-        assert profiles == ["cpu"] and replica["profile"] == "cpu"
-        assert replica["held_back"] == "", "no profile it cannot have: nothing to say"
+        assert line == (f"{starter.NAME} in the catalog, served here on CPU (engine.cuda: off; "
+                        "on h100-80gb once it is auto)")
+        assert "is switched off" in replica["held_back"] and warned == []
     else:
         assert line == (f"{starter.NAME} in the catalog, served here on h100-80gb, or CPU if "
                         "the card is busy")
-        assert profiles == ["gpu-h100-80gb", "cpu"] and replica["profile"] == "cpu"
-        assert "(llamacpp-cuda) is not ready" in replica["held_back"]
+        assert warned == [f"{starter.NAME} serves on its cpu profile on {NODE}, not on a "
+                          f"better one: gpu-h100-80gb: {NODE}'s GPU engine (llamacpp-cuda) "
+                          "is not ready"]
 
 
 @pytest.mark.parametrize("cuda", ["off", "auto"])
