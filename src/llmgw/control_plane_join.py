@@ -28,7 +28,7 @@ from llmgw._files import atomic_write
 from llmgw.agent.join import JoinError, pinned_ca, refusal
 from llmgw.config import ServerConfig
 from llmgw.contract import AgentPaths
-from llmgw.errors import Error
+from llmgw.errors import Error, shown_url
 from llmgw.layout import Layout
 
 _AAD = b"llmgw control-plane bundle 1"
@@ -119,7 +119,8 @@ def fetch(url: str, token: str, ca_hash: str, who: str, *,
     CA there is pinned by ca_hash; spends the token."""
     url = url.rstrip("/")
     ca_pem = pinned_ca(url, ca_hash, timeout)
-    with _httpclient.answered(JoinError, f"the control plane at {url}", timeout=timeout):
+    with _httpclient.answered(JoinError, f"the control plane at {shown_url(url)}",
+                              timeout=timeout):
         answer = _httpclient.request("POST", f"{url}{AgentPaths.JOIN_CONTROL_PLANE}",
                                      verify=_httpclient.tls(cadata=ca_pem), timeout=timeout,
                                      json={"token": token, "name": who})
