@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from llmgw.config import load_server
+from llmgw.config import CHECK_INTERVAL_S, load_server
 from llmgw.contract.catalog import CATALOG_MODEL
 from llmgw.control.store import Store
 from tests.hosts import ROOT, RunResult, ThrowawayHost
@@ -206,6 +206,7 @@ def test_signed_in_it_shows_the_node_its_gpu_and_the_starter_turning_ready(
     assert seen[0] == {} or "ready" not in seen[0].values(), \
         f"the page first showed {seen[0]}: signed in after the starter was ready already"
     host.provisioning.finished()
+    host.provisioned_at = time.monotonic()
     node = page.locator("[data-node]")
     assert node.count() == 1
     gpu = node.locator(".gpu")
@@ -241,7 +242,10 @@ def test_the_page_shows_traffic_promises_and_keys_and_a_picture_is_kept(
                 last=lambda: page.inner_text("#traffic"))
     assert row[1] != "–" and row[2].endswith("ms"), row
     until("the check round's promises", lambda: page.locator("#drift tr[data-host]").count(),
-          240, last=lambda: page.inner_text("#drift"))
+          CHECK_INTERVAL_S, last=lambda: page.inner_text("#drift"))
+    # The first round starts with llmgw-check, provision's last step: within one interval
+    # of the default's (60 s) from the run's end, whatever interval this host was given.
+    assert time.monotonic() - host.provisioned_at < CHECK_INTERVAL_S
     assert page.locator("#drift-none").count() == 0, "the how-to stays beside a report"
     assert page.locator("#keys tr[data-key=owner]").count() == 1
     assert host.gateway_key not in page.content() and host.token not in page.content()
@@ -250,6 +254,27 @@ def test_the_page_shows_traffic_promises_and_keys_and_a_picture_is_kept(
     assert picture.stat().st_size > 10_000
     if os.environ.get(REFRESH) == "1":
         shutil.copyfile(picture, DOC_PICTURE)
+
+
+def test_llmgw_status_shows_the_promises_the_page_shows(page, host) -> None:
+    """The same round in `llmgw status`: a row for this host, its checked time and what
+    holds or fails, as the page's Promises section has it."""
+    import subprocess
+    import sys
+
+    rows = page.locator("#drift tr[data-host]").all()
+    assert rows, page.inner_text("#drift")
+    hosts = {r.get_attribute("data-host") for r in rows}
+    status = subprocess.run([sys.executable, "-m", "llmgw", "status",
+                             f"--state-dir={host.state_dir}"],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    table = status.stdout.split("HOST ", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert {line.split()[0] for line in table} == hosts, status.stdout
+    shown = page.inner_text("#drift")
+    for line in table:
+        drift = line.split()[3] if "hold" not in line else " ".join(line.split()[3:6])
+        assert drift in shown, (line, shown)
 
 
 def _traffic_row(page: Any) -> list[str] | None:
