@@ -171,8 +171,11 @@ def test_llmgw_down_stops_llmgw_check(make_host) -> None:
     host: ThrowawayHost = make_host()
     run = host.provision("--no-mirror", "--no-node", "--no-starter")
     assert run.returncode == 0, run.output[-4000:]
-    done = [line for line in run.lines("done") if line.startswith("watch: ")]
-    assert done and done[0].startswith("watch: llmgw-check checks every 600s"), run.steps
+    (done,) = [line for line in run.lines("done") if line.startswith("watch: ")]
+    assert done.startswith(f"watch: llmgw-check checks every 600s and answers "
+                           f"{host.check_url}/healthz (because there is no "), run.steps
+    assert "watch: its /healthz answers (200 when every promise holds, else 503)" in \
+        run.lines("kept"), "the start waits for it to answer"
     assert httpx.get(f"{host.check_url}/healthz", timeout=5).status_code in (200, 503)
     again = host.provision("--no-mirror", "--no-node", "--no-starter")
     assert again.returncode == 0 and "done" not in again.statuses(), again.lines("done")
