@@ -92,6 +92,19 @@ class Provisioning:
         return self.result
 
 
+@pytest.fixture(scope="module", autouse=True)
+def doc_picture_kept() -> Iterator[None]:
+    """Module: docs/fleet-page.png, a tracked file, reads the same after these tests as
+    before, unless LLMGW_REFRESH_PICTURE=1 asked for a new one (then it must differ)."""
+    before = DOC_PICTURE.read_bytes() if DOC_PICTURE.exists() else b""
+    yield
+    after = DOC_PICTURE.read_bytes() if DOC_PICTURE.exists() else b""
+    if os.environ.get(REFRESH) == "1":
+        assert after != before, f"{REFRESH}=1, and {DOC_PICTURE} was not refreshed"
+    else:
+        assert after == before, f"a test rewrote {DOC_PICTURE}; only {REFRESH}=1 may"
+
+
 @pytest.fixture(scope="module")
 def host(tmp_path_factory, tiny_gguf) -> Iterator[ThrowawayHost]:
     """Module: a host being provisioned (a thread runs `pytest provision/`; the admin API
