@@ -63,3 +63,25 @@ def test_checks_on_a_host_never_told_to_check_skip_the_step(tmp_path: Path) -> N
     assert watch.recorded(h) is None
     why = watch._skip(h)
     assert why is not None and "`pytest provision/` starts llmgw-check" in why
+
+
+def test_an_address_another_process_holds_fails_at_once_naming_it(tmp_path: Path) -> None:
+    """Provision cannot fix a port someone else listens on: the probe says so, with what
+    to do, instead of starting llmgw-check to wait for an answer that never comes. The
+    control: with the socket closed, the problem is only that nothing runs there yet."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    addr = f"127.0.0.1:{busy.getsockname()[1]}"
+    h = host(tmp_path, check_serve=addr)
+    try:
+        problem = watch.service(h)
+    finally:
+        busy.close()
+    assert problem is not None and not problem.fixable
+    assert problem.found == f"{addr} cannot be listened on (Address already in use)"
+    assert "--check-serve HOST:PORT" in problem.message()
+    freed = watch.service(h)
+    assert freed is not None and freed.fixable and freed.found.startswith("there is no ")
