@@ -79,6 +79,14 @@ class MirrorRef(_Section):
 # serve --listen/--api-listen`): its bytes server for every node, its API on loopback.
 MIRROR_LISTEN = ":8081"
 MIRROR_API_LISTEN = "127.0.0.1:8082"
+# `llmgw check --serve`'s address when provisioning runs it (--check-serve): loopback, for
+# its /healthz says why a promise fails. Beside the admin API (9090) and the gateway's
+# metrics (9091), and clear of what a monitored host already runs: the exporters' range
+# from 9100 (the node exporter), Kafka (9092), Alertmanager (9093, 9094), Loki's and
+# Mimir's gRPC (9095, 9096), and the Prometheus docs/operations.md puts on 9099.
+CHECK_LISTEN = "127.0.0.1:9097"
+# Seconds between two rounds of `llmgw check --serve` (each a fresh `llmgw check`).
+CHECK_INTERVAL_S = 60.0
 
 
 # Longer than any heartbeat interval, so a kept-alive agent never finds its connection gone.
