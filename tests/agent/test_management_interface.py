@@ -93,6 +93,18 @@ def test_an_interface_reached_through_its_second_address_is_the_management_one(
     assert old == FIRST != SECOND
 
 
+def test_a_point_to_point_address_is_this_end_not_the_peer(netns: str) -> None:
+    """On a peer address (`ip addr add A peer B`), the interface holds A (IFA_LOCAL), not
+    its peer B (IFA_ADDRESS there); the control: the peer is routed over that interface."""
+    _ip("-n", netns, "addr", "add", "10.206.0.2", "peer", "10.206.0.1/32", "dev", "data0")
+    found = run_in(netns, """
+        from llmgw import netaddr
+        print(*netaddr.interface_addresses()["data0"])
+        print(netaddr.source_address_towards("10.206.0.1", 7443))
+    """)
+    assert found.splitlines() == [f"{OTHER} 10.206.0.2", "10.206.0.2"], found
+
+
 def test_agent_yaml_names_the_interface_and_one_this_machine_lacks_is_refused(
         netns: str, tmp_path: Path) -> None:
     """`interface: data0` is what NCCL and Gloo get (the address stays the one the control
