@@ -171,6 +171,12 @@ EnginePrebuilt = Literal["off", "auto", "xllamacpp"]
 EngineCuda = Literal["auto", "off"]
 
 
+def _off(value: Any) -> Any:
+    # YAML reads `cuda: off`, as the docs and the GPU engine's failure tell a person to
+    # write it, as false: it means "off" (any other value is checked as written).
+    return "off" if value is False else value
+
+
 class EngineConfig(_Section):
     """How the agent finds or builds llama.cpp."""
 
@@ -182,10 +188,10 @@ class EngineConfig(_Section):
     # off: find or build llama-server; xllamacpp: its prebuilt CPU wheel first; auto: the
     # wheel on a CPU node without a cached build (see llmgw.agent.engine). Provisioning
     # writes auto (--engine-prebuilt); the library's own default builds.
-    prebuilt: EnginePrebuilt = "off"
+    prebuilt: Annotated[EnginePrebuilt, BeforeValidator(_off)] = "off"
     # auto: on a node with NVIDIA GPUs, make llama.cpp with CUDA (llamacpp-cuda) in the
     # background while the CPU engine serves; off: CPU only (tests and CI write off).
-    cuda: EngineCuda = "auto"
+    cuda: Annotated[EngineCuda, BeforeValidator(_off)] = "auto"
     # A llama-server built with CUDA to use as llamacpp-cuda instead of building one; it
     # is checked like a built one (--list-devices names each GPU).
     cuda_server: StrictStr = ""

@@ -28,7 +28,7 @@ from llmgw._files import atomic_write
 from llmgw.agent.join import JoinError, pinned_ca, refusal
 from llmgw.config import ServerConfig
 from llmgw.contract import AgentPaths
-from llmgw.errors import Error
+from llmgw.errors import Error, shown_url
 from llmgw.layout import Layout
 
 _AAD = b"llmgw control-plane bundle 1"
@@ -123,7 +123,8 @@ def fetch(url: str, token: str, ca_hash: str, who: str, *, spend: bool = True,
     body: dict[str, Any] = {"token": token, "name": who}
     if not spend:
         body["spend"] = False
-    with _httpclient.answered(JoinError, f"the control plane at {url}", timeout=timeout):
+    with _httpclient.answered(JoinError, f"the control plane at {shown_url(url)}",
+                              timeout=timeout):
         answer = _httpclient.request("POST", f"{url}{AgentPaths.JOIN_CONTROL_PLANE}",
                                      verify=_httpclient.tls(cadata=ca_pem), timeout=timeout,
                                      json=body)

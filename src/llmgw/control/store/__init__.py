@@ -1,11 +1,11 @@
 """The control plane's state: nodes and certificates, join tokens, the catalog, replicas,
-gateway keys and their usage, viewer keys, the control planes sharing it and which one schedules, in
-SQLite (a file, the embedded default) or PostgreSQL (`store: postgresql://…` in
-server.yaml), through SQLAlchemy Core.
+gateway keys and their usage, viewer keys and the fleet page's sessions, the control planes
+sharing it and which one schedules, in SQLite (a file, the embedded default) or PostgreSQL
+(`store: postgresql://…` in server.yaml), through SQLAlchemy Core.
 
 One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py,
-viewers.py, control_planes.py); _db.py
-opens the store and brings its schema to this code's revision (migrations/, Alembic).
+viewers.py, sessions.py, control_planes.py); _db.py opens the store and brings its schema
+to this code's revision (migrations/, Alembic).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .control_planes import SCHEDULER, ControlPlaneStore, Lease, LeaseLost
 from .keys import KeyStore
 from .nodes import NodeStore
 from .replicas import ReplicaStore
+from .sessions import SessionStore
 from .tokens import TokenStore
 from .viewers import ViewerStore
 
@@ -41,7 +42,7 @@ __all__ = ["SCHEDULER", "Lease", "LeaseLost", "SchemaError", "Store", "StoreConf
 
 
 class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, ControlPlaneStore,
-            ViewerStore):
+            ViewerStore, SessionStore):
     """The store, shared by the API threads of one process.
 
     where: a SQLite file's path, or a URL (`sqlite:///PATH`, `postgresql://…`).

@@ -163,7 +163,7 @@ function drawKeys(keys, viewers) {
 
 async function getJSON(path) {
   const r = await fetch(path, { credentials: "same-origin", headers: { Accept: "application/json" } });
-  if (r.status === 401) throw new SignedOut();
+  if (r.status === 401) throw new SignedOut((await r.json().catch(() => ({}))).detail || "");
   if (!r.ok) throw new Error(`${path}: ${r.status} ${(await r.json().catch(() => ({}))).detail || ""}`);
   return r.json();
 }
@@ -182,7 +182,11 @@ async function refresh() {
     drawKeys(d.keys, d.viewers);
     $("status").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (e) {
-    if (e instanceof SignedOut) return showSignIn("The session has ended; sign in again.");
+    if (e instanceof SignedOut) {
+      // The server's own words: why the session ended (signed out elsewhere, a new admin
+      // token, the viewer key revoked or expired), cut before its curl example.
+      return showSignIn(e.message.split(". Send ")[0] || "The session has ended; sign in again.");
+    }
     $("status").textContent = "could not update: " + e.message;
   }
 }
