@@ -7,6 +7,7 @@ value and what is allowed, so it never surfaces later as a 500 from a running se
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -227,7 +228,22 @@ class AgentConfig(_Section):
     failover_timeout_s: float = Field(default=5.0, gt=0)
     # Renew the node's certificate (a CSR over mTLS) when it expires within this many days.
     renew_before_days: float = Field(default=30.0, gt=0)
+    # The management interface: NCCL and Gloo bootstrap over it (NCCL_SOCKET_IFNAME and
+    # GLOO_SOCKET_IFNAME, unless set for the agent) and the heartbeat reports it. "" finds
+    # it: the interface holding the address this node reaches the control plane from.
+    # load_agent refuses a name this machine has no interface of.
+    interface: StrictStr = ""
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @field_validator("interface")
+    @classmethod
+    def _an_interface_name(cls, value: str) -> str:
+        # The kernel's rule (dev_valid_name): under 16 bytes, no '/', ':' or whitespace.
+        if value and (len(value.encode()) > 15 or value in (".", "..")
+                      or any(c in value for c in "/: \t\n")):
+            raise ValueError(f"{value!r} cannot be an interface name (at most 15 characters, "
+                             "no '/', ':' or spaces); write one `ip link` lists")
+        return value
 
 
 # What `store` may start with, beside an absolute path.
@@ -280,7 +296,18 @@ def load_server(path: str | os.PathLike[str]) -> ServerConfig:
 
 
 def load_agent(path: str | os.PathLike[str]) -> AgentConfig:
-    return _load(AgentConfig, path)
+    """agent.yaml, on the machine it is for: an `interface:` this machine does not have is
+    refused, naming those it has."""
+    agent = _load(AgentConfig, path)
+    if agent.interface:
+        here = [name for _, name in socket.if_nameindex()]
+        if agent.interface not in here:
+            raise ConfigError(
+                f"{path}: interface is {agent.interface!r}, which this machine does not have "
+                f"(its interfaces: {', '.join(here)}); name one of them, or leave `interface:` "
+                "out to use the one this node reaches the control plane from. Correct it and "
+                "run again")
+    return agent
 
 
 def render(config: ServerConfig | AgentConfig, header: str, omit: tuple[str, ...] = ()) -> str:
