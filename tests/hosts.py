@@ -18,6 +18,11 @@ from llmgw.netaddr import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTENERS = ("admin", "agent", "gateway", "gateway-metrics", "mirror", "mirror-api")
+# llmgw-check runs on every provisioned host (the watch step): on a free port too, and a
+# round every 10 minutes, not every minute: the first round, at its start, is what tests
+# read; more rounds only load the shared CPUs. A test's own --check-* options come later
+# and win.
+CHECK_INTERVAL_S = 600
 
 
 @dataclass
@@ -51,11 +56,19 @@ class ThrowawayHost:
     ports: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in LISTENERS:
+        for name in (*LISTENERS, "check"):
             self.ports.setdefault(name, free_port())
 
     def listen_args(self) -> list[str]:
-        return [f"--{name}-listen=127.0.0.1:{port}" for name, port in self.ports.items()]
+        return [*(f"--{name}-listen=127.0.0.1:{port}" for name, port in self.ports.items()
+                  if name != "check"),
+                f"--check-serve=127.0.0.1:{self.ports['check']}",
+                f"--check-interval={CHECK_INTERVAL_S}"]
+
+    @property
+    def check_url(self) -> str:
+        """Where the host's llmgw-check answers (/healthz, /metrics)."""
+        return f"http://127.0.0.1:{self.ports['check']}"
 
     def pytest(self, suite: str, *args: str, timeout: float = 1800,
                listen: bool = True, env: dict[str, str] | None = None) -> RunResult:

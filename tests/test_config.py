@@ -121,6 +121,18 @@ def test_agent_labels_become_strings_and_a_numeric_version_is_refused(tmp_path: 
         cfg.load_agent(_write(tmp_path, "agent.yaml", "engine: {version: 0.3}\n"))
 
 
+def test_engine_cuda_off_written_as_the_docs_say_loads_as_off(tmp_path: Path) -> None:
+    """`cuda: off` under `engine:` (unquoted, as the GPU engine's failure tells a person to
+    write it; YAML reads false) is off, and so is `prebuilt: off`; the control: `cuda: on`
+    (true) is refused, naming what is allowed."""
+    agent = cfg.load_agent(_write(tmp_path, "agent.yaml", "engine:\n  cuda: off\n"
+                                                          "  prebuilt: off\n"))
+    assert (agent.engine.cuda, agent.engine.prebuilt) == ("off", "off")
+    with pytest.raises(cfg.ConfigError, match="engine.cuda is True: Input should be 'auto' or "
+                                              "'off'"):
+        cfg.load_agent(_write(tmp_path, "agent.yaml", "engine: {cuda: on}\n"))
+
+
 def test_an_empty_file_is_the_defaults_and_a_missing_one_says_how_to_make_it(tmp_path) -> None:
     assert cfg.load_server(_write(tmp_path, "server.yaml", "")) == cfg.ServerConfig()
     with pytest.raises(cfg.ConfigError, match="run `pytest provision/`"):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from llmgw import control_plane_join
 from tests.hosts import ThrowawayHost
 from tests.loadgen import until
 
@@ -94,8 +95,12 @@ def test_a_spent_token_and_a_wrong_key_are_refused_and_nothing_is_written(
     assert "does not open the fleet's bundle" in refused.output, refused.output[-4000:]
     assert not (c.state_dir / "etc/pki/ca.pem").exists()
     assert not (c.state_dir / "etc/admin-token").exists()
+    # The bundle is opened before the token is spent: the wrong key left it for the line.
+    url, token, ca_hash = (line[line.index(o) + 1] for o in ("--join", "--token", "--ca-hash"))
+    assert control_plane_join.fetch(url, token, ca_hash, "look", spend=False)
 
-    # The right key, but the token went with the wrong one: refused as spent.
+    # The right key, but another machine spent the token first: refused as spent.
+    control_plane_join.fetch(url, token, ca_hash, "elsewhere")
     d = make_host()
     spent = d.provision(*CONTROL_ONLY, *line)
     assert spent.returncode != 0

@@ -62,7 +62,7 @@ def test_the_process_table_names_the_default_ports() -> None:
     server, listen = ServerConfig(), Listen()
     ports = {parse_listen(a)[1] for a in (server.admin_listen, server.agent_listen,
                                            server.gateway_listen, server.gateway_metrics_listen,
-                                           listen.mirror, listen.mirror_api)}
+                                           listen.mirror, listen.mirror_api, listen.check)}
     assert process_table_ports(ARCHITECTURE.read_text()) == ports
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib
 import re
 
+import pytest
+
 import llmgw.errors
-from llmgw.errors import Error
+from llmgw.errors import Error, shown_url
 from tests.sourceclasses import classes_of, llmgw_modules
 
 _ENTRY = re.compile(r"^(?P<indent>[ │]*)[├└]── (?P<name>[A-Za-z_][\w.]*)")
@@ -95,3 +97,28 @@ def test_negative_control_a_stray_an_unlisted_and_a_misdrawn_class_are_found() -
     wrong = doc.replace("control.client.NotFound", "pki.PKIError")
     assert "the tree draws pki.PKIError under APIError, which it does not derive from" \
         in misplaced([], wrong)
+
+
+@pytest.mark.parametrize(("given", "shown"), [
+    ("http://proxyuser:s3cret@127.0.0.1:3128", "http://127.0.0.1:3128"),
+    ("https://hf_tok3n@hub.example:8443/", "https://hub.example:8443/"),
+    ("postgresql://llmgw:s3cret@db:5432/llmgw", "postgresql://db:5432/llmgw"),
+    ("https://u:p%40ss@[fd00::2]:7443/x.gguf", "https://[fd00::2]:7443/x.gguf"),
+    ("https://cdn.example/x.gguf?X-Amz-Signature=s3cret#f", "https://cdn.example/x.gguf?…"),
+    ("postgresql://db/llmgw?password=s3cret", "postgresql://db/llmgw?…"),
+    ("http://u:pa/s3cret@host:1", "http://(a URL that does not parse)"),
+    ("http://u:s3cret?x@host:1", "http://(a URL that does not parse)"),
+])
+def test_a_url_is_shown_with_its_scheme_host_port_and_path_never_its_credentials(
+        given: str, shown: str) -> None:
+    assert shown_url(given) == shown
+    assert "s3cret" not in shown_url(given) and "tok3n" not in shown_url(given)
+
+
+@pytest.mark.parametrize("plain", [
+    "http://127.0.0.1:3128", "https://huggingface.co", "file:///srv/model.gguf",
+    "hf:Qwen/Qwen2.5-0.5B-Instruct-GGUF/qwen2.5-0.5b-instruct-q4_k_m.gguf",
+    "/var/lib/llmgw/control.db", "https://[::1]:7443/api/v1/models", "another machine",
+])
+def test_negative_control_a_url_without_credentials_is_shown_as_it_is(plain: str) -> None:
+    assert shown_url(plain) == plain

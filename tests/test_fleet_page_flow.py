@@ -2,13 +2,17 @@
 provisioned for real with a stand-in NVML (one H100): the sign-in form without a session;
 the node, its GPU and the starter's replica turning ready; a killed engine shown not ready
 within 15 s and ready again; a name made of markup shown as text, no dialog raised; no
-request leaving 127.0.0.1; a viewer key that reads the page and changes nothing. One host
-for the whole module; it writes docs/fleet-page.png, the picture docs/operations.md shows."""
+request leaving 127.0.0.1; a viewer key that reads the page and changes nothing; the
+Promises section saying how to turn the checks on until the first round reports. One host
+for the whole module. Its picture goes to a temporary path: a test changes no tracked file.
+docs/fleet-page.png, the picture docs/operations.md shows, is refreshed on purpose, with
+LLMGW_REFRESH_PICTURE=1 (`bash scripts/fleet-page-picture` sets it and runs this module)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -20,17 +24,18 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from llmgw.config import load_server
+from llmgw.config import CHECK_INTERVAL_S, load_server
 from llmgw.contract.catalog import CATALOG_MODEL
 from llmgw.control.store import Store
-from llmgw.netaddr import free_port
 from tests.hosts import ROOT, RunResult, ThrowawayHost
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = Path("/usr/bin/chromium")
 STANDIN = Path(__file__).parent / "standin_nvml"
-SCREENSHOT = ROOT / "docs" / "fleet-page.png"
+# The picture docs/operations.md shows: copied there only when LLMGW_REFRESH_PICTURE=1.
+DOC_PICTURE = ROOT / "docs" / "fleet-page.png"
+REFRESH = "LLMGW_REFRESH_PICTURE"
 MARKUP = "<img src=x onerror=alert(1)>"
 # Chromium without anything that phones home; Playwright adds --headless itself.
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -87,18 +92,31 @@ class Provisioning:
         return self.result
 
 
+@pytest.fixture(scope="module", autouse=True)
+def doc_picture_kept() -> Iterator[None]:
+    """Module: docs/fleet-page.png, a tracked file, reads the same after these tests as
+    before, unless LLMGW_REFRESH_PICTURE=1 asked for a new one (then it must differ)."""
+    before = DOC_PICTURE.read_bytes() if DOC_PICTURE.exists() else b""
+    yield
+    after = DOC_PICTURE.read_bytes() if DOC_PICTURE.exists() else b""
+    if os.environ.get(REFRESH) == "1":
+        assert after != before, f"{REFRESH}=1, and {DOC_PICTURE} was not refreshed"
+    else:
+        assert after == before, f"a test rewrote {DOC_PICTURE}; only {REFRESH}=1 may"
+
+
 @pytest.fixture(scope="module")
 def host(tmp_path_factory, tiny_gguf) -> Iterator[ThrowawayHost]:
     """Module: a host being provisioned (a thread runs `pytest provision/`; the admin API
     answers when this returns), with the stand-in NVML's H100 showing 30 GB used and a
-    check round reported to the control plane (--check-serve)."""
+    check round reported to the control plane (llmgw-check, which provision runs by
+    default, on the free port ThrowawayHost gives it)."""
     root = tmp_path_factory.mktemp("fleet-page")
     nvml_state = root / "nvml.json"
     nvml_state.write_text(json.dumps({"used_mib": {"0": 30000}}))
     h = ThrowawayHost(root / "state")
     h.provisioning = Provisioning(
         h, f"--starter-source={tiny_gguf[0].as_uri()}", "-rf",
-        f"--check-serve=127.0.0.1:{free_port()}", "--check-interval=3600",
         env={"PYTHONPATH": str(STANDIN), "LLMGW_STANDIN_NVML_STATE": str(nvml_state)})
     try:
         until("the admin API to answer and the admin token to be written",
@@ -182,6 +200,14 @@ def test_without_a_session_the_page_is_the_sign_in_form_and_no_data(page, host) 
 def test_signed_in_it_shows_the_node_its_gpu_and_the_starter_turning_ready(
         page, host) -> None:
     sign_in(page, host.token)
+    # Before the first round of checks (provision starts llmgw-check last): the Promises
+    # section says that none report, and how the checks are turned on.
+    none = page.locator("#drift-none")
+    none.wait_for(timeout=10_000)
+    how = none.inner_text()
+    for words in ("No host reports its checks", "pytest provision/", "llmgw-check",
+                  "--check-serve HOST:PORT", "--no-check-serve", "llmgw check --serve"):
+        assert words in how, how
     seen: list[dict[str, str]] = []
 
     def starter_ready() -> bool:
@@ -193,6 +219,7 @@ def test_signed_in_it_shows_the_node_its_gpu_and_the_starter_turning_ready(
     assert seen[0] == {} or "ready" not in seen[0].values(), \
         f"the page first showed {seen[0]}: signed in after the starter was ready already"
     host.provisioning.finished()
+    host.provisioned_at = time.monotonic()
     node = page.locator("[data-node]")
     assert node.count() == 1
     gpu = node.locator(".gpu")
@@ -213,9 +240,11 @@ def test_signed_in_it_shows_the_node_its_gpu_and_the_starter_turning_ready(
           last=lambda: why.inner_text())
 
 
-def test_the_page_shows_traffic_promises_and_keys_and_a_picture_is_kept(page, host) -> None:
-    """Traffic from real requests through the gateway; the check round's promises; the
-    owner's key with its usage (no secret anywhere on the page)."""
+def test_the_page_shows_traffic_promises_and_keys_and_a_picture_is_kept(
+        page, host, tmp_path) -> None:
+    """Traffic from real requests through the gateway; the check round's promises, with no
+    how-to left; the owner's key with its usage (no secret anywhere on
+    the page). The picture goes to tmp_path; LLMGW_REFRESH_PICTURE=1 copies it to docs/."""
     url = f"http://127.0.0.1:{host.ports['gateway']}/v1/chat/completions"
     for _ in range(6):
         httpx.post(url, headers={"Authorization": f"Bearer {host.gateway_key}"}, timeout=60,
@@ -226,12 +255,39 @@ def test_the_page_shows_traffic_promises_and_keys_and_a_picture_is_kept(page, ho
                 last=lambda: page.inner_text("#traffic"))
     assert row[1] != "–" and row[2].endswith("ms"), row
     until("the check round's promises", lambda: page.locator("#drift tr[data-host]").count(),
-          240, last=lambda: page.inner_text("#drift"))
+          CHECK_INTERVAL_S, last=lambda: page.inner_text("#drift"))
+    # The first round starts with llmgw-check, provision's last step: within one interval
+    # of the default's (60 s) from the run's end, whatever interval this host was given.
+    assert time.monotonic() - host.provisioned_at < CHECK_INTERVAL_S
+    assert page.locator("#drift-none").count() == 0, "the how-to stays beside a report"
     assert page.locator("#keys tr[data-key=owner]").count() == 1
     assert host.gateway_key not in page.content() and host.token not in page.content()
-    SCREENSHOT.parent.mkdir(exist_ok=True)
-    page.screenshot(path=str(SCREENSHOT), full_page=True, type="png")
-    assert SCREENSHOT.stat().st_size > 10_000
+    picture = tmp_path / "fleet-page.png"
+    page.screenshot(path=str(picture), full_page=True, type="png")
+    assert picture.stat().st_size > 10_000
+    if os.environ.get(REFRESH) == "1":
+        shutil.copyfile(picture, DOC_PICTURE)
+
+
+def test_llmgw_status_shows_the_promises_the_page_shows(page, host) -> None:
+    """The same round in `llmgw status`: a row for this host, its checked time and what
+    holds or fails, as the page's Promises section has it."""
+    import subprocess
+    import sys
+
+    rows = page.locator("#drift tr[data-host]").all()
+    assert rows, page.inner_text("#drift")
+    hosts = {r.get_attribute("data-host") for r in rows}
+    status = subprocess.run([sys.executable, "-m", "llmgw", "status",
+                             f"--state-dir={host.state_dir}"],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    table = status.stdout.split("HOST ", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert {line.split()[0] for line in table} == hosts, status.stdout
+    shown = page.inner_text("#drift")
+    for line in table:
+        drift = line.split()[3] if "hold" not in line else " ".join(line.split()[3:6])
+        assert drift in shown, (line, shown)
 
 
 def _traffic_row(page: Any) -> list[str] | None:

@@ -135,3 +135,50 @@ def test_an_address_in_use_is_refused_at_once_naming_it() -> None:
             watch.serve(f"127.0.0.1:{port}", w, 60.0, threading.Event())
     finally:
         busy.close()
+
+
+@pytest.mark.slow
+def test_no_check_serve_runs_no_checks_and_status_says_how_to_turn_them_on(make_host) -> None:
+    """The negative control of the checks being on by default (tests/test_fleet_page_flow.py
+    and tests/llmgw_harness/test_public_fixtures.py show a host reporting from its first
+    run): with --no-check-serve no llmgw-check runs, no host reports, and `llmgw status` and
+    the page say how the checks are turned on."""
+    host: ThrowawayHost = make_host()
+    run = host.provision("--no-mirror", "--no-node", "--no-starter", "--no-check-serve")
+    assert run.returncode == 0, run.output[-4000:]
+    (skip,) = run.skips("watch")
+    assert "--no-check-serve: nothing keeps checking this host" in skip, skip
+    assert not (host.state_dir / "etc" / "check-serve").exists()
+    assert not (host.state_dir / "supervisor.d" / "llmgw-check.conf").exists()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{host.check_url}/healthz", timeout=5)
+    assert httpx.get(f"{host.admin_url}/api/v1/drift", headers=host.auth).json() == []
+    status = subprocess.run([sys.executable, "-m", "llmgw", "status",
+                             f"--state-dir={host.state_dir}"],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert ("no host reports its checks: `pytest provision/` runs them as llmgw-check "
+            "(left out by --no-check-serve)") in status.stdout, status.stdout
+    page = httpx.get(f"{host.admin_url}/ui/app.js").text  # drawn in a browser: the flow test
+    assert '["--no-check-serve", true]' in page and '["llmgw check --serve HOST:PORT", true]' \
+        in page
+
+
+@pytest.mark.slow
+def test_llmgw_down_stops_llmgw_check(make_host) -> None:
+    """A host provisioned with its defaults runs llmgw-check (its /healthz answers); `llmgw
+    down` stops it with the rest. The control: before down, it answers."""
+    host: ThrowawayHost = make_host()
+    run = host.provision("--no-mirror", "--no-node", "--no-starter")
+    assert run.returncode == 0, run.output[-4000:]
+    (done,) = [line for line in run.lines("done") if line.startswith("watch: ")]
+    assert done.startswith(f"watch: llmgw-check checks every 600s and answers "
+                           f"{host.check_url}/healthz (because there is no "), run.steps
+    assert "watch: its /healthz answers (200 when every promise holds, else 503)" in \
+        run.lines("kept"), "the start waits for it to answer"
+    assert httpx.get(f"{host.check_url}/healthz", timeout=5).status_code in (200, 503)
+    again = host.provision("--no-mirror", "--no-node", "--no-starter")
+    assert again.returncode == 0 and "done" not in again.statuses(), again.lines("done")
+    host.down()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{host.check_url}/healthz", timeout=5)

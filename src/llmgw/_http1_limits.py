@@ -30,6 +30,10 @@ class Limits:
     max_head_bytes: _Count = 64 << 10
     # Header fields in one head: 431 beyond.
     max_headers: _Count = 100
+    # One line of a chunked body's framing, counted as it arrives: a chunk-size line with
+    # its extensions and CRLF, or a trailer field: 400 beyond (h11 bounds it the same way,
+    # by its max_incomplete_event_size, 16 KiB; llhttp does not).
+    max_chunk_line_bytes: _Count = 16 << 10
     # A body as sent (framing included): 413 beyond (a Content-Length over it, at once).
     max_body_bytes: _Count = 16 << 20
     # From a request's first byte to the end of its head: 408 and closed beyond.

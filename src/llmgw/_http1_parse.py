@@ -68,6 +68,57 @@ class _Stop(Exception):
     """Raised from a parser callback: nothing after this request is read."""
 
 
+class _ChunkLines:
+    """Where a chunked body's framing lines are, as its bytes arrive, so each is bounded
+    before it ends: a chunk-size line (its size, extensions and CRLF) or a trailer field.
+    httptools checks their grammar; this only counts, skipping each chunk's data."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.line = 0         # bytes of the line under way
+        self.size = b""       # its first bytes: the chunk size is read from them
+        self.skip = 0         # data (and its CRLF) left of the chunk under way
+        self.trailers = False
+        self.done = False
+
+    def scan(self, data: bytes) -> str | None:
+        """data, the body's next raw bytes; why it is refused, or None."""
+        at = 0
+        while at < len(data) and not self.done:
+            if self.skip:
+                taken = min(self.skip, len(data) - at)
+                self.skip -= taken
+                at += taken
+                continue
+            end = data.find(b"\n", at)
+            stop = len(data) if end < 0 else end + 1
+            self.line += stop - at
+            if self.line > self.limit:
+                what = "trailer field" if self.trailers else "chunk-size line (extensions included)"
+                return (f"a {what} of the chunked body is over {self.limit} bytes, this "
+                        "server's limit (Limits.max_chunk_line_bytes)")
+            if not self.trailers and len(self.size) < 20:
+                self.size += data[at:min(stop, at + 20)]
+            at = stop
+            if end >= 0:
+                self._line_ended()
+        return None
+
+    def _line_ended(self) -> None:
+        if self.trailers:
+            self.done = self.line <= 2  # the empty line that ends the body
+        else:
+            digits = self.size.split(b";", 1)[0].strip(b" \t\r\n")
+            try:
+                size = int(digits, 16)
+            except ValueError:
+                self.done = True  # not a size: httptools refuses it
+                size = 0
+            self.trailers = size == 0
+            self.skip = size + 2 if size else 0
+        self.line, self.size = 0, b""
+
+
 class RequestParser:
     """One connection's requests, one after another (pipelined ones too), as events."""
 
@@ -96,6 +147,7 @@ class RequestParser:
         self._host = b""
         self._codings: list[bytes] | None = None
         self._expect_continue = False
+        self._chunk_lines: _ChunkLines | None = None  # the chunked body being read
 
     def feed(self, data: bytes) -> None:
         """The next bytes from the client; none are read once stopped."""
@@ -110,6 +162,11 @@ class RequestParser:
 
     def _take(self, data: bytes) -> None:
         if not self.reading_head:
+            lines = self._chunk_lines
+            why = lines.scan(data) if lines is not None else None
+            if why is not None:
+                self._refuse(400, why)
+                return
             seen, begun = self.body_seen, self._begun
             self._feeding, self._feed_seen = len(data), seen
             self._feed(data)
@@ -245,6 +302,8 @@ class RequestParser:
         has_body = self._codings is not None or self.length > 0
         if has_body:
             self.body_seen = self._body_framing = 0
+        self._chunk_lines = _ChunkLines(self.limits.max_chunk_line_bytes) \
+            if self._codings is not None else None
         self.events.request_head(method.decode("ascii"), version,
                                  unquote(path) if "%" in path else path, raw_path, query,
                                  self._headers, keep_alive, self._expect_continue, has_body)

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Self
 import httpx
 
 from llmgw import _httpclient
-from llmgw.errors import APIError
+from llmgw.errors import APIError, shown_url
 
 
 class JSONClient:
@@ -46,7 +46,7 @@ class JSONClient:
         self.close()
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:
-        with _httpclient.answered(self.error, f"{self.what} at {self.base_url}",
+        with _httpclient.answered(self.error, f"{self.what} at {shown_url(self.base_url)}",
                                   asked=f"{method} {path}",
                                   timeout=kw.get("timeout", self.timeout)):
             response = self._http.request(method, path, **kw)
@@ -54,7 +54,7 @@ class JSONClient:
             raise self.not_found(f"{method} {path}: {detail(response)}", 404)
         if response.status_code >= 400:
             raise self.error(
-                f"{self.what} at {self.base_url} answered {method} {path} with "
+                f"{self.what} at {shown_url(self.base_url)} answered {method} {path} with "
                 f"{response.status_code}: {detail(response)}",
                 response.status_code,
             )

@@ -128,10 +128,13 @@ def _token_create(args: argparse.Namespace) -> int:
 
 
 def _node_rm(args: argparse.Namespace) -> int:
-    from llmgw.fleet import remove_node
-    from llmgw.layout import Layout
+    from llmgw.commands import _admin
 
-    serials = remove_node(Layout.for_mode(args.mode, args.state_dir), args.node_id)
+    # As every day-2 command: no server.yaml here, or nothing answering at its address,
+    # is exit 3 (Unreachable), saying which.
+    with _admin.admin(args) as client:
+        removed = _admin.call(client, lambda: client.remove_node(args.node_id))
+    serials = list(removed["revoked"])
     print(f"removed {args.node_id}: its replicas drain elsewhere and its certificate "
           f"({', '.join(serials) or 'none issued'}) is refused from now on")
     return 0

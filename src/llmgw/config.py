@@ -7,6 +7,7 @@ value and what is allowed, so it never surfaces later as a 500 from a running se
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -79,6 +80,14 @@ class MirrorRef(_Section):
 # serve --listen/--api-listen`): its bytes server for every node, its API on loopback.
 MIRROR_LISTEN = ":8081"
 MIRROR_API_LISTEN = "127.0.0.1:8082"
+# `llmgw check --serve`'s address when provisioning runs it (--check-serve): loopback, for
+# its /healthz says why a promise fails. Beside the admin API (9090) and the gateway's
+# metrics (9091), and clear of what a monitored host already runs: the exporters' range
+# from 9100 (the node exporter), Kafka (9092), Alertmanager (9093, 9094), Loki's and
+# Mimir's gRPC (9095, 9096), and the Prometheus docs/operations.md puts on 9099.
+CHECK_LISTEN = "127.0.0.1:9097"
+# Seconds between two rounds of `llmgw check --serve` (each a fresh `llmgw check`).
+CHECK_INTERVAL_S = 60.0
 
 
 # Longer than any heartbeat interval, so a kept-alive agent never finds its connection gone.
@@ -170,6 +179,12 @@ EnginePrebuilt = Literal["off", "auto", "xllamacpp"]
 EngineCuda = Literal["auto", "off"]
 
 
+def _off(value: Any) -> Any:
+    # YAML reads `cuda: off`, as the docs and the GPU engine's failure tell a person to
+    # write it, as false: it means "off" (any other value is checked as written).
+    return "off" if value is False else value
+
+
 class EngineConfig(_Section):
     """How the agent finds or builds llama.cpp."""
 
@@ -181,10 +196,10 @@ class EngineConfig(_Section):
     # off: find or build llama-server; xllamacpp: its prebuilt CPU wheel first; auto: the
     # wheel on a CPU node without a cached build (see llmgw.agent.engine). Provisioning
     # writes auto (--engine-prebuilt); the library's own default builds.
-    prebuilt: EnginePrebuilt = "off"
+    prebuilt: Annotated[EnginePrebuilt, BeforeValidator(_off)] = "off"
     # auto: on a node with NVIDIA GPUs, make llama.cpp with CUDA (llamacpp-cuda) in the
     # background while the CPU engine serves; off: CPU only (tests and CI write off).
-    cuda: EngineCuda = "auto"
+    cuda: Annotated[EngineCuda, BeforeValidator(_off)] = "auto"
     # A llama-server built with CUDA to use as llamacpp-cuda instead of building one; it
     # is checked like a built one (--list-devices names each GPU).
     cuda_server: StrictStr = ""
@@ -213,7 +228,22 @@ class AgentConfig(_Section):
     failover_timeout_s: float = Field(default=5.0, gt=0)
     # Renew the node's certificate (a CSR over mTLS) when it expires within this many days.
     renew_before_days: float = Field(default=30.0, gt=0)
+    # The management interface: NCCL and Gloo bootstrap over it (NCCL_SOCKET_IFNAME and
+    # GLOO_SOCKET_IFNAME, unless set for the agent) and the heartbeat reports it. "" finds
+    # it: the interface holding the address this node reaches the control plane from.
+    # load_agent refuses a name this machine has no interface of.
+    interface: StrictStr = ""
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @field_validator("interface")
+    @classmethod
+    def _an_interface_name(cls, value: str) -> str:
+        # The kernel's rule (dev_valid_name): under 16 bytes, no '/', ':' or whitespace.
+        if value and (len(value.encode()) > 15 or value in (".", "..")
+                      or any(c in value for c in "/: \t\n")):
+            raise ValueError(f"{value!r} cannot be an interface name (at most 15 characters, "
+                             "no '/', ':' or spaces); write one `ip link` lists")
+        return value
 
 
 # What `store` may start with, beside an absolute path.
@@ -266,7 +296,18 @@ def load_server(path: str | os.PathLike[str]) -> ServerConfig:
 
 
 def load_agent(path: str | os.PathLike[str]) -> AgentConfig:
-    return _load(AgentConfig, path)
+    """agent.yaml, on the machine it is for: an `interface:` this machine does not have is
+    refused, naming those it has."""
+    agent = _load(AgentConfig, path)
+    if agent.interface:
+        here = [name for _, name in socket.if_nameindex()]
+        if agent.interface not in here:
+            raise ConfigError(
+                f"{path}: interface is {agent.interface!r}, which this machine does not have "
+                f"(its interfaces: {', '.join(here)}); name one of them, or leave `interface:` "
+                "out to use the one this node reaches the control plane from. Correct it and "
+                "run again")
+    return agent
 
 
 def render(config: ServerConfig | AgentConfig, header: str, omit: tuple[str, ...] = ()) -> str:

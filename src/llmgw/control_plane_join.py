@@ -6,9 +6,9 @@ the server.yaml settings they share: the store above all) with a new certificate
 AES-256-GCM, and leaves only the sealed bundle with the join token in the store. The key
 is printed once, in the join line, and never stored or sent: the control plane that hands
 the bundle out cannot open it, nor can anyone who reads the store. The new machine fetches
-the bundle with the token (spending it) over the agent API, after pinning the CA by its
-hash, opens it with the key, and is from then on provisioned as a first host is, on the
-fleet's store.
+the bundle over the agent API after pinning the CA by its hash, opens it with the key,
+checks that the fleet's store answers from there, and only then spends the token; from then
+on it is provisioned as a first host is, on the fleet's store.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from llmgw._files import atomic_write
 from llmgw.agent.join import JoinError, pinned_ca, refusal
 from llmgw.config import ServerConfig
 from llmgw.contract import AgentPaths
-from llmgw.errors import Error
+from llmgw.errors import Error, shown_url
 from llmgw.layout import Layout
 
 _AAD = b"llmgw control-plane bundle 1"
@@ -113,16 +113,21 @@ def certificate_key(key_hex: str) -> bytes:
         "`llmgw token create --control-plane` printed (the token is not spent yet)")
 
 
-def fetch(url: str, token: str, ca_hash: str, who: str, *,
+def fetch(url: str, token: str, ca_hash: str, who: str, *, spend: bool = True,
           timeout: float = _httpclient.TIMEOUT_S) -> str:
     """The sealed bundle of the control-plane token, from the agent API at url, after the
-    CA there is pinned by ca_hash; spends the token."""
+    CA there is pinned by ca_hash; spends the token, unless spend=False (to check what
+    the bundle names before the token is spent)."""
     url = url.rstrip("/")
     ca_pem = pinned_ca(url, ca_hash, timeout)
-    with _httpclient.answered(JoinError, f"the control plane at {url}", timeout=timeout):
+    body: dict[str, Any] = {"token": token, "name": who}
+    if not spend:
+        body["spend"] = False
+    with _httpclient.answered(JoinError, f"the control plane at {shown_url(url)}",
+                              timeout=timeout):
         answer = _httpclient.request("POST", f"{url}{AgentPaths.JOIN_CONTROL_PLANE}",
                                      verify=_httpclient.tls(cadata=ca_pem), timeout=timeout,
-                                     json={"token": token, "name": who})
+                                     json=body)
     if answer.status_code != 200:
         raise JoinError(f"the control plane refused the control-plane join "
                         f"({answer.status_code}): {refusal(answer)}")

@@ -11,10 +11,11 @@ from llmgw.layout import Layout
 from llmgw.services import ServiceError
 from llmgw.services._supervisor import Supervisor
 
-# The agent goes first, so that it cannot start an engine again; engines outlive their
-# agent by design, so they are stopped on their own afterwards. The gateway's socket unit
-# goes before its service: it would start the service again on the next connection.
-UNITS = ("llmgw-agent", "llmgw-gateway.socket", "llmgw-gateway", "llmgw-mirror",
+# The checks go first, so that no round reports the others stopping as drift. The agent
+# next, so that it cannot start an engine again; engines outlive their agent by design, so
+# they are stopped on their own afterwards. The gateway's socket unit goes before its
+# service: it would start the service again on the next connection.
+UNITS = ("llmgw-check", "llmgw-agent", "llmgw-gateway.socket", "llmgw-gateway", "llmgw-mirror",
          "llmgw-server")
 
 

@@ -1,5 +1,6 @@
 """The base error of llmgw: every exception class llmgw defines is below it, as this tree
-names it (tests/test_errors.py holds the two to each other).
+names it (tests/test_errors.py holds the two to each other). And shown_url, how a message,
+a log line or an answer shows a URL: without the credentials it may carry.
 
 Error
  ├── pki.PKIError
@@ -57,6 +58,8 @@ Outside it, on purpose:
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 
 class Error(Exception):
     """Something llmgw found wrong; the message says what, why and what to do."""
@@ -71,3 +74,25 @@ class APIError(Error):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+def shown_url(url: str) -> str:
+    """url as a person may see it: its scheme, host, port and path, never the user or
+    password before an `@` (HTTPS_PROXY's `user:password@`, a store's, HF_ENDPOINT's), nor
+    its query or fragment (a signed URL's token, libpq's `?password=`), which show as `?…`.
+    What is not a URL (a path, `hf:ORG/REPO/FILE`) comes back as it is.
+
+    The path stays: it names the file a source is, or the database a store is; llmgw never
+    takes a secret from it."""
+    if "://" not in url:
+        return url
+    try:
+        parts = urlsplit(url)
+        # A port that is no number: an unescaped / ? or # in a password cut the host short,
+        # and what stands there is part of the password.
+        parts.port  # noqa: B018
+    except ValueError:
+        return f"{url.split('://', 1)[0]}://(a URL that does not parse)"
+    host = parts.netloc.rpartition("@")[2]
+    cut = "?…" if parts.query or parts.fragment else ""
+    return urlunsplit((parts.scheme, host, parts.path, "", "")) + cut

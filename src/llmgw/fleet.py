@@ -81,8 +81,3 @@ def create_token(layout: Layout, ttl_s: float, control_plane: bool = False) -> T
         line += f" --control-plane --certificate-key {key}"
     return Token(made["token"], made["expires"], line)
 
-
-def remove_node(layout: Layout, node_id: str) -> list[str]:
-    """Remove a node: its replicas drain and its certificate serials are refused."""
-    with admin_client(layout) as client:
-        return list(client.remove_node(node_id)["revoked"])

@@ -2,54 +2,107 @@
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
+import os
 import random
 import socket
 import struct
 from pathlib import Path
 
-_SIOCGIFADDR = 0x8915
-
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
+# rtnetlink (linux/rtnetlink.h, linux/if_addr.h): one dump of every address, as `ip addr`
+# and Go's net.InterfaceAddrs read them. SIOCGIFADDR, which this replaced, answers one IPv4
+# address per interface (its primary), so an interface that reaches the control plane
+# through its second address was not found to hold it.
+_RTM_NEWADDR, _RTM_GETADDR = 20, 22
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_NLM_F_REQUEST, _NLM_F_DUMP = 0x1, 0x300
+_IFA_ADDRESS, _IFA_LOCAL = 1, 2
+_NLMSGHDR = struct.Struct("=IHHII")   # length, type, flags, seq, pid
+_IFADDRMSG = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, interface index
+_RTATTR = struct.Struct("=HH")        # length, type
 
-def _ipv4_of(name: str) -> ipaddress.IPv4Address | None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
-        except OSError:
-            return None
-    return ipaddress.IPv4Address(packed[20:24])
+
+def _align(n: int) -> int:
+    return (n + 3) & ~3
 
 
-def _ipv6_by_interface(if_inet6: Path = Path("/proc/net/if_inet6")) -> dict[str, list[IPAddress]]:
-    found: dict[str, list[IPAddress]] = {}
-    try:
-        lines = if_inet6.read_text().splitlines()
-    except OSError:
-        return found
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 6:
-            continue
-        addr = ipaddress.IPv6Address(int(fields[0], 16))
-        found.setdefault(fields[5], []).append(addr)
-    return found
+def _addresses_of(message: bytes) -> tuple[int, IPAddress] | None:
+    """(interface index, address) of one RTM_NEWADDR message's payload."""
+    family, _, _, _, index = _IFADDRMSG.unpack_from(message)
+    attrs: dict[int, bytes] = {}
+    at = _align(_IFADDRMSG.size)
+    while at + _RTATTR.size <= len(message):
+        length, kind = _RTATTR.unpack_from(message, at)
+        if length < _RTATTR.size:
+            break
+        attrs[kind] = message[at + _RTATTR.size:at + length]
+        at += _align(length)
+    # IFA_LOCAL is the address itself; IFA_ADDRESS is the peer's on a point-to-point link
+    # and the address itself elsewhere (and for IPv6).
+    raw = attrs.get(_IFA_LOCAL) or attrs.get(_IFA_ADDRESS)
+    if raw is None:
+        return None
+    if family == socket.AF_INET and len(raw) == 4:
+        return index, ipaddress.IPv4Address(raw)
+    if family == socket.AF_INET6 and len(raw) == 16:
+        return index, ipaddress.IPv6Address(raw)
+    return None
+
+
+def _netlink_addresses() -> list[tuple[int, IPAddress]]:
+    """Every address of every interface, (interface index, address), in the kernel's order
+    (an interface's primary address before its secondaries); OSError when netlink fails."""
+    found: list[tuple[int, IPAddress]] = []
+    seq = random.randrange(1, 1 << 31)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as s:
+        s.bind((0, 0))
+        request = _IFADDRMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0)
+        s.sendall(_NLMSGHDR.pack(_NLMSGHDR.size + len(request), _RTM_GETADDR,
+                                 _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + request)
+        while True:
+            data = s.recv(1 << 16)
+            if not data:
+                raise OSError("netlink closed before the address dump ended")
+            at = 0
+            while at + _NLMSGHDR.size <= len(data):
+                length, kind, _, got_seq, _ = _NLMSGHDR.unpack_from(data, at)
+                if length < _NLMSGHDR.size:
+                    raise OSError(f"netlink sent a message of {length} bytes")
+                payload = data[at + _NLMSGHDR.size:at + length]
+                at += _align(length)
+                if got_seq != seq:
+                    continue
+                if kind == _NLMSG_DONE:
+                    return found
+                if kind == _NLMSG_ERROR:
+                    (errno,) = struct.unpack_from("=i", payload)
+                    if errno:
+                        raise OSError(-errno, f"netlink address dump: {os.strerror(-errno)}")
+                    continue
+                if kind == _RTM_NEWADDR and (entry := _addresses_of(payload)) is not None:
+                    found.append(entry)
 
 
 def interface_addresses() -> dict[str, list[IPAddress]]:
-    """Every interface's addresses: IPv4 first, then IPv6 (link-local left out)."""
-    v6 = _ipv6_by_interface()
-    result: dict[str, list[IPAddress]] = {}
-    for _, name in socket.if_nameindex():
-        addrs: list[IPAddress] = []
-        v4 = _ipv4_of(name)
-        if v4 is not None:
-            addrs.append(v4)
-        addrs.extend(a for a in v6.get(name, []) if not a.is_link_local)
-        result[name] = addrs
-    return result
+    """Every interface's addresses, each of them (an interface may hold several): IPv4
+    first, then IPv6 (link-local left out)."""
+    names = dict(socket.if_nameindex())
+    result: dict[str, list[IPAddress]] = {name: [] for name in names.values()}
+    for index, addr in _netlink_addresses():
+        name = names.get(index)
+        if name is None:  # an interface that came after the list was read
+            try:
+                name = socket.if_indextoname(index)
+            except OSError:
+                continue
+            result.setdefault(name, [])
+        if addr.version == 6 and addr.is_link_local:
+            continue
+        if addr not in result[name]:
+            result[name].append(addr)
+    return {name: sorted(addrs, key=lambda a: a.version) for name, addrs in result.items()}
 
 
 def local_addresses() -> list[IPAddress]:

@@ -185,7 +185,8 @@ def serve(addr: str, watch: Watch, interval_s: float,
         if failed or not serving.is_alive():
             raise OSError(f"llmgw check --serve cannot listen on {addr}: "
                           f"{failed[0] if failed else 'its server stopped'}; pick another "
-                          "address (--serve HOST:PORT)")
+                          "address (--serve HOST:PORT; when provisioning, --check-serve "
+                          "HOST:PORT, or --no-check-serve to run no checks)")
         time.sleep(0.01)
     log.info("llmgw check --serve on %s: a round every %.0fs", addr, interval_s)
     stop = stop or threading.Event()

@@ -100,3 +100,25 @@ def test_a_control_plane_that_is_down_is_exit_3_saying_what_to_do(tmp_path) -> N
     nothing = llmgw("status", f"--state-dir={tmp_path / 'none'}", "--mode=local")
     assert nothing.returncode == 3 and "--state-dir" in nothing.stderr
 
+
+
+def test_node_rm_without_a_control_plane_is_exit_3_as_its_siblings(host, tmp_path) -> None:
+    """`llmgw node rm` with no server.yaml, or nothing answering at its address, exits 3
+    with the words `status` and `keys` use; the control: against a live admin API it
+    removes the node (0)."""
+    nothing = llmgw("node", "rm", "node-a", f"--state-dir={tmp_path / 'none'}", "--mode=local")
+    sibling = llmgw("keys", "ls", f"--state-dir={tmp_path / 'none'}", "--mode=local")
+    assert sibling.returncode == 3, sibling
+    assert nothing.returncode == 3, nothing
+    assert "no control plane here" in nothing.stderr and "--state-dir" in nothing.stderr
+    assert nothing.stderr.count("\n") == 1 and "Traceback" not in nothing.stderr, nothing.stderr
+    down = tmp_path / "down"
+    write_server_yaml(down, free_port())
+    stopped = llmgw("node", "rm", "node-a", f"--state-dir={down}", "--mode=local")
+    assert stopped.returncode == 3, stopped
+    assert "does not answer" in stopped.stderr and "pytest provision/" in stopped.stderr
+    state, store = host
+    removed = llmgw("node", "rm", "node-a", f"--state-dir={state}", "--mode=local")
+    assert removed.returncode == 0, removed
+    assert removed.stdout.startswith("removed node-a"), removed.stdout
+    assert not store.node_known("node-a")

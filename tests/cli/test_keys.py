@@ -128,6 +128,26 @@ def test_a_viewer_key_takes_no_gateway_limits(host) -> None:
     assert refused.returncode != 0 and "--rpm limit a gateway key" in refused.stderr
 
 
+def test_a_viewer_key_takes_expires_as_a_gateway_key_does_and_ls_shows_it(host) -> None:
+    """`keys create --viewer --expires` parses the date as a gateway key's (through that
+    day, UTC) and `ls --viewer` shows it. (The control: a viewer key without it, never.)"""
+    state, store, _ = host
+    made = llmgw(state, "keys", "create", "--viewer", "--name", "ops", "--expires", "2099-01-31")
+    assert made.returncode == 0, made.stderr
+    assert "expires 2099-02-01 00:00 UTC" in made.stdout
+    assert llmgw(state, "keys", "create", "--viewer", "--name", "always").returncode == 0
+    listed = llmgw(state, "keys", "ls", "--viewer")
+    assert listed.returncode == 0, listed.stderr
+    header, ops, always = listed.stdout.splitlines()
+    assert header.split() == ["NAME", "PREFIX", "MADE", "EXPIRES"]
+    assert ops.startswith("ops ") and ops.endswith("2099-02-01 00:00 UTC")
+    assert always.startswith("always ") and always.endswith("never")
+    for wrong, said in (("2001-01-01", "in the past"), ("soon", "is not a date")):
+        refused = llmgw(state, "keys", "create", "--viewer", "--expires", wrong)
+        assert refused.returncode != 0 and said in refused.stderr, refused.stderr
+    assert len(store.viewers()) == 2
+
+
 def yaml_admin_port(state: Path) -> int:
     import yaml
 

@@ -66,9 +66,10 @@ def test_the_agent_api_hands_a_control_plane_token_its_bundle_once(live_control_
 
 
 def test_a_certificate_key_cut_short_is_refused_before_the_token_is_spent(
-        live_control_plane, tmp_path) -> None:
+        live_control_plane, postgres_url, tmp_path) -> None:
     """The key's shape is checked before the bundle is fetched: a key one character short
-    writes nothing and leaves the token for the run with the whole line (the control)."""
+    writes nothing and leaves the token for the run with the whole line (the control; the
+    fleet's store answers, as a join checks before it spends the token)."""
     from llmgw.control.agent_api import token_hash
     from llmgw_harness import pki as pki_step
     from llmgw_harness._changes import apply_fix
@@ -80,6 +81,7 @@ def test_a_certificate_key_cut_short_is_refused_before_the_token_is_spent(
     cp = live_control_plane
     layout, server = _fleet(tmp_path / "a")
     key = control_plane_join.new_certificate_key()
+    server = server.model_copy(update={"store": postgres_url})
     cp.store.add_token(token_hash("cp.token"), 600,
                        bundle=control_plane_join.seal(layout, server, key))
     url = f"https://127.0.0.1:{cp.agent_port}"
@@ -96,3 +98,52 @@ def test_a_certificate_key_cut_short_is_refused_before_the_token_is_spent(
     whole = joining(key)
     apply_fix(pki_step.ca.fixer, whole, pki_step.ca(whole))
     assert whole.layout.ca_key.read_bytes() == layout.ca_key.read_bytes(), "the token was kept"
+
+
+def test_a_join_whose_fleet_store_does_not_answer_leaves_its_token_unspent(
+        live_control_plane, postgres_server, tmp_path) -> None:
+    """The bundle names the fleet's PostgreSQL database, which does not answer from here
+    (dropped for now): the join refuses before it spends the token, saying so, and writes
+    nothing. The control: once the database is back, the same line joins, and only then is
+    the token spent."""
+    import psycopg
+
+    from llmgw.control.agent_api import token_hash
+    from llmgw_harness import pki as pki_step
+    from llmgw_harness._changes import apply_fix
+    from llmgw_harness._host import Host
+    from llmgw_harness._promise import CannotFix
+    from llmgw_harness._report import Recorder
+    from llmgw_harness.settings import HostSettings, Join
+
+    cp = live_control_plane
+    store_url = postgres_server.create_database()
+    database = store_url.rsplit("/", 1)[1]
+
+    def admin(sql: str) -> None:
+        with psycopg.connect(postgres_server.url(), autocommit=True) as conn:
+            conn.execute(sql)
+
+    layout, server = _fleet(tmp_path / "a")
+    key = control_plane_join.new_certificate_key()
+    cp.store.add_token(token_hash("cp.token"), 600, bundle=control_plane_join.seal(
+        layout, server.model_copy(update={"store": store_url}), key))
+    url = f"https://127.0.0.1:{cp.agent_port}"
+    settings = HostSettings(layout=Layout.for_mode("local", tmp_path / "b"),
+                            join=Join(url, "cp.token", cp.ca_hash, True, key))
+    admin(f'DROP DATABASE "{database}"')
+    joining = Host(settings, Recorder(), apply=True)
+    with pytest.raises(CannotFix, match="the fleet's store does not answer from this machine: "
+                                        ".*the join token is not spent"):
+        apply_fix(pki_step.ca.fixer, joining, pki_step.ca(joining))
+    assert not joining.layout.ca_cert.exists() and not joining.layout.admin_token.exists()
+    assert cp.store.use_control_plane_token(token_hash("cp.token"), "look", spend=False)[0] \
+        == "ok", "the token is unspent"
+
+    admin(f'CREATE DATABASE "{database}"')
+    again = Host(settings, Recorder(), apply=True)
+    apply_fix(pki_step.ca.fixer, again, pki_step.ca(again))
+    assert again.layout.ca_key.read_bytes() == layout.ca_key.read_bytes()
+    assert control_plane_join.settings(again.layout)["store"] == store_url
+    with pytest.raises(JoinError, match="used by"):
+        control_plane_join.fetch(url, "cp.token", cp.ca_hash, "cp3", spend=False)

@@ -99,13 +99,85 @@ def test_chunk_extensions_and_trailers_count_toward_the_body_limit(limit: int,
     """100 bytes of data framed by 20 KiB of chunk extension and a 20 KiB trailer: 413
     under a 16 KiB body limit; with it raised the app gets the 100 bytes."""
     app = Counting()
-    with running(app, limits=Limits(max_body_bytes=limit, max_head_bytes=1 << 20)) as \
+    with running(app, limits=Limits(max_body_bytes=limit, max_head_bytes=1 << 20,
+                                    max_chunk_line_bytes=1 << 20)) as \
             (_, _, port), Client(port) as client:
         client.send(chunked_with_extensions(b"d" * 100, 20 << 10))
         got = client.answer()
     assert got.status == status
     if status == 200:
         assert got.body == b"100"
+
+
+CHUNKED_HEAD = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def _send_all(client: Client, *parts: bytes) -> None:
+    """parts, each its own write; a server that refused and closed stops the rest."""
+    try:
+        for part in parts:
+            client.send(part)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+# "64;x=" and CRLF are 7 bytes of the line: 16377 bytes of extension make it 16 KiB.
+@pytest.mark.parametrize("extension, status", [(1 << 20, 400), ((16 << 10) - 6, 400),
+                                               (100, 200), ((16 << 10) - 7, 200)])
+def test_a_chunk_size_line_is_bounded_whole_extensions_included(extension: int,
+                                                                status: int) -> None:
+    """A chunk-size line of 1 MiB (its extension) is 400, as h11 refuses it, though the whole
+    body is far under the 16 MiB body limit (it was served); the line is bounded whole at
+    16 KiB, size and CRLF included. The control: an ordinary extension, and a line of just
+    16 KiB, are served."""
+    app = Counting()
+    line = b"64;x=" + b"e" * extension + b"\r\n"
+    with running(app) as (_, _, port), Client(port) as client:
+        _send_all(client, CHUNKED_HEAD + line + b"d" * 100 + b"\r\n0\r\n\r\n")
+        got = client.answer()
+    assert got.status == status, (len(line), got.status, got.body[:200])
+    if status == 200:
+        assert got.body == b"100"
+    else:
+        assert b"chunk-size line (extensions included) of the chunked body is over 16384 " \
+            b"bytes" in got.body, got.body
+
+
+def test_a_chunk_size_line_that_never_ends_is_refused_as_it_arrives() -> None:
+    """An extension sent 1 KiB a write and never ended by CRLF is refused once 16 KiB are in:
+    the server does not wait for the line's end to count it."""
+    app = Counting()
+    with running(app) as (_, _, port), Client(port) as client:
+        _send_all(client, CHUNKED_HEAD, b"1;x=")
+        for _ in range(40):
+            _send_all(client, b"e" * 1024)
+            time.sleep(0.005)
+        got = client.answer()
+    assert got.status == 400, got.body
+
+
+@pytest.mark.parametrize("trailer, status", [(1 << 20, 400), (100, 200)])
+def test_a_trailer_field_is_bounded_as_a_chunk_line_is(trailer: int, status: int) -> None:
+    """A 1 MiB trailer field is 400; the control: a short one is served."""
+    app = Counting()
+    with running(app) as (_, _, port), Client(port) as client:
+        _send_all(client, CHUNKED_HEAD + b"3\r\nabc\r\n0\r\nX-T: " + b"t" * trailer
+                  + b"\r\n\r\n")
+        got = client.answer()
+    assert got.status == status, got.body[:200]
+
+
+def test_pipelined_requests_behind_a_chunked_body_are_each_served() -> None:
+    """Framing lines are found across chunk data that holds CRLFs and newlines, and the
+    request behind a chunked body is read as a head (the count stops at the body's end)."""
+    app = Counting()
+    data = b"a\r\nb\nc" * 3000  # 18000 bytes: newlines that are no framing
+    body = b"%x\r\n%s\r\n5;k=v\r\nhello\r\n0\r\n\r\n" % (len(data), data)
+    with running(app) as (_, _, port), Client(port) as client:
+        client.send(CHUNKED_HEAD + body + CHUNKED_HEAD + body)
+        first, second = client.answer(), client.answer()
+    assert (first.status, first.body) == (200, b"18005")
+    assert (second.status, second.body) == (200, b"18005")
 
 
 @pytest.mark.parametrize("limit, status", [(256 << 10, 413), (4 << 20, 200)])

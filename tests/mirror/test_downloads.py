@@ -176,3 +176,24 @@ def test_a_missing_source_fails_at_once_saying_so(start_mirror, data):
         api.fetch(source=missing, model="m", version="v1")
         failed = mirror.wait_for("m", "v1", FAILED)
         assert missing in failed["status"]["err"] and "404" in failed["status"]["err"]
+
+
+def test_a_failed_download_names_its_source_and_hub_without_their_passwords(
+        start_mirror, data, monkeypatch):
+    """A source and an HF_ENDPOINT that carry `user:password@`, both answering 404: each
+    err and the mirror's log name the host, port and path (the control: the URL is said),
+    never the user or the password."""
+    with Upstream(data) as up:
+        where = up.url.removeprefix("http://")
+        monkeypatch.setenv("HF_ENDPOINT", f"http://hubuser:hub-s3cret@{where.split('/')[0]}")
+        mirror = start_mirror()
+        with mirror.client() as api:
+            api.fetch(source=f"http://srcuser:src-s3cret@{where}.nope", model="m", version="v1")
+            api.fetch(source="hf:org/repo/model.gguf", model="m", version="v2")
+            errs = [mirror.wait_for("m", v, FAILED)["status"]["err"] for v in ("v1", "v2")]
+    assert f"cannot download {up.url}.nope: {up.url}.nope answered 404" in errs[0], errs
+    hub = f"http://{where.split('/')[0]}/org/repo/resolve/main/model.gguf"
+    assert f"{hub} answered 404" in errs[1], errs
+    said = "\n".join([*errs, mirror.log()])
+    for secret in ("srcuser", "src-s3cret", "hubuser", "hub-s3cret"):
+        assert secret not in said, said

@@ -15,7 +15,7 @@ import pytest
 from llmgw.layout import Layout
 from llmgw.services import ServiceSpec
 from llmgw.services._systemd import render_socket, render_unit
-from llmgw_harness import control_plane, gateway, mirror
+from llmgw_harness import control_plane, gateway, mirror, watch
 from llmgw_harness.node import agent_service
 from llmgw_harness.settings import HostSettings
 
@@ -32,6 +32,7 @@ def rendered() -> dict[str, str]:
         gateway.service_spec(layout),
         mirror.service_spec(settings),
         agent_service(layout.agent_yaml, "system"),
+        watch.service_spec(layout),
     ]
     units = {f"{s.name}.service": render_unit(s) for s in specs}
     units |= {f"{s.name}.socket": render_socket(s) for s in specs if s.socket}

@@ -22,7 +22,7 @@ BOOT_TIMEOUT_S = 180.0
 POWEROFF_TIMEOUT_S = 60.0
 # What a system-mode host listens on; the container shares the network, so these must
 # be free here.
-DEFAULT_PORTS = (9090, 9091, 7443, 8080, 8081, 8082)
+DEFAULT_PORTS = (9090, 9091, 7443, 8080, 8081, 8082, 9097)
 # A fresh host: none of these may be in the root the overlay starts from.
 SYSTEM_PATHS = ("/etc/llmgw", "/srv/models", "/var/lib/llmgw", "/var/lib/llmgw-agent",
                 "/opt/llmgw", "/usr/local/bin/llmgw", "/etc/systemd/system/llmgw-server.service")

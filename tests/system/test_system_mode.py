@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 CLONE = "/root/llmgw"
 MODEL = "/srv/llmgw-test/tiny.gguf"
-UNITS = ("llmgw-server", "llmgw-gateway", "llmgw-mirror", "llmgw-agent")
+UNITS = ("llmgw-server", "llmgw-gateway", "llmgw-mirror", "llmgw-agent", "llmgw-check")
 STARTER = "llmgw-tiny-test"  # the tiny GGUF's general.name
 UP_TIMEOUT_S = 1800
 # What provisioning writes; `pytest checks/` must leave every byte of it as it was.

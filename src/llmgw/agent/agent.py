@@ -17,6 +17,7 @@ from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved, Unreacha
 from llmgw.agent.control_planes import ControlPlanes
 from llmgw.agent.cuda_engine import CudaEngine
 from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.engine_process import memlock_for_engines, preset_socket_ifnames
 from llmgw.agent.join import needs_renewal, renewal_request
 from llmgw.agent.replicas import GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
@@ -82,7 +83,8 @@ class Agent:
     def inventory(self) -> Heartbeat:
         """The heartbeat body (contract.records.Heartbeat); the control plane names the node
         by its cert."""
-        interface, addr = host.management_interface(self.config.server)
+        interface, addr = host.management_interface(self.config.server,
+                                                     self.config.interface)
         statuses = [self.engine.status, self.cuda.status]
         cards = self.cards()
         return {
@@ -233,7 +235,8 @@ def replica_supervisor(agent: Agent,
     """The replicas of this node: engines bound to the address the control plane sees,
     weights cached in the state dir, adopted again when this agent restarts; a placement
     on GPUs given up after gpu_start_attempts failed starts (0: never)."""
-    interface, addr = host.management_interface(agent.config.server)
+    interface, addr = host.management_interface(agent.config.server,
+                                                 agent.config.interface)
 
     def engine_path(kind: str) -> str | None:
         engine = agent.cuda if kind == CUDA_ENGINE else agent.engine
@@ -264,5 +267,12 @@ def run_agent(config: AgentConfig) -> None:
         config.node_id, agent.control_planes.current, ", ".join(agent.control_planes.urls),
         len(agent.discovery.gpus), agent.engine.cache_dir, config.engine.cuda,
     )
+    interface, _ = host.management_interface(config.server, config.interface)
+    kept = preset_socket_ifnames()
+    log.info("management interface %s (%s)%s", interface,
+             "agent.yaml's interface" if config.interface else "found",
+             "".join(f"; {k}={v} set for the agent is kept for its engines"
+                     for k, v in kept.items()))
+    memlock_for_engines(log)
     agent.run(stop)
     log.info("agent stopped")

@@ -16,7 +16,7 @@ from llmgw.agent.join import refusal
 from llmgw.config import TLSFiles
 from llmgw.contract import AgentPaths
 from llmgw.contract.records import DriftReport, Heartbeat, HeartbeatAnswer, HostDrift, NodeView
-from llmgw.errors import Error
+from llmgw.errors import Error, shown_url
 
 
 class AgentAPIError(Error):
@@ -72,6 +72,11 @@ class AgentClient:
         limits = httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_S)
         return _httpclient.client(self.server, verify=verify, timeout=self._timeout,
                                   transport=self._transport, limits=limits)
+
+    @property
+    def shown(self) -> str:
+        """The control plane's URL as a message shows it (errors.shown_url)."""
+        return shown_url(self.server)
 
     def close(self) -> None:
         self._http.close()
@@ -146,25 +151,25 @@ class AgentClient:
             if not isinstance(e, httpx.TimeoutException) and (
                     _REVOKED in str(e).upper().replace(" ", "_") or self._revoked()):
                 raise NodeRemoved(
-                    f"the control plane at {self.server} refused this node's certificate as "
+                    f"the control plane at {self.shown} refused this node's certificate as "
                     "revoked: the node was removed (llmgw node rm). Join it again with a new "
                     "token to serve"
                 ) from e
-            raise Unreachable(_httpclient.no_answer(e, f"the control plane at {self.server}",
+            raise Unreachable(_httpclient.no_answer(e, f"the control plane at {self.shown}",
                                                     timeout=self._timeout)) from e
 
     def _body(self, response: httpx.Response) -> Any:
         """The answer's JSON object (the caller's annotation names its shape), or
         AgentAPIError saying what came instead."""
         if response.status_code == 503:  # it answers but cannot serve (its store is away)
-            raise Unreachable(f"the control plane at {self.server} cannot serve now (503): "
+            raise Unreachable(f"the control plane at {self.shown} cannot serve now (503): "
                               f"{refusal(response)}")
         if response.status_code != 200:
             raise AgentAPIError(
-                f"the control plane at {self.server} answered {response.status_code}: "
+                f"the control plane at {self.shown} answered {response.status_code}: "
                 f"{response.text[:300]}"
             )
         body = response.json()
         if not isinstance(body, dict):
-            raise AgentAPIError(f"the control plane at {self.server} answered {body!r}")
+            raise AgentAPIError(f"the control plane at {self.shown} answered {body!r}")
         return body

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from llmgw._files import atomic_write
+from llmgw.errors import shown_url
 
 log = logging.getLogger("llmgw.agent")
 
@@ -62,7 +63,7 @@ class ControlPlanes:
             return False
         self.learned = learned
         self._save()
-        log.info("control planes known: %s", ", ".join(self.urls))
+        log.info("control planes known: %s", ", ".join(map(shown_url, self.urls)))
         return True
 
     def _load(self) -> None:

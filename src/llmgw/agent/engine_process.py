@@ -5,7 +5,9 @@ whether a pid is still it, and its stop (SIGTERM, then SIGKILL)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -86,14 +88,81 @@ def command(engine: str, record: Record, bind_host: str, args: list[str],
             "--api-key", record.api_key, "--metrics", *args, *flags]
 
 
+# Where NCCL and Gloo bootstrap their collectives: the management interface, unless the
+# agent was started with its own choice.
+SOCKET_IFNAME = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
 def environment(devices: dict[str, str], interface: str) -> dict[str, str]:
     """The engine's environment: this process's, the placement's devices, and the
-    management interface for NCCL and Gloo where the node names one."""
+    management interface for NCCL and Gloo where the node names one. A NCCL_SOCKET_IFNAME
+    or GLOO_SOCKET_IFNAME already set for the agent is kept: whoever set it chose an
+    interface (an InfiniBand one, a list, a `^` exclusion) the node cannot know better."""
     env = {**os.environ, **devices}
     if interface:
-        env["NCCL_SOCKET_IFNAME"] = interface
-        env["GLOO_SOCKET_IFNAME"] = interface
+        for name in SOCKET_IFNAME:
+            env.setdefault(name, interface)
     return env
+
+
+def preset_socket_ifnames() -> dict[str, str]:
+    """NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME as set for the agent (kept for engines)."""
+    return {name: os.environ[name] for name in SOCKET_IFNAME if os.environ.get(name)}
+
+
+_memlock_said = False
+
+
+def _limit_words(n: int) -> str:
+    return "unlimited" if n == resource.RLIM_INFINITY else f"{n // 1024} KiB"
+
+
+def raise_memlock() -> str:
+    """Lift this process's locked-memory limit (RLIMIT_MEMLOCK), which every engine it starts
+    inherits, as far as it may: to unlimited where it may raise the hard limit (root with
+    CAP_SYS_RESOURCE), else the soft limit to the hard one. What was done, or why it stays
+    below unlimited; '' when it already was unlimited.
+
+    RDMA pins the buffers NCCL registers: under a small limit (8 MiB is common) an engine
+    fails its first collective over InfiniBand. The systemd unit sets LimitMEMLOCK=infinity;
+    local mode (supervisord) sets nothing, so the agent raises it itself."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    unlimited = resource.RLIM_INFINITY
+    if soft == unlimited:
+        return ""
+    try:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (unlimited, unlimited))
+        return f"raised the engines' locked-memory limit from {_limit_words(soft)} to unlimited"
+    except (ValueError, OSError):
+        pass
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+    who = "root without CAP_SYS_RESOURCE" if os.geteuid() == 0 else f"uid {os.geteuid()}"
+    return (f"engines may lock {_limit_words(hard)} of memory at most (RLIMIT_MEMLOCK, "
+            f"raised from {_limit_words(soft)} to its hard limit, which this agent, as {who}, "
+            "may not raise): NCCL over InfiniBand/RDMA pins what it registers and fails "
+            "beyond that; run the agent under systemd (the llmgw-agent unit sets "
+            "LimitMEMLOCK=infinity) or raise the hard limit where it starts (`ulimit -l "
+            "unlimited` as root, /etc/security/limits.conf)")
+
+
+def memlock_for_engines(log: logging.Logger) -> None:
+    """raise_memlock(), said in the agent's log the first time only."""
+    global _memlock_said
+    said = raise_memlock()
+    if said and not _memlock_said:
+        _memlock_said = True
+        (log.info if said.startswith("raised") else log.warning)("memlock: %s", said)
+
+
+def spawn(argv: list[str], env: dict[str, str], log_path: Path,
+          log: logging.Logger) -> subprocess.Popen[bytes]:
+    """Start an engine: its output appended to log_path, in its own session (it outlives the
+    agent and is adopted again), with the locked-memory limit raised first."""
+    memlock_for_engines(log)
+    with open(log_path, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
 def pid_is_engine(pid: int, port: int) -> bool:

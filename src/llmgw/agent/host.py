@@ -31,18 +31,20 @@ def server_host_port(server_url: str) -> tuple[str, int]:
     return parts.hostname or "127.0.0.1", parts.port or 443
 
 
-def management_interface(server_url: str) -> tuple[str, str]:
+def management_interface(server_url: str, named: str = "") -> tuple[str, str]:
     """(interface, address) this node reaches the control plane from.
 
     The interface is the one holding the source address the kernel picks towards the
-    control plane; `eth0` only when that cannot be found (no route, a name that does
-    not resolve), with an empty address.
+    control plane, whichever of its addresses that is; `eth0` only when that cannot be
+    found (no route, a name that does not resolve), with an empty address. named
+    (agent.yaml's `interface:`, checked when it is loaded) is the interface instead; the
+    address stays the one the control plane is reached from, where engines listen.
     """
     host, port = server_host_port(server_url)
     try:
         addr = netaddr.source_address_towards(host, port)
     except OSError:
-        return LAST_RESORT_INTERFACE, ""
+        return named or LAST_RESORT_INTERFACE, ""
     # An IPv6 source address may carry a scope (%eth0) the interface table does not.
     addr = addr.split("%", 1)[0]
-    return netaddr.interface_holding(addr) or LAST_RESORT_INTERFACE, addr
+    return named or netaddr.interface_holding(addr) or LAST_RESORT_INTERFACE, addr

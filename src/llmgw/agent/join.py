@@ -17,7 +17,7 @@ from cryptography import x509
 from llmgw import _httpclient, pki
 from llmgw._files import atomic_write
 from llmgw.contract import AgentPaths
-from llmgw.errors import Error
+from llmgw.errors import Error, shown_url
 
 
 class JoinError(Error):
@@ -49,7 +49,7 @@ def join(
         answer = _post(http, f"{url}{AgentPaths.JOIN}", body, timeout)
     cert = x509.load_pem_x509_certificate(answer["cert"].encode())
     if not pki.key_matches(cert, key) or pki.common_name(cert) != node_id:
-        raise JoinError(f"the control plane at {url} answered a certificate for "
+        raise JoinError(f"the control plane at {shown_url(url)} answered a certificate for "
                         f"{pki.common_name(cert)!r} or another key; run the join again")
     atomic_write(key_path, pki.key_pem(key), mode=0o600)
     atomic_write(cert_path, answer["cert"], mode=0o644)
@@ -61,18 +61,18 @@ def pinned_ca(url: str, expected: str, timeout: float) -> str:
     """The control plane's CA, fetched without trusting anyone, kept only if its hash is
     the one pinned."""
     # Not verified on purpose: nothing is trusted yet; the hash below is the trust.
-    with _httpclient.answered(JoinError, f"the control plane at {url}", timeout=timeout,
+    with _httpclient.answered(JoinError, f"the control plane at {shown_url(url)}", timeout=timeout,
                               then="; check --join and that port 7443 is reachable from "
                                    "this machine"):
         response = _httpclient.request("GET", f"{url}{AgentPaths.JOIN_CA}", verify=False,
                                        timeout=timeout)
     if response.status_code != 200:
-        raise JoinError(f"the control plane at {url} did not hand out its CA "
+        raise JoinError(f"the control plane at {shown_url(url)} did not hand out its CA "
                         f"({response.status_code}: {response.text[:300]})")
     ca_pem = str(response.json().get("ca", ""))
     found = pki.ca_hash(x509.load_pem_x509_certificate(ca_pem.encode()))
     if not hmac.compare_digest(found, _normal(expected)):
-        raise JoinError(f"the CA at {url} has hash {found}, but --ca-hash is "
+        raise JoinError(f"the CA at {shown_url(url)} has hash {found}, but --ca-hash is "
                         f"{_normal(expected)}; this is not the control plane the token came "
                         "from (or the hash was mistyped): check both and run again")
     return ca_pem
@@ -88,7 +88,8 @@ def _post(http: httpx.Client, url: str, body: dict[str, str],
     try:
         response = http.post(url, json=body)
     except httpx.HTTPError as e:
-        raise JoinError(f"the join at {url} failed: {_httpclient.reason(e, timeout)}") from e
+        raise JoinError(f"the join at {shown_url(url)} failed: "
+                        f"{_httpclient.reason(e, timeout)}") from e
     if response.status_code != 200:
         raise JoinError(f"the control plane refused the join ({response.status_code}): "
                         f"{refusal(response)}")

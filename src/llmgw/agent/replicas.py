@@ -42,6 +42,7 @@ from llmgw.agent.engine_process import (
     pid_is_engine,
     placement,
     read_record,
+    spawn,
     terminate,
 )
 from llmgw.contract import ReplicaState
@@ -260,11 +261,7 @@ class ReplicaSupervisor:
         record.api_key = secrets.token_urlsafe(24)
         argv = command(engine, record, self.bind_host, args.args, flags)
         env = environment(devices, self.interface)
-        with open(self.dir / f"{record.id}.log", "ab") as out:
-            # Its own session: the engine outlives the agent and is adopted again.
-            replica.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=env,
-                                            start_new_session=True)
+        replica.proc = spawn(argv, env, self.dir / f"{record.id}.log", log)
         record.pid = replica.proc.pid
         atomic_write(self.dir / f"{record.id}.json", json.dumps(asdict(record)), mode=0o600)
         replica.probe_failures = 0

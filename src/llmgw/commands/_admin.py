@@ -10,7 +10,7 @@ from typing import TypeVar
 from llmgw.clients import admin_client
 from llmgw.config import ConfigError, ServerConfig, load_server
 from llmgw.control.client import AdminClient
-from llmgw.errors import Error
+from llmgw.errors import Error, shown_url
 from llmgw.layout import Layout
 
 T = TypeVar("T")
@@ -52,9 +52,9 @@ def admin(args: argparse.Namespace) -> AdminClient:
 
 
 def unreachable(client: AdminClient, e: Error) -> Unreachable:
-    return Unreachable(f"the control plane does not answer at {client.base_url}: {e}; is it "
-                       "running? `pytest provision/` starts it, `pytest checks/` says what "
-                       "is wrong")
+    return Unreachable(f"the control plane does not answer at {shown_url(client.base_url)}: "
+                       f"{e}; is it running? `pytest provision/` starts it, `pytest checks/` "
+                       "says what is wrong")
 
 
 def call(client: AdminClient, do: Callable[[], T]) -> T:

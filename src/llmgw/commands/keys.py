@@ -38,14 +38,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _create(args: argparse.Namespace) -> int:
+    expires = _expires_given(args.expires)
     if args.viewer:
-        return _create_viewer(args)
+        return _create_viewer(args, expires)
     if args.rpm < 0 or args.tpm < 0:
         raise Error("--rpm and --tpm are counts per minute: 0 (no limit) or more")
-    try:
-        expires = parse_expires(args.expires, time.time()) if args.expires else None
-    except ValueError as e:
-        raise Error(str(e)) from None
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     with _admin.admin(args) as client:
         made = _admin.call(client, lambda: client.create_key(
@@ -56,16 +53,25 @@ def _create(args: argparse.Namespace) -> int:
     return 0
 
 
-def _create_viewer(args: argparse.Namespace) -> int:
-    given = [f"--{o}" for o in ("models", "rpm", "tpm", "expires") if getattr(args, o)]
+def _expires_given(text: str | None) -> float | None:
+    try:
+        return parse_expires(text, time.time()) if text else None
+    except ValueError as e:
+        raise Error(str(e)) from None
+
+
+def _create_viewer(args: argparse.Namespace, expires: float | None) -> int:
+    given = [f"--{o}" for o in ("models", "rpm", "tpm") if getattr(args, o)]
     if given:
         raise Error(f"{', '.join(given)} limit a gateway key; a viewer key reads the whole "
-                    "fleet and changes nothing, so it takes --name alone")
+                    "fleet and changes nothing, so it takes --name and --expires alone")
     with _admin.admin(args) as client:
-        made = _admin.call(client, lambda: client.create_viewer(name=args.name))
+        made = _admin.call(client, lambda: client.create_viewer(name=args.name,
+                                                                expires=expires))
     print(made["key"])
     print(f"# viewer key {made['name']} ({made['prefix']}): reads the admin API and the "
-          "fleet page (/ui/), changes nothing. It is shown only now; the host keeps its hash.")
+          f"fleet page (/ui/), changes nothing; expires {_expires(made, time.time())}. It is "
+          "shown only now; the host keeps its hash.")
     return 0
 
 
@@ -88,8 +94,9 @@ def _ls_viewers(args: argparse.Namespace) -> int:
     with _admin.admin(args) as client:
         found: list[PublicViewer] = _admin.call(client, client.viewers)
     now = time.time()
-    print(table(["NAME", "PREFIX", "MADE"],
-                [[v["name"], v["prefix"], ago(now - v["created"])] for v in found],
+    print(table(["NAME", "PREFIX", "MADE", "EXPIRES"],
+                [[v["name"], v["prefix"], ago(now - v["created"]), _expires(v, now)]
+                 for v in found],
                 "no viewer keys: `llmgw keys create --viewer` makes one"))
     return 0
 
@@ -118,7 +125,7 @@ def _limits(key: PublicKey) -> str:
     return ", ".join(p for p in parts if p) or "no limits"
 
 
-def _expires(key: PublicKey, now: float) -> str:
+def _expires(key: PublicKey | PublicViewer, now: float) -> str:
     if key["expires"] is None:
         return "never"
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(key["expires"]))

@@ -103,7 +103,8 @@ def render_drift(drift: list[HostDrift], now: float) -> str:
         rows += [[report["host"], checked, f["promise"], ago(now - f["since"]),
                   f["message"][:60]] for f in report["failing"]]
     return table(["HOST", "CHECKED", "DRIFT", "SINCE", "WHY"], rows,
-                 "no host reports its checks (`llmgw check --serve`)")
+                 "no host reports its checks: `pytest provision/` runs them as llmgw-check "
+                 "(left out by --no-check-serve); by hand, `llmgw check --serve HOST:PORT`")
 
 
 def _gpus(gpus: list[Gpu]) -> str:

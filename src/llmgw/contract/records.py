@@ -403,6 +403,8 @@ class PublicViewer(TypedDict):
     prefix: str
     created: float
     revoked: float | None
+    # When it stops working (unix seconds); None: never.
+    expires: float | None
 
 
 class ViewerRecord(PublicViewer):
@@ -415,3 +417,19 @@ class NewViewer(PublicViewer):
     """The answer to making a viewer key: the one place its secret shows."""
 
     key: str
+
+
+class SessionRecord(TypedDict):
+    """A fleet-page session as the store keeps it: by the sha256 of its cookie (never the
+    cookie), who it speaks for, the sha256 of the credential it signed in with, until
+    expires. viewer_live and viewer_expires are its viewer key's, read with it (a session
+    of the admin token: True and None)."""
+
+    hash: str
+    role: str
+    name: str
+    credential: str
+    created: float
+    expires: float
+    viewer_live: bool
+    viewer_expires: float | None

@@ -129,13 +129,17 @@ def create_key(store: Store, request: KeyRequest) -> NewKey:
 
 
 class ViewerRequest(BaseModel):
-    """A viewer key to make: its name (default viewer-ID)."""
+    """A viewer key to make: its name (default viewer-ID) and when it expires (unix
+    seconds; none: never)."""
 
     name: str = ""
+    expires: float | None = None
 
 
 def create_viewer(store: Store, request: ViewerRequest) -> NewViewer:
     """Make and store a viewer key (its hash only); the answer is the one place it shows."""
+    if request.expires is not None and request.expires <= store.clock():
+        raise HTTPException(422, "expires is in the past; give a later time (unix seconds)")
     for _ in range(3):  # a clash of two 32-bit ids: take another
         made = viewers.new_viewer_key()
         name = request.name or f"viewer-{made.id}"
@@ -144,7 +148,7 @@ def create_viewer(store: Store, request: ViewerRequest) -> NewViewer:
         except ValueError as e:
             raise HTTPException(422, str(e)) from None
         clash = store.add_viewer({"id": made.id, "name": name, "prefix": made.prefix,
-                                  "hash": made.hash})
+                                  "hash": made.hash, "expires": request.expires})
         if clash == "name":
             raise HTTPException(409, f"a viewer key named {name!r} exists; `llmgw keys rm "
                                 f"--viewer {name}` first, or choose another name")
@@ -158,16 +162,17 @@ def make_admin_app(
     store: Store, *, node_timeout_s: float, token_hash: Path | None,
     metrics: ControlPlaneMetrics | None = None,
     on_node_removed: Callable[[list[str]], None] = lambda serials: None,
-    drift: DriftBoard | None = None,
+    drift: DriftBoard | None = None, sessions: Sessions | None = None,
 ) -> FastAPI:
     """The admin API; every path but /healthz and the fleet page's (/ui/) needs the admin
     token whose sha256 is in token_hash (with none, every such request is refused),
     /metrics too; a viewer key or a fleet-page session may GET (ui.access).
 
     on_node_removed gets a removed node's certificate serials (the agent API refuses
-    them from then on)."""
+    them from then on). sessions: the fleet page's sign-ins (default: kept in the store,
+    each process trusting what it read of one for ui.sessions.CACHE_S)."""
     app = FastAPI(title="llmgw admin API", version="1")
-    credentials, sessions = Credentials(token_hash, store), Sessions()
+    credentials, sessions = Credentials(token_hash, store), sessions or Sessions(store)
     app.add_middleware(AdminAccess, credentials=credentials, sessions=sessions)
 
     @app.exception_handler(RequestValidationError)
@@ -264,7 +269,7 @@ def make_admin_app(
 
     @app.get(AdminPaths.VIEWERS)
     def list_viewers() -> list[PublicViewer]:
-        """Live viewer keys; no secrets."""
+        """Unrevoked viewer keys, with when each expires; no secrets."""
         return [viewers.public(v) for v in store.viewers()]
 
     @app.delete(AdminPaths.viewer("{name}"))
@@ -275,6 +280,7 @@ def make_admin_app(
         if revoked is None:
             raise HTTPException(404, f"no live viewer key named {name!r} (nor with that "
                                 "prefix); GET /api/v1/viewers lists them")
+        sessions.forget_credential(revoked["hash"])
         return viewers.public(revoked)
 
     # Catalog specs leave as stored (a row written by an older release may lack a newer

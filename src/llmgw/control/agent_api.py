@@ -232,17 +232,24 @@ class AgentAPI:
 
     def _join_control_plane(self, request: Request) -> Reply:
         """A control-plane token's sealed bundle, once: this process cannot open it (the
-        certificate key is only in the join line), so it hands out nothing it could read."""
+        certificate key is only in the join line), so it hands out nothing it could read.
+        With "spend": false, the bundle of a token still good, left unspent: the new
+        machine checks that it reaches the fleet's store before it spends the token."""
         body = request.json()
         token, who = str(body.get("token", "")), str(body.get("name", "")) or request.peer.addr
         if not token:
             return Reply(422, {"detail": "a control-plane join needs its token"})
-        spent, bundle = self.store.use_control_plane_token(token_hash(token), who)
+        spend = body.get("spend", True) is not False
+        spent, bundle = self.store.use_control_plane_token(token_hash(token), who, spend)
         if spent != "ok":
             return Reply(403, {"detail": f"the join token is {spent}; run `llmgw token create "
                                          "--control-plane` on a control plane of the fleet "
                                          "for a new one"})
-        log.info("control plane %s joined from %s", who, request.peer.addr)
+        if spend:
+            log.info("control plane %s joined from %s", who, request.peer.addr)
+        else:
+            log.info("control plane %s read its bundle from %s (the token is not spent yet)",
+                     who, request.peer.addr)
         return Reply(200, {"bundle": bundle})
 
     def _sign(self, csr: bytes, node_id: str) -> Reply:

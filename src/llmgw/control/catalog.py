@@ -9,6 +9,7 @@ import httpx
 
 from llmgw import _httpclient
 from llmgw.contract.records import Geometry as GeometrySpec
+from llmgw.errors import shown_url
 from llmgw.ggufmeta import ChunkReader, GGUFError, read_geometry
 
 log = logging.getLogger("llmgw.catalog")
@@ -24,18 +25,19 @@ def read_file_facts(source: str, *, timeout_s: float = HEADER_TIMEOUT_S,
     """(size in bytes, KV geometry, '') of the GGUF file at an http(s) source, reading its
     header only (a range request); (0, {}, why) when it cannot be read. hf: sources are
     not fetched (the control plane may reach no hub): put the file in the mirror."""
+    shown = shown_url(source)  # a catalog source may carry `user:password@`
     if not source.startswith(("http://", "https://")):
-        return 0, {}, f"{source} is not an http(s) URL (the mirror's are)"
+        return 0, {}, f"{shown} is not an http(s) URL (the mirror's are)"
     headers = {"Range": f"bytes=0-{HEADER_LIMIT - 1}"}
     try:
         with _httpclient.client(timeout=timeout_s, transport=transport) as client, \
                 client.stream("GET", source, headers=headers) as r:
             if r.status_code not in (200, 206):
-                return 0, {}, f"GET {source} answered {r.status_code}"
+                return 0, {}, f"GET {shown} answered {r.status_code}"
             size = _total_size(r)
-            found = read_geometry(ChunkReader(r.iter_bytes(), source, HEADER_LIMIT), source)
+            found = read_geometry(ChunkReader(r.iter_bytes(), shown, HEADER_LIMIT), shown)
     except (httpx.HTTPError, GGUFError) as e:
-        return 0, {}, f"reading {source}'s GGUF header: {e}"
+        return 0, {}, f"reading {shown}'s GGUF header: {e}"
     return size, found, ""
 
 

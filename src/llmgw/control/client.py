@@ -86,9 +86,10 @@ class AdminClient(JSONClient):
         """Revoke the key of this name, prefix or id."""
         return self._call("DELETE", AdminPaths.key(name))
 
-    def create_viewer(self, *, name: str = "") -> NewViewer:
-        """A viewer key (reads only): the answer's `key` is its secret, shown this once."""
-        return self._call("POST", AdminPaths.VIEWERS, json={"name": name})
+    def create_viewer(self, *, name: str = "", expires: float | None = None) -> NewViewer:
+        """A viewer key (reads only) that expires at expires (unix seconds; None: never):
+        the answer's `key` is its secret, shown this once."""
+        return self._call("POST", AdminPaths.VIEWERS, json={"name": name, "expires": expires})
 
     def viewers(self) -> list[PublicViewer]:
         return self._call("GET", AdminPaths.VIEWERS)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw.contract import NodeState
+from llmgw.contract import CUDA_ENGINE, EngineState, NodeState
 from llmgw.contract.records import NodeRecord, NodeView
 
 
@@ -65,3 +65,10 @@ def node_view(node: NodeRecord, now: float, timeout_s: float,
         "last_seen": node["last_seen"],
         "given_up": list(inv.get("given_up", [])),
     }
+
+
+def gpu_engine_switched_off(node: NodeView) -> bool:
+    """Whether the node's last heartbeat says its GPU engine is switched off (engine.cuda:
+    off in its agent.yaml): a node that serves on CPU on purpose, whatever GPUs it lists."""
+    return any(p.get("engine") == CUDA_ENGINE and p.get("state") == EngineState.SWITCHED_OFF
+               for p in node.get("provision") or [])

@@ -32,7 +32,7 @@ from llmgw.contract.records import (
     ProfileSpec,
     ReplicaRecord,
 )
-from llmgw.control.nodes import node_view
+from llmgw.control.nodes import gpu_engine_switched_off, node_view
 from llmgw.control.store import Lease, Store
 
 log = logging.getLogger("llmgw.scheduler")
@@ -126,6 +126,10 @@ def _why_not(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
         return f"{node['id']} is {node['state']}"
     engine = needed_engine(profile)
     if engine not in node["engines"]:
+        if engine == CUDA_ENGINE and gpu_engine_switched_off(node):
+            # Never "not ready": nothing is being made, and nothing will be.
+            return (f"{node['id']}'s GPU engine ({CUDA_ENGINE}) is switched off (engine.cuda: "
+                    "off in its agent.yaml), so it serves on CPU")
         if engine == CUDA_ENGINE and node["gpus"]:
             return f"{node['id']}'s GPU engine ({CUDA_ENGINE}) is not ready"
         return f"{node['id']} has no {engine} engine"

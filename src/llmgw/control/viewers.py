@@ -49,4 +49,5 @@ def is_viewer_key(presented: str) -> bool:
 def public(viewer: ViewerRecord) -> PublicViewer:
     """A stored viewer key as the admin API shows it: never its hash."""
     return {"id": viewer["id"], "name": viewer["name"], "prefix": viewer["prefix"],
-            "created": viewer["created"], "revoked": viewer["revoked"]}
+            "created": viewer["created"], "revoked": viewer["revoked"],
+            "expires": viewer["expires"]}

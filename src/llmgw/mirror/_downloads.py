@@ -17,6 +17,7 @@ import httpx
 
 from llmgw import _httpclient
 from llmgw.contract.records import MirrorVersion
+from llmgw.errors import shown_url
 from llmgw.mirror import _sources as sources
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT, Disk, Record
 from llmgw.mirror._errors import Forbidden, MirrorError
@@ -266,9 +267,9 @@ class Manager:
             partial.unlink(missing_ok=True)
             dl.bytes = 0
             raise MirrorError(
-                f"the download of {rec.source} has sha256 {sha256}, but {rec.expected_sha256} "
-                "was expected; it was discarded and is not served. Check the source and the "
-                "sha256, then fetch again"
+                f"the download of {shown_url(rec.source)} has sha256 {sha256}, but "
+                f"{rec.expected_sha256} was expected; it was discarded and is not served. "
+                "Check the source and the sha256, then fetch again"
             )
         os.replace(partial, self.disk.final(rec))
         self._set(dl, state=PRESENT, sha256=sha256, total=dl.bytes, err="")
@@ -278,8 +279,8 @@ class Manager:
 def _agree(rec: Record, source: sources.Source, sha256: str | None) -> None:
     if rec.source != source.spec:
         raise Conflict(
-            f"{rec.model}/{rec.version} is already {rec.state} from {rec.source}, not "
-            f"{source.spec}; fetch under another version to keep both"
+            f"{rec.model}/{rec.version} is already {rec.state} from {shown_url(rec.source)}, "
+            f"not {shown_url(source.spec)}; fetch under another version to keep both"
         )
     held = rec.sha256 or rec.expected_sha256
     if sha256 and held and sha256 != held:
@@ -294,21 +295,25 @@ def _agree_import(held: Record, wanted: Record) -> None:
         wanted.source, wanted.total, wanted.expected_sha256
     ):
         raise Conflict(
-            f"{held.model}/{held.version} is already {held.state} from {held.source} "
+            f"{held.model}/{held.version} is already {held.state} from "
+            f"{shown_url(held.source)} "
             f"({held.total} bytes, sha256 {held.sha256 or held.expected_sha256}), not "
-            f"{wanted.source} ({wanted.total} bytes, sha256 {wanted.expected_sha256}); "
+            f"{shown_url(wanted.source)} ({wanted.total} bytes, sha256 {wanted.expected_sha256}); "
             "import it under another version to keep both", 409,
         )
 
 
 def _reason(rec: Record, e: Exception) -> str:
+    """Why rec's download failed, as the API shows it and the log says it: its source by
+    shown_url (an https:// source may carry a password)."""
+    source = shown_url(rec.source)
     if isinstance(e, MirrorError):
         return str(e)
     if isinstance(e, sources.Gone):
-        return f"cannot download {rec.source}: {e}; check the source, then fetch again"
+        return f"cannot download {source}: {e}; check the source, then fetch again"
     if isinstance(e, Interrupted):
         return (
-            f"the download of {rec.source} stopped {MAX_STALLS} times without progress "
+            f"the download of {source} stopped {MAX_STALLS} times without progress "
             f"(last: {e}); fetch again to resume from where it stopped"
         )
-    return f"the download of {rec.source} failed: {type(e).__name__}: {e}; fetch again"
+    return f"the download of {source} failed: {type(e).__name__}: {e}; fetch again"

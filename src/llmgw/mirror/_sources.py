@@ -13,7 +13,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 
-from llmgw.errors import Error
+from llmgw.errors import Error, shown_url
 from llmgw.mirror._disk import is_name
 from llmgw.mirror._errors import SourceError
 
@@ -95,14 +95,14 @@ def parse(spec: str) -> Source:
         url = spec
     else:
         raise SourceError(
-            f"source {spec!r} has a scheme the mirror does not know; "
+            f"source {shown_url(spec)!r} has a scheme the mirror does not know; "
             "use hf:ORG/REPO/FILE, https://..., http://... or file:///path"
         )
     name = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
     if not is_name(name):
         raise SourceError(
-            f"source {spec!r} ends in {name!r}, which cannot be a file name in the mirror "
-            "(letters, digits, . _ + - only, not starting with a dot); name the file itself"
+            f"source {shown_url(spec)!r} ends in {name!r}, which cannot be a file name in the "
+            "mirror (letters, digits, . _ + - only, not starting with a dot); name the file itself"
         )
     return Source(spec, url, name, token)
 
@@ -203,6 +203,8 @@ def _open_http(url: str, offset: int, validator: str | None, client: httpx.Clien
         if validator:
             headers["If-Range"] = validator
     response = client.send(client.build_request("GET", url, headers=headers), stream=True)
+    # Said by shown_url: HF_ENDPOINT, or the source itself, may carry `user:password@`.
+    shown = shown_url(url)
     closer = [response.close]
     status = response.status_code
     if status == 416:
@@ -210,19 +212,19 @@ def _open_http(url: str, offset: int, validator: str | None, client: httpx.Clien
         found = _UNSATISFIED.match(response.headers.get("content-range", ""))
         if found and int(found[1]) == offset:
             return Opened(offset, offset, _digest_in(response), validator, iter(()), [])
-        raise Changed(f"{url} answered 416 to a resume at byte {offset}")
+        raise Changed(f"{shown} answered 416 to a resume at byte {offset}")
     if status >= 500 or status == 429:
         response.close()
-        raise Unavailable(f"{url} answered {status} {response.reason_phrase}")
+        raise Unavailable(f"{shown} answered {status} {response.reason_phrase}")
     if status >= 400:
         response.close()
-        raise Gone(f"{url} answered {status} {response.reason_phrase}")
+        raise Gone(f"{shown} answered {status} {response.reason_phrase}")
     start, total = 0, _int(response.headers.get("content-length"))
     if status == 206:
         found = _CONTENT_RANGE.match(response.headers.get("content-range", ""))
         if not found or int(found[1]) != offset:
             response.close()
-            raise Changed(f"{url} answered a range other than the one asked for")
+            raise Changed(f"{shown} answered a range other than the one asked for")
         start, total = offset, None if found[3] == "*" else int(found[3])
     new_validator = response.headers.get("etag") or response.headers.get("last-modified")
     chunks = response.iter_raw()

@@ -104,7 +104,7 @@ def test_a_store_that_cannot_be_opened_is_the_callers_error_in_one_line(
         Store(wrong)
     assert not caplog.records, caplog.text
     said = refusal(refused.value, wrong)
-    assert said.startswith("the store postgresql://llmgw_pw:***@127.0.0.1:")
+    assert said.startswith("the store postgresql://127.0.0.1:")
     assert 'refused: password authentication failed for user "llmgw_pw"; check the user' \
         in said and "\n" not in said and "not-it" not in said
     assert answers(wrong) == said, "answers() says the same without opening a Store"

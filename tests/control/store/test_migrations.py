@@ -172,3 +172,37 @@ def test_revision_0002_adds_the_control_plane_tables_to_a_baseline_store(
     assert [n["id"] for n in again.nodes()] == ["n1"]
     assert again.acquire_lease("cp-a", 10) is not None and again.control_planes() == []
     again.close()
+
+
+# The revision that adds the sessions table and viewer keys' expiry, and the one before
+# (renumbered with the file, should revisions merge).
+SESSIONS_REVISION, BEFORE_SESSIONS = "0005", "0004"
+
+
+def test_the_sessions_revision_adds_sessions_and_viewer_expiry_keeping_viewer_keys(
+        store_at: str) -> None:
+    """The sessions revision adds the sessions table and viewers.expires to a store at the
+    revision before, its viewer keys kept (expiring never). (Its control: before it, neither
+    is there.)"""
+    from alembic import command
+
+    from llmgw.control.store import store_url
+
+    engine = sa.create_engine(store_url(store_at))
+    config = _alembic_config()
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, BEFORE_SESSIONS)
+        conn.execute(sa.text("INSERT INTO viewers (id, name, prefix, hash, created) "
+                             "VALUES ('v1', 'ops', 'vk-llmgw-v1', 'h1', 1)"))
+        assert not sa.inspect(conn).has_table("sessions")
+        assert "expires" not in {c["name"] for c in sa.inspect(conn).get_columns("viewers")}
+        command.upgrade(config, SESSIONS_REVISION)
+        assert sa.inspect(conn).has_table("sessions")
+    engine.dispose()
+    again = Store(store_at)
+    viewer = again.viewer_by_hash("h1")
+    assert viewer is not None and viewer["name"] == "ops" and viewer["expires"] is None
+    assert again.add_session({"hash": "s", "role": "viewer", "name": "ops", "credential": "h1",
+                              "expires": 2e9}, per_credential=1, total=1) == []
+    again.close()

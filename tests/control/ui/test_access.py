@@ -6,14 +6,16 @@ admin token ends them, whatever cookie the browser still holds."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+import time
 
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from llmgw import admin_token
-from llmgw.control.ui.sessions import COOKIE, Principal, Sessions
+from llmgw.control.ui.sessions import COOKIE
 
 MODEL = {"name": "tiny", "source": "http://127.0.0.1:8081/tiny/1/tiny.gguf",
          "profiles": [{"name": "cpu", "engine": "llamacpp", "priority": 100}]}
@@ -175,16 +177,37 @@ def test_every_answer_carries_the_page_s_security_headers(live_control_plane) ->
         assert r.headers["x-content-type-options"] == "nosniff"
 
 
-def test_a_session_ends_when_its_lifetime_does() -> None:
-    now = [1000.0]
-    sessions = Sessions(clock=lambda: now[0])
-    token = sessions.open(Principal("viewer", "ops", "h", True))
-    assert sessions.find(token) is not None
-    now[0] += 12 * 3600 - 1
-    assert sessions.find(token) is not None
-    now[0] += 2
-    assert sessions.find(token) is None
-    assert sessions.find("made-up") is None
+def test_a_viewer_key_past_its_expiry_is_refused_saying_when_and_what_to_do(
+        live_control_plane) -> None:
+    """A viewer key made with expires reads until then; after it, as a bearer, at sign-in
+    and through a session made before, it is 401 naming the time it expired and how to get
+    another, and the session is forgotten. (The control: a key expiring later still reads
+    at the same moment.)"""
+    now = time.time()
+    admin = live_control_plane.admin
+    made = admin.post("/api/v1/viewers", json={"name": "ops", "expires": now + 60})
+    assert made.status_code == 201 and made.json()["expires"] == now + 60
+    later = admin.post("/api/v1/viewers", json={"name": "later", "expires": now + 3600})
+    key, lasting = made.json()["key"], later.json()["key"]
+    assert [v["expires"] for v in admin.get("/api/v1/viewers").json()] == [now + 60, now + 3600]
+    browser = signed_in(live_control_plane, key)
+    assert browser.get("/api/v1/nodes").status_code == 200
+
+    live_control_plane.store.clock = lambda: now + 120
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(now + 60))
+    bearer = TestClient(live_control_plane.app, headers={"Authorization": f"Bearer {key}"})
+    again = live_control_plane.anonymous().post("/ui/session", json={"credential": key})
+    for r in (bearer.get("/api/v1/nodes"), browser.get("/api/v1/nodes"), again):
+        assert r.status_code == 401, r.text
+        assert f"'ops' expired at {when}" in r.json()["detail"]
+        assert "llmgw keys create --viewer" in r.json()["detail"]
+    assert browser.get("/ui/session").status_code == 401
+    assert live_control_plane.store.session(
+        hashlib.sha256(browser.cookies[COOKIE].encode()).hexdigest()) is None, "forgotten"
+    still = TestClient(live_control_plane.app, headers={"Authorization": f"Bearer {lasting}"})
+    assert still.get("/api/v1/nodes").status_code == 200, "the control: not yet expired"
+    past = admin.post("/api/v1/viewers", json={"name": "late", "expires": now + 90})
+    assert past.status_code == 422 and "in the past" in past.json()["detail"]
 
 
 @pytest.mark.parametrize("name", ["<b>x</b>", "a b", ""])

@@ -1,12 +1,12 @@
 """The control plane's state: nodes and certificates, join tokens, the catalog, replicas,
-gateway keys, their usage and the shares of their minutes that gateways took, viewer keys,
-the control planes sharing it and which one schedules, in
+gateway keys, their usage and the shares of their minutes that gateways took, viewer keys
+and the fleet page's sessions, the control planes sharing it and which one schedules, in
 SQLite (a file, the embedded default) or PostgreSQL (`store: postgresql://…` in
 server.yaml), through SQLAlchemy Core.
 
-One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py,
-viewers.py, control_planes.py, budgets.py); _db.py
-opens the store and brings its schema to this code's revision (migrations/, Alembic).
+One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py, budgets.py,
+viewers.py, sessions.py, control_planes.py); _db.py opens the store and brings its schema
+to this code's revision (migrations/, Alembic).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .control_planes import SCHEDULER, ControlPlaneStore, Lease, LeaseLost
 from .keys import KeyStore
 from .nodes import NodeStore
 from .replicas import ReplicaStore
+from .sessions import SessionStore
 from .tokens import TokenStore
 from .viewers import ViewerStore
 
@@ -43,7 +44,7 @@ __all__ = ["SCHEDULER", "Grant", "Lease", "LeaseLost", "SchemaError", "Settled",
 
 
 class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, ControlPlaneStore,
-            ViewerStore, BudgetStore):
+            ViewerStore, SessionStore, BudgetStore):
     """The store, shared by the API threads of one process.
 
     where: a SQLite file's path, or a URL (`sqlite:///PATH`, `postgresql://…`).

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import SQLAlchemyError
 
-from llmgw.errors import Error
+from llmgw.errors import Error, shown_url
 
 log = logging.getLogger("llmgw.store")
 # Alembic says each plugin it sets up (as it is imported) and each step at INFO; the store
@@ -98,13 +98,14 @@ def store_url(where: str | Path) -> sa.URL:
 
 
 def redacted(where: str | sa.URL) -> str:
-    """A store's location as it may be shown: a URL's password hidden."""
+    """A store's location as it may be shown: shown_url's, read as SQLAlchemy reads it (a
+    password with an unescaped `/` is still a password), so no user and no password."""
     if isinstance(where, sa.URL):
-        return where.render_as_string(hide_password=True)
+        return shown_url(where.render_as_string(hide_password=True))
     if "://" not in where:
         return where
     try:
-        return sa.make_url(where).render_as_string(hide_password=True)
+        return shown_url(sa.make_url(where).render_as_string(hide_password=True))
     except sa.exc.ArgumentError:
         return "(a URL that does not parse)"
 

@@ -120,14 +120,32 @@ viewers = sa.Table(
     sa.Column("hash", sa.Text, nullable=False, unique=True),
     sa.Column("created", Time, nullable=False),
     sa.Column("revoked", Time),
+    # When it stops signing in or reading (unix seconds); NULL: never.
+    sa.Column("expires", Time),
     sa.Index("viewers_live_name", "name", unique=True,
              sqlite_where=sa.text("revoked IS NULL"),
              postgresql_where=sa.text("revoked IS NULL")),
 )
 
+# The fleet page's sessions, by the sha256 of the cookie's value (never the value): who
+# (role, name) and by which credential (the sha256 of the admin token or viewer key it
+# signed in with), until expires. Every control plane of the fleet reads them.
+sessions = sa.Table(
+    "sessions", metadata,
+    sa.Column("hash", sa.Text, primary_key=True),
+    sa.Column("role", sa.Text, nullable=False),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("credential", sa.Text, nullable=False),
+    sa.Column("created", Time, nullable=False),
+    sa.Column("expires", Time, nullable=False),
+    sa.Index("sessions_by_credential", "credential", "created"),
+    sa.Index("sessions_by_expiry", "expires"),
+)
+
 # Shares of gateway keys' minutes (rpm, tpm) that gateways took (store/budgets.py): a row
 # counts amount units against its key's limit from at for a minute. Transient: rows older than
-# a minute mean nothing, and copies (backup, restore, store migrate) leave the table out.
+# a minute mean nothing, and copies (backup, restore, store migrate) leave the table out
+# (copy.NOT_COPIED).
 key_budget = sa.Table(
     "key_budget", metadata,
     # BIGSERIAL in PostgreSQL; SQLite's INTEGER PRIMARY KEY is its rowid (a BIGINT one is not).
@@ -144,6 +162,4 @@ key_budget = sa.Table(
 )
 
 TABLES = (nodes, models, replicas, certs, tokens, keys, control_planes, leases, viewers,
-          key_budget)
-# Tables whose rows are of the moment, not of the fleet: never backed up, restored or moved.
-TRANSIENT = frozenset({"key_budget"})
+          sessions, key_budget)

@@ -19,12 +19,18 @@ import sqlalchemy as sa
 from llmgw.errors import Error
 
 from . import Store
-from ._schema import TRANSIENT, metadata
+from ._schema import metadata
 
 Rows = dict[str, list[dict[str, Any]]]
-# What a copy holds: every table but those of the moment (the shares of keys' minutes that
-# gateways took, which mean nothing a minute later).
-TABLES = [t for t in metadata.sorted_tables if t.name not in TRANSIENT]
+# Not copied: the fleet page's sessions end with the store they were made in. A restore
+# (or a move) that brought them back would revive sessions signed out after the backup
+# was taken, and a backup would carry live sign-ins; signing in again is cheap. Nor the
+# shares of keys' minutes gateways took (key_budget), which mean nothing a minute later.
+NOT_COPIED = frozenset({"sessions", "key_budget"})
+
+
+def _copied() -> list[sa.Table]:
+    return [t for t in metadata.sorted_tables if t.name not in NOT_COPIED]
 
 
 class CopyError(Error):
@@ -33,8 +39,8 @@ class CopyError(Error):
 
 @dataclass(frozen=True)
 class Copy:
-    """Every table's rows (ordered by primary key) at one moment, but the transient ones,
-    and the schema revision they were read at."""
+    """Every table's rows (ordered by primary key) at one moment, but the sessions and the
+    shares of keys' minutes (NOT_COPIED), and the schema revision they were read at."""
 
     revision: str
     rows: Rows
@@ -51,7 +57,7 @@ def read(store: Store) -> Copy:
     with store.db.snapshot() as conn:
         revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
         rows: Rows = {}
-        for table in TABLES:
+        for table in _copied():
             query = sa.select(table).order_by(*table.primary_key.columns)
             rows[table.name] = [dict(r) for r in conn.execute(query).mappings()]
     return Copy(str(revision or ""), rows)
@@ -67,13 +73,13 @@ def write(store: Store, copy: Copy) -> None:
             f"is at {have}: restore it with the llmgw that made it (`llmgw --version` there), "
             "then upgrade")
     with store.db.tx() as conn:
-        for table in TABLES:
+        for table in _copied():
             if conn.execute(sa.select(sa.func.count()).select_from(table)).scalar():
                 raise CopyError(
                     f"the store {store.path} already holds {table.name}: a copy goes into "
                     "an empty store only (a new database, or a state dir without "
                     "control.db), so nothing there is lost")
-        for table in TABLES:
+        for table in _copied():
             rows = copy.rows.get(table.name, [])
             unknown = set().union(*rows) - set(table.columns.keys()) if rows else set()
             if unknown:

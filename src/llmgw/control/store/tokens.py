@@ -23,13 +23,16 @@ class TokenStore(Aggregate):
         is locked while it is read, so two control planes never spend one token twice."""
         return self._spend(token_hash, node_id)[0]
 
-    def use_control_plane_token(self, token_hash: str, who: str) -> tuple[str, str]:
+    def use_control_plane_token(self, token_hash: str, who: str,
+                                spend: bool = True) -> tuple[str, str]:
         """Spend a control-plane token: ('ok', its sealed bundle), or why not and '' (as
-        use_token, or 'not for a control plane' for a node's token, which stays unspent)."""
-        return self._spend(token_hash, who, control_plane=True)
+        use_token, or 'not for a control plane' for a node's token, which stays unspent).
+        spend=False answers the same and leaves the token unspent: the joining machine
+        checks what the bundle names (the fleet's store) before it spends the token."""
+        return self._spend(token_hash, who, control_plane=True, spend=spend)
 
-    def _spend(self, token_hash: str, who: str,
-               control_plane: bool = False) -> tuple[str, str]:
+    def _spend(self, token_hash: str, who: str, control_plane: bool = False,
+               spend: bool = True) -> tuple[str, str]:
         now = self.clock()
         with self.db.tx() as conn:
             row = conn.execute(sa.select(tokens).where(tokens.c.hash == token_hash)
@@ -42,6 +45,8 @@ class TokenStore(Aggregate):
                 return f"used by {row['used_by']}", ""
             if row["expires"] <= now:
                 return "expired", ""
+            if not spend:
+                return "ok", row["bundle"]
             conn.execute(tokens.update().where(tokens.c.hash == token_hash)
                          .values(used=now, used_by=who))
         return "ok", row["bundle"]

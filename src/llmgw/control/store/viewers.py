@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import RowMapping
@@ -16,9 +17,9 @@ _LIVE = viewers.c.revoked.is_(None)
 
 
 class ViewerStore(Aggregate):
-    def add_viewer(self, viewer: Mapping[str, str]) -> str:
-        """Store a viewer key (id, name, prefix, hash): '' when stored, else why not
-        ('name', 'id': a live viewer key has it)."""
+    def add_viewer(self, viewer: Mapping[str, Any]) -> str:
+        """Store a viewer key (id, name, prefix, hash, and expires if it does): '' when
+        stored, else why not ('name', 'id': a live viewer key has it)."""
         try:
             with self.db.tx() as conn:
                 if conn.execute(sa.select(viewers.c.id).where(
@@ -26,7 +27,8 @@ class ViewerStore(Aggregate):
                     return "name"
                 conn.execute(viewers.insert().values(
                     id=viewer["id"], name=viewer["name"], prefix=viewer["prefix"],
-                    hash=viewer["hash"], created=self.clock()))
+                    hash=viewer["hash"], expires=viewer.get("expires"),
+                    created=self.clock()))
         except StoreConflict:
             # Another control plane's viewer key of this name came first, or the id is taken.
             if self.db.read(sa.select(viewers.c.id).where(viewers.c.name == viewer["name"],
@@ -36,12 +38,14 @@ class ViewerStore(Aggregate):
         return ""
 
     def viewers(self) -> list[ViewerRecord]:
-        """Live viewer keys by creation, with their hashes: callers decide what leaves."""
+        """Unrevoked viewer keys by creation (expired ones too: they show as such), with
+        their hashes: callers decide what leaves."""
         return [_record(r) for r in self.db.read(
             sa.select(viewers).where(_LIVE).order_by(viewers.c.created, viewers.c.name))]
 
     def viewer_by_hash(self, digest: str) -> ViewerRecord | None:
-        """The live viewer key whose sha256 is digest, or None."""
+        """The unrevoked viewer key whose sha256 is digest, or None; the caller refuses it
+        once it has expired, saying so."""
         rows = self.db.read(sa.select(viewers).where(viewers.c.hash == digest, _LIVE))
         return _record(rows[0]) if rows else None
 
@@ -60,4 +64,5 @@ class ViewerStore(Aggregate):
 
 def _record(row: RowMapping) -> ViewerRecord:
     return {"id": row["id"], "name": row["name"], "prefix": row["prefix"],
-            "hash": row["hash"], "created": row["created"], "revoked": row["revoked"]}
+            "hash": row["hash"], "created": row["created"], "revoked": row["revoked"],
+            "expires": row["expires"]}

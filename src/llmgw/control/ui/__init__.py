@@ -5,14 +5,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from llmgw.contract import AdminPaths
-from llmgw.control.ui.access import PAGE, AdminAccess, Credentials
-from llmgw.control.ui.sessions import Principal, Sessions, clear_cookie, cookie_value, set_cookie
+from llmgw.control.store import StoreError
+from llmgw.control.ui.access import PAGE, AdminAccess, Credentials, signed_in
+from llmgw.control.ui.sessions import (
+    LIFETIME_S,
+    Principal,
+    Sessions,
+    clear_cookie,
+    cookie_value,
+    set_cookie,
+)
 from llmgw.control.ui.traffic import Traffic, TrafficWatch
 
 __all__ = ["PAGE", "AdminAccess", "Credentials", "Sessions", "TrafficWatch", "add_fleet_page"]
@@ -45,37 +54,50 @@ def add_fleet_page(app: FastAPI, credentials: Credentials, sessions: Sessions,
 
     @app.post(SESSION)
     async def sign_in(body: SignIn, request: Request) -> JSONResponse:
-        """Sign in with the admin token or a viewer key: a session cookie that reads."""
+        """Sign in with the admin token or a viewer key: a session cookie that reads, kept
+        (by its hash) in the store, so every control plane of the fleet honours it."""
         _same_origin(request)
-        principal = await credentials.principal(body.credential)
+        principal, expires, why = await credentials.identify(body.credential)
         if principal is None:
-            raise HTTPException(401, "that is neither this host's admin token nor a live "
-                                "viewer key; `llmgw keys create --viewer` makes a viewer key")
+            raise HTTPException(401, why)
         session = Principal(principal.role, principal.name, principal.credential, True)
+        token = await anyio.to_thread.run_sync(sessions.open, session, expires)
         answer = JSONResponse(_who(session))
-        answer.headers["set-cookie"] = set_cookie(sessions.open(session),
-                                                  secure=request.url.scheme == "https")
+        answer.headers["set-cookie"] = set_cookie(token, secure=request.url.scheme == "https")
         return answer
 
     @app.get(SESSION)
-    async def signed_in(request: Request) -> dict[str, str]:
-        """Who this browser's session speaks for; 401 without one."""
+    async def who_signed_in(request: Request) -> dict[str, str]:
+        """Who this browser's session speaks for; 401 saying why without one (a session
+        refused here is forgotten, as on every other path)."""
         token = cookie_value(request.scope.get("headers") or [])
-        principal = sessions.find(token) if token else None
-        if principal is None or await credentials.still(principal):
+        if not token:
             raise HTTPException(401, "not signed in: sign in with the admin token or a "
                                 "viewer key")
+        principal, why = await signed_in(credentials, sessions, token)
+        if principal is None:
+            raise HTTPException(401, f"not signed in: {why}")
         return _who(principal)
 
     @app.delete(SESSION, status_code=204)
-    def sign_out(request: Request) -> Response:
-        """End this browser's session: the control plane forgets it."""
+    async def sign_out(request: Request) -> Response:
+        """End this browser's session on every control plane of the fleet."""
         _same_origin(request)
         token = cookie_value(request.scope.get("headers") or [])
-        if token:
-            sessions.forget(token)
+        secure = request.url.scheme == "https"
+        try:
+            if token:
+                await anyio.to_thread.run_sync(sessions.forget, token)
+        except StoreError as e:
+            return JSONResponse(status_code=503, headers={
+                "set-cookie": clear_cookie(secure=secure), "retry-after": "5"}, content={
+                "detail": f"signing out: {sessions.store.why(e)}, so the session could not "
+                          "be ended on the control planes; this browser forgot it, and it "
+                          f"ends by itself {LIFETIME_S / 3600:.0f} hours after signing in, "
+                          "or at once when its viewer key is revoked or the admin token "
+                          "changes"})
         answer = Response(status_code=204)
-        answer.headers["set-cookie"] = clear_cookie(secure=request.url.scheme == "https")
+        answer.headers["set-cookie"] = clear_cookie(secure=secure)
         return answer
 
     @app.get(AdminPaths.TRAFFIC)

@@ -4,6 +4,7 @@ fleet-page session, reads only. The page's own files and its sign-in are open.""
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,14 @@ import anyio
 
 from llmgw.admin_token import ASGIApp, RequireAdminToken, Verifier, _refuse, hash_token
 from llmgw.control.store import Store, StoreError
-from llmgw.control.ui.sessions import Principal, Sessions, cookie_value
+from llmgw.control.ui.sessions import (
+    LIFETIME_S,
+    PER_CREDENTIAL,
+    Principal,
+    Session,
+    Sessions,
+    cookie_value,
+)
 from llmgw.control.viewers import hash_viewer_key, is_viewer_key
 
 # Where the page, its files and its sign-in live: open, as a sign-in form must be.
@@ -38,32 +46,97 @@ class Credentials:
 
     def __init__(self, hash_path: Path | None, store: Store) -> None:
         self.verifier, self.store = Verifier(hash_path), store
+        # The admin token's hash whose predecessors' sessions this process has ended.
+        self._swept = ""
 
-    async def principal(self, presented: str) -> Principal | None:
-        """admin, a viewer key's name, or None; StoreError when a viewer key cannot be
-        checked because the store is away."""
+    async def identify(self, presented: str) -> tuple[Principal | None, float | None, str]:
+        """admin, or a viewer key's name, with when the credential expires (None: never);
+        or None and why not. StoreError when a viewer key cannot be checked because the
+        store is away."""
         presented = presented.strip()
         if not presented:
-            return None
+            return None, None, "no credential was sent"
         if is_viewer_key(presented):
             digest = hash_viewer_key(presented)
             viewer = await anyio.to_thread.run_sync(self.store.viewer_by_hash, digest)
-            return Principal("viewer", viewer["name"], digest) if viewer else None
+            if viewer is None:
+                return None, None, ("the viewer key sent is not a live one here (revoked, or "
+                                    "never made on this fleet); `llmgw keys ls --viewer` "
+                                    "lists the live ones, `llmgw keys create --viewer` "
+                                    "makes one")
+            why = expired(viewer["name"], viewer["expires"], self.store.clock())
+            if why:
+                return None, None, why
+            return Principal("viewer", viewer["name"], digest), viewer["expires"], ""
         expected = self.verifier.current_hash()
         digest = hash_token(presented)
         if expected and hmac.compare_digest(digest, expected):
-            return Principal("admin", "admin", digest)
-        return None
+            return Principal("admin", "admin", digest), None, ""
+        return None, None, ("that is neither this host's admin token nor a live viewer key; "
+                            "`llmgw keys create --viewer` makes a viewer key")
 
-    async def still(self, principal: Principal) -> str:
-        """'' while a session's credential holds; else why it no longer does."""
+    def refusal(self, session: Session) -> str:
+        """'' while a session holds; else why it no longer does (then it is forgotten)."""
+        principal = session.principal
         if principal.role == "admin":
-            if principal.credential == self.verifier.current_hash():
-                return ""
-            return "the admin token has changed since this session signed in"
-        found = await anyio.to_thread.run_sync(self.store.viewer_by_hash,
-                                               principal.credential)
-        return "" if found else f"the viewer key {principal.name!r} has been revoked"
+            if principal.credential != self.verifier.current_hash():
+                return ("the admin token has changed since this session signed in; sign in "
+                        "with the new one")
+        elif not session.credential_live:
+            return (f"the viewer key {principal.name!r} has been revoked; ask an admin for "
+                    "another (`llmgw keys create --viewer`)")
+        else:
+            why = expired(principal.name, session.credential_expires, self.store.clock())
+            if why:
+                return why
+        if session.expires <= self.store.clock():
+            return (f"the session's {LIFETIME_S / 3600:.0f} hours since signing in are over; "
+                    "sign in again")
+        return ""
+
+    async def end_old_admin_sessions(self, sessions: Sessions) -> None:
+        """Once for each admin token this process sees (at its first request, then after
+        each change of the hash file): end every session signed in with another, in the
+        store and in what this process keeps, so that putting an old token's hash back
+        revives none of them."""
+        current = self.verifier.current_hash()
+        if not current or current == self._swept:
+            return
+        sessions.forget_admin_but(current)
+        try:
+            await anyio.to_thread.run_sync(self.store.end_admin_sessions_but, current)
+        except StoreError:
+            return  # the next request tries again; each session is checked meanwhile
+        self._swept = current
+
+
+def expired(name: str, expires: float | None, now: float) -> str:
+    """'' while a viewer key has not expired; else what to say."""
+    if expires is None or expires > now:
+        return ""
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))
+    return (f"the viewer key {name!r} expired at {when}; ask an admin for a new one "
+            "(`llmgw keys create --viewer --expires 30d`)")
+
+
+async def signed_in(credentials: Credentials, sessions: Sessions,
+                    token: str) -> tuple[Principal | None, str]:
+    """The principal of the session whose cookie is token, or None and why not. A session
+    refused for any reason is forgotten in the store there and then, on every control
+    plane: nothing revives it. StoreError when the store is away."""
+    found = sessions.cached(token)
+    if found is None:
+        found = await anyio.to_thread.run_sync(sessions.find, token)
+    if found is None:
+        return None, (f"the fleet page's session has ended (signed out, past its "
+                      f"{LIFETIME_S / 3600:.0f} hours, ended by a new admin token, its viewer "
+                      f"key revoked, or {PER_CREDENTIAL} newer sign-ins with the same "
+                      "credential); sign in again")
+    why = credentials.refusal(found)
+    if why:
+        await anyio.to_thread.run_sync(sessions.forget, token)
+        return None, f"the session has ended: {why}"
+    return found.principal, ""
 
 
 class AdminAccess(RequireAdminToken):
@@ -81,7 +154,13 @@ class AdminAccess(RequireAdminToken):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        send = _with_headers(send)
+        try:
+            await self._answer(scope, receive, _with_headers(send))
+        finally:
+            # After the answer, so a session of the old token is told why it ended.
+            await self.credentials.end_old_admin_sessions(self.sessions)
+
+    async def _answer(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         path = scope["path"]
         if path in ("/health", "/healthz", PAGE) or path.startswith(PAGE + "/"):
             await self.app(scope, receive, send)
@@ -90,8 +169,9 @@ class AdminAccess(RequireAdminToken):
             principal, why = await self.who(scope)
         except StoreError as e:
             await _refuse(send, f"{scope['method']} {path}: {self.credentials.store.why(e)}; "
-                          "a viewer key cannot be checked while the store is away; use the "
-                          "admin token, or try again once the database answers", 503)
+                          "a viewer key or a fleet-page session cannot be checked while the "
+                          "store is away; use the admin token as a bearer, or try again once "
+                          "the database answers", 503)
             return
         if principal is None:
             await _refuse(send, f"{why}. {self.how_to()}; or sign in at {PAGE}/")
@@ -107,22 +187,16 @@ class AdminAccess(RequireAdminToken):
         if authorization:
             scheme, _, presented = authorization.partition(" ")
             if scheme.lower() == "bearer" and is_viewer_key(presented.strip()):
-                found = await self.credentials.principal(presented)
-                return found, "" if found else "the viewer key sent is not a live one here"
+                found, _, why = await self.credentials.identify(presented)
+                return found, why
             why = self.verifier.problem(authorization)
             if why:
                 return None, why
             return Principal("admin", "admin", self.verifier.current_hash()), ""
         token = cookie_value(headers)
-        session = self.sessions.find(token) if token else None
-        if session is None:
-            return None, ("the fleet page's session has ended (signed out, expired, or the "
-                          "control plane restarted)" if token else self.verifier.problem(""))
-        gone = await self.credentials.still(session)
-        if gone:
-            self.sessions.forget(token)
-            return None, f"{gone}; the session has ended"
-        return session, ""
+        if not token:
+            return None, self.verifier.problem("")
+        return await signed_in(self.credentials, self.sessions, token)
 
 
 def _read_only(principal: Principal, scope: MutableMapping[str, Any]) -> str:

@@ -1,5 +1,6 @@
-"""The fleet page's sign-in sessions: held in this process's memory by the sha256 of the
-cookie's value, so signing out (or a restart of the control plane) forgets them."""
+"""The fleet page's sign-in sessions: kept in the store by the sha256 of the cookie's value
+(never the value), so every control plane of the fleet honours them and signing out on one
+ends them on all; each process keeps what it read for a second."""
 
 from __future__ import annotations
 
@@ -10,10 +11,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmgw.control.store import Store
+
 COOKIE = "llmgw_session"
 LIFETIME_S = 12 * 3600.0
-# A bound on what signing in may make this process hold: past it the oldest session goes.
+# Bounds on what signing in may make the store hold: past PER_CREDENTIAL sessions of one
+# credential (an admin token, a viewer key), its own oldest ends; past MAX_SESSIONS in all,
+# the oldest of the credential holding the most. A viewer key signing in 10,000 times ends
+# only its own sessions, never an admin's.
 MAX_SESSIONS = 10_000
+PER_CREDENTIAL = 100
+# How long a process trusts a session it read from the store without reading it again:
+# a sign-out or a revocation on another control plane holds here within this; on this one,
+# at the next request (it forgets what it kept).
+CACHE_S = 1.0
+# Past this many sessions kept, the stale ones are dropped (then all, if none was stale).
+CACHE_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -32,38 +45,99 @@ class Principal:
         return self.role != "admin" or self.session
 
 
-class Sessions:
-    """Open, find and forget sessions; each lasts LIFETIME_S from its sign-in."""
+@dataclass(frozen=True)
+class Session:
+    """A session as the store holds it: who it speaks for, when it ends, and its viewer
+    key's state when it was read (live: not revoked; expires: None for never)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._open: dict[str, tuple[Principal, float]] = {}
+    principal: Principal
+    expires: float
+    credential_live: bool = True
+    credential_expires: float | None = None
+
+
+class Sessions:
+    """Open, find and forget sessions in the store; each lasts LIFETIME_S from its sign-in.
+    find() reads the store at most once a CACHE_S per session (monotonic: the cache's own
+    clock); the store's clock stamps and ends sessions. Store calls raise StoreError."""
+
+    def __init__(self, store: Store, *, cache_s: float = CACHE_S,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.cache_s, self.monotonic = store, cache_s, monotonic
+        self._kept: dict[str, tuple[Session, float]] = {}
         self._lock = threading.Lock()
 
-    def open(self, principal: Principal) -> str:
-        """A new session for principal: the cookie's value (this process keeps its hash)."""
+    def open(self, principal: Principal, credential_expires: float | None = None) -> str:
+        """A new session for principal: the cookie's value (the store keeps its hash)."""
         token = secrets.token_urlsafe(32)
+        digest = _digest(token)
+        expires = self.store.clock() + LIFETIME_S
+        ended = self.store.add_session(
+            {"hash": digest, "role": principal.role, "name": principal.name,
+             "credential": principal.credential, "expires": expires},
+            per_credential=PER_CREDENTIAL, total=MAX_SESSIONS)
         with self._lock:
-            while len(self._open) >= MAX_SESSIONS:
-                self._open.pop(next(iter(self._open)))
-            self._open[_digest(token)] = (principal, self.clock() + LIFETIME_S)
+            for gone in ended:
+                self._kept.pop(gone, None)
+            self._keep(digest, Session(principal, expires, True, credential_expires))
         return token
 
-    def find(self, token: str) -> Principal | None:
-        """The principal of a live session, or None (unknown, forgotten or expired)."""
+    def cached(self, token: str) -> Session | None:
+        """The session this process read within CACHE_S, or None (then ask find)."""
         with self._lock:
-            found = self._open.get(_digest(token))
-            if found is None:
-                return None
-            if found[1] <= self.clock():
-                del self._open[_digest(token)]
-                return None
-        return found[0]
+            kept = self._kept.get(_digest(token))
+        if kept is None or self.monotonic() - kept[1] >= self.cache_s:
+            return None
+        return kept[0]
+
+    def find(self, token: str) -> Session | None:
+        """The session of this cookie, expired or not (the caller says which it is), or
+        None: never made, signed out or ended, here or on another control plane."""
+        found = self.cached(token)
+        if found is not None:
+            return found
+        digest = _digest(token)
+        row = self.store.session(digest)
+        if row is None:
+            with self._lock:
+                self._kept.pop(digest, None)
+            return None
+        found = Session(Principal(row["role"], row["name"], row["credential"], True),
+                        row["expires"], row["viewer_live"], row["viewer_expires"])
+        with self._lock:
+            self._keep(digest, found)
+        return found
 
     def forget(self, token: str) -> bool:
-        """End a session; whether there was one."""
+        """End a session, on every control plane; whether the store had it."""
+        digest = _digest(token)
         with self._lock:
-            return self._open.pop(_digest(token), None) is not None
+            self._kept.pop(digest, None)
+        return self.store.end_session(digest)
+
+    def forget_credential(self, credential: str) -> None:
+        """Read again at their next request the sessions of this credential (its viewer
+        key was revoked here): this process keeps none of them."""
+        with self._lock:
+            for digest in [d for d, (s, _) in self._kept.items()
+                           if s.principal.credential == credential]:
+                del self._kept[digest]
+
+    def forget_admin_but(self, credential: str) -> None:
+        """Keep no session of an admin token other than the one whose sha256 is
+        credential (the admin token has changed)."""
+        with self._lock:
+            for digest in [d for d, (s, _) in self._kept.items()
+                           if s.principal.role == "admin" and s.principal.credential != credential]:
+                del self._kept[digest]
+
+    def _keep(self, digest: str, session: Session) -> None:
+        now = self.monotonic()
+        if len(self._kept) >= CACHE_MAX:
+            self._kept = {d: k for d, k in self._kept.items() if now - k[1] < self.cache_s}
+            if len(self._kept) >= CACHE_MAX:
+                self._kept.clear()
+        self._kept[digest] = (session, now)
 
 
 def _digest(token: str) -> str:

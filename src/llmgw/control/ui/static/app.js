@@ -143,8 +143,27 @@ function drawDrift(drift) {
         el("span", f.promise, "state state-fails"), ago(f.since), el("span", f.message, "why")] });
     }
   }
-  $("drift").replaceChildren(table(["HOST", "CHECKED", "PROMISE", "FAILING SINCE", "WHY"], rows,
-    "no host reports its checks (llmgw check --serve)"));
+  $("drift").replaceChildren(rows.length
+    ? table(["HOST", "CHECKED", "PROMISE", "FAILING SINCE", "WHY"], rows)
+    : howToCheck());
+}
+
+// Said when no host reports: how the checks are turned on (docs/operations.md, "Checks
+// that keep running").
+function howToCheck() {
+  const box = el("div");
+  box.id = "drift-none";
+  box.appendChild(el("p", "No host reports its checks.", "empty"));
+  const how = el("p", null, "note");
+  for (const [text, code] of [
+    ["pytest provision/", true], [" runs them on every host it provisions, as the service ", false],
+    ["llmgw-check", true], [" (", false],
+    ["--check-serve HOST:PORT", true], [" says where it answers, on loopback by default); a host provisioned with ", false],
+    ["--no-check-serve", true], [" runs none: provision it again without that option, or run ", false],
+    ["llmgw check --serve HOST:PORT", true], [" there.", false],
+  ]) how.appendChild(el(code ? "code" : "span", text));
+  box.appendChild(how);
+  return box;
 }
 
 function drawKeys(keys, viewers) {
@@ -163,7 +182,7 @@ function drawKeys(keys, viewers) {
 
 async function getJSON(path) {
   const r = await fetch(path, { credentials: "same-origin", headers: { Accept: "application/json" } });
-  if (r.status === 401) throw new SignedOut();
+  if (r.status === 401) throw new SignedOut((await r.json().catch(() => ({}))).detail || "");
   if (!r.ok) throw new Error(`${path}: ${r.status} ${(await r.json().catch(() => ({}))).detail || ""}`);
   return r.json();
 }
@@ -182,7 +201,11 @@ async function refresh() {
     drawKeys(d.keys, d.viewers);
     $("status").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (e) {
-    if (e instanceof SignedOut) return showSignIn("The session has ended; sign in again.");
+    if (e instanceof SignedOut) {
+      // The server's own words: why the session ended (signed out elsewhere, a new admin
+      // token, the viewer key revoked or expired), cut before its curl example.
+      return showSignIn(e.message.split(". Send ")[0] || "The session has ended; sign in again.");
+    }
     $("status").textContent = "could not update: " + e.message;
   }
 }

@@ -1,13 +1,13 @@
 """Shares of gateway keys' per-minute limits that each gateway took, so that a key's rpm and
 tpm hold across every gateway of a fleet (store/budgets.py); transient rows.
 
-Self-contained (one table, one index, nothing else touched): renumbering it only changes
+Self-contained (one table, its two indexes, nothing else touched): renumbering it only changes
 revision and down_revision.
 
 Frozen, as every revision once released: a later change is a new revision.
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005"
-down_revision = "0004"
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 

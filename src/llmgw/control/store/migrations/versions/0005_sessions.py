@@ -1,0 +1,33 @@
+"""The fleet page's sessions in the store, so that every control plane of a fleet honours
+them and signing out on one ends them on all (kept by the sha256 of the cookie, never the
+cookie); viewer keys may expire.
+
+Frozen, as every revision once released: a later change is a new revision.
+
+Revision ID: 0005
+Revises: 0004
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0005"
+down_revision = "0004"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "sessions",
+        sa.Column("hash", sa.Text, primary_key=True),
+        sa.Column("role", sa.Text, nullable=False),
+        sa.Column("name", sa.Text, nullable=False),
+        sa.Column("credential", sa.Text, nullable=False),
+        sa.Column("created", sa.Double, nullable=False),
+        sa.Column("expires", sa.Double, nullable=False))
+    op.create_index("sessions_by_credential", "sessions", ["credential", "created"])
+    op.create_index("sessions_by_expiry", "sessions", ["expires"])
+    op.add_column("viewers", sa.Column("expires", sa.Double))
