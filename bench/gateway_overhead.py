@@ -32,6 +32,12 @@ $LLMGW_BENCH_LITELLM (a `litellm` executable) or ~/.cache/llmgw-bench/litellm-ve
 makes that venv (`pip install 'litellm[proxy]'`) the first time; the first lines say
 which. --no-litellm leaves it out.
 
+A side "limited" is the same gateway sent a gateway key with an rpm and a tpm it never
+reaches (10^9 and 10^12): what it adds is the key's share of its minute, spent in memory,
+claimed from and settled with the store in the background (control/_budgets.py);
+`limited/gateway` is its throughput over the same gateway's without a key (with --old-src,
+`old-limited` is the older gateway sent the same key). --no-limited leaves it out.
+
 Each side's own CPU per request is its process's user + system time (/proc/PID/stat)
 over a round, divided by the requests answered in it.
 
@@ -76,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._engine import llama_server, wait_ok  # noqa: E402
 from llmgw.config import connect_host, load_server  # noqa: E402
+from llmgw.control import keys  # noqa: E402
 from llmgw.control._upstream import Upstream  # noqa: E402
 from llmgw.control.gateway import make_gateway_app  # noqa: E402
 from llmgw.control.metrics import GatewayMetrics  # noqa: E402
@@ -87,6 +94,9 @@ from tests.procs import cpu_s, listener_pid  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 WIDTHS = (1, 16)
+# The limited side's key: limits it never reaches, so every request is answered and what is
+# measured is the bookkeeping of its shares.
+LIMITED_RPM, LIMITED_TPM = 10**9, 10**12
 
 
 def request_body(model: str) -> str:
@@ -195,14 +205,26 @@ def measured(load, side: Side, body: str, width: int, seconds: float,  # type: i
     return run
 
 
+def fill_store(path: Path, setup: dict[str, dict[str, object]]) -> None:
+    """The bench's store at path, made by the code that runs this (another checkout's may
+    be of another schema revision): the model, its replica and the limited key."""
+    store = Store(path)
+    if not store.models():
+        store.add_model(setup["model"])
+        store.put_replica(setup["replica"])
+        store.add_key(setup["key"])
+    store.close()
+
+
 def serve_gateway(work: Path, port: int) -> None:
-    """The real gateway app over the bench's store, served as `llmgw gateway` serves it:
-    Http1Server with the gateway's fast handler (the Forwarder; in a checkout from before
-    it, given with --old-src, the FastPath it had)."""
+    """The real gateway app over its own store (made from the bench's setup.json), served as
+    `llmgw gateway` serves it: Http1Server with the gateway's fast handler (the Forwarder;
+    in a checkout from before it, given with --old-src, the FastPath it had)."""
     from prometheus_client import CollectorRegistry
 
     from llmgw._http1 import Http1Server
 
+    fill_store(work / "control.db", json.loads((work.parent / "setup.json").read_text()))
     app = make_gateway_app(Store(work / "control.db"), upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
     try:
@@ -215,9 +237,11 @@ def serve_gateway(work: Path, port: int) -> None:
 
 
 def start_gateway(work: Path, src: str = "") -> tuple[subprocess.Popen[bytes], Side]:
-    """A gateway process over the bench's store (start_own's): this checkout's, or the
-    one whose src folder is src."""
+    """A gateway process over a store of its own in work/new or work/old: this checkout's,
+    or the one whose src folder is src."""
     port = free_port()
+    work = work / ("old" if src else "new")
+    work.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(Path(src).resolve()) if src else "",
                     os.environ.get("PYTHONPATH", "")) if p)}
@@ -243,13 +267,16 @@ def start_own(work: Path, width: int, engine_args: list[str]
          "--api-key", key, "--metrics", "--ctx-size", "2048", "--parallel", str(width),
          "--threads-http", str(HTTP_THREADS), *engine_args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    store = Store(work / "control.db")
-    store.add_model({"name": "tiny", "aliases": [], "source": gguf.as_uri(), "sha256": "",
-                     "profiles": []})
-    store.put_replica({"id": "r1", "model": "tiny", "node": "bench", "profile": "cpu",
-                       "state": "ready", "endpoint": f"http://127.0.0.1:{engine_port}",
-                       "api_key": key})
-    store.close()
+    made = keys.new_key()
+    (work / "setup.json").write_text(json.dumps({
+        "model": {"name": "tiny", "aliases": [], "source": gguf.as_uri(), "sha256": "",
+                  "profiles": []},
+        "replica": {"id": "r1", "model": "tiny", "node": "bench", "profile": "cpu",
+                    "state": "ready", "endpoint": f"http://127.0.0.1:{engine_port}",
+                    "api_key": key},
+        "key": {"id": made.id, "name": "bench-limited", "prefix": made.prefix,
+                "hash": made.hash, "rpm": LIMITED_RPM, "tpm": LIMITED_TPM}}))
+    (work / "limited-key").write_text(keys.render(made))
     wait_ok(f"http://127.0.0.1:{engine_port}/health")
     gateway, via = start_gateway(work)
     return ([gateway, engine],
@@ -448,6 +475,8 @@ def main() -> None:
                         help="leave out the third side, nginx in front of the engine")
     parser.add_argument("--no-litellm", action="store_true",
                         help="leave out the fourth side, LiteLLM's proxy in front of the engine")
+    parser.add_argument("--no-limited", action="store_true",
+                        help="leave out the side that sends the gateway a key with limits")
     parser.add_argument("--host", action="store_true",
                         help="measure this provisioned host's gateway and engine instead")
     parser.add_argument("--mode", default="auto", help="with --host: as pytest's --mode")
@@ -469,6 +498,8 @@ def main() -> None:
         if args.gateway_nice:
             os.setpriority(os.PRIO_PROCESS, via.pid, args.gateway_nice)
     sides = [("direct", direct), ("gateway", via)]
+    if not args.host and not args.no_limited:
+        sides.append(("limited", Side(via.url, (work / "limited-key").read_text(), via.pid)))
     if not args.no_nginx:
         nginx, proxy = start_nginx(work, direct)
         procs.append(nginx)
@@ -484,6 +515,9 @@ def main() -> None:
         old, before = start_gateway(work, args.old_src)
         procs.append(old)
         sides.append(("old", before))
+        if not args.no_limited:
+            sides.append(("old-limited", Side(before.url, (work / "limited-key").read_text(),
+                                              before.pid)))
     results: dict[tuple[str, int], list[Run]] = {}
     pids = {"engine": direct.pid, **{name: side.pid for name, side in sides[1:]}}
     try:
@@ -557,6 +591,20 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
         if (side, 1) in results:
             print(f"{side}/direct: throughput {ratio(16, 'direct', side):.2f}× at 16, "
                   f"{ratio(1, 'direct', side):.2f}× at 1")
+    if ("old-limited", 1) in results:
+        print(f"limited/old-limited (the key with limits, this checkout's gateway over "
+              f"--old-src's): throughput {ratio(16, 'old-limited', 'limited'):.2f}× at 16, "
+              f"{ratio(1, 'old-limited', 'limited'):.2f}× at 1; own CPU ms per request "
+              f"{cpu('limited', 16, 'gateway'):.3f} vs {cpu('old-limited', 16, 'old'):.3f} at "
+              f"16, {cpu('limited', 1, 'gateway'):.3f} vs {cpu('old-limited', 1, 'old'):.3f} "
+              "at 1")
+    if ("limited", 1) in results:
+        print(f"limited/gateway (a key with rpm and tpm over none): throughput "
+              f"{ratio(16, 'gateway', 'limited'):.2f}× at 16, "
+              f"{ratio(1, 'gateway', 'limited'):.2f}× at 1; own CPU ms per request "
+              f"{cpu('limited', 16, 'gateway'):.3f} vs {cpu('gateway', 16, 'gateway'):.3f} at "
+              f"16, {cpu('limited', 1, 'gateway'):.3f} vs {cpu('gateway', 1, 'gateway'):.3f} "
+              "at 1")
     for side in ("gateway", "nginx", "LiteLLM"):
         if (side, 1) in results:
             print(f"{side}'s own CPU ms per request: {cpu(side, 1, side):.3f} at 1, "
@@ -566,6 +614,9 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
         if (side, 1) in results:
             parts.append(f"gateway/{side} {ratio(1, side):.2f}x at 1, {ratio(16, side):.2f}x "
                          "at 16")
+    if ("limited", 1) in results and ("nginx", 1) in results:
+        parts.append(f"limited/nginx {ratio(1, 'nginx', 'limited'):.2f}x at 1, "
+                     f"{ratio(16, 'nginx', 'limited'):.2f}x at 16")
     if ("nginx", 1) in results and ("LiteLLM", 1) in results:
         met = [ratio(1, "nginx") >= 0.9, ratio(16, "nginx") >= 0.9,
                ratio(1, "LiteLLM") >= 5, ratio(16, "LiteLLM") >= 5]
@@ -573,6 +624,8 @@ def report(results: dict[tuple[str, int], list[Run]]) -> None:
               f"{'met' if all(met) else 'NOT met: ' + str(met)}")
     own = [f"{side} {cpu(side, 16, side):.3f}" for side in ("gateway", "nginx", "LiteLLM")
            if (side, 16) in results]
+    if ("limited", 16) in results:
+        own.insert(1, f"limited {cpu('limited', 16, 'gateway'):.3f}")
     print("; ".join([*parts, "CPU per request ms: " + ", ".join(own)]))
 
 

@@ -1,5 +1,5 @@
 """Gateway keys' pure logic: the format, reading a bearer credential, expiry dates, the
-per-minute windows and the usage batches."""
+per-minute windows and the usage batches (the shares of a limit: test_shares.py)."""
 
 from __future__ import annotations
 
@@ -75,25 +75,13 @@ def test_a_window_of_tokens_waits_until_enough_falls_out() -> None:
     assert w.wait_s(61.0) == 0 and w.total == 50
 
 
-def test_limits_count_admitted_requests_and_refuse_tokens_once_spent() -> None:
-    lim = keys.Limits(rpm=2, tpm=10)
-    assert lim.admit(0.0) is None and lim.admit(1.0) is None
-    what, wait = lim.admit(2.0)
-    assert what == "requests" and wait == pytest.approx(58.0)
-    lim = keys.Limits(rpm=0, tpm=10)
-    assert lim.admit(0.0) is None
-    lim.spend(0.5, 9)
-    assert lim.admit(1.0) is None  # one token is left: the request goes
-    lim.spend(1.5, 4)
-    what, wait = lim.admit(2.0)
-    assert what == "tokens" and wait == pytest.approx(58.5)
-    assert lim.admit(61.0) is None
-
-
-def test_no_limits_admit_everything() -> None:
-    lim = keys.Limits(rpm=0, tpm=0)
-    assert all(lim.admit(float(t)) is None for t in range(1000))
-    assert not lim.requests.spent
+def test_a_window_counts_what_was_spent_since_and_takes_another_limit() -> None:
+    w = keys.Window(limit=100)
+    w.add(0.0, 60)
+    w.add(10.0, 50)
+    assert w.since(5.0) == 50 and w.since(-1.0) == 110 and w.since(10.0) == 0
+    assert w.wait_s(20.0, 1, limit=200) == 0 and w.wait_s(20.0, 1, limit=60) == \
+        pytest.approx(40.0)
 
 
 def test_retry_after_is_whole_seconds_rounded_up() -> None:

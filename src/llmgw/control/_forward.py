@@ -72,16 +72,34 @@ class _Forward:
         ex = self.ex
         try:  # _safely's, written out: this runs for every request
             ex.authorize()
-            ex.check(self.cycle.body_bytes())
-            lease = ex.lease_now()
-            if lease is None:
-                self._wait_for_lease()
+            pending = ex.check(self.cycle.body_bytes())
+            if pending is None:
+                self._lease()
             else:
-                self._send(lease)
+                self._wait_for_share(pending)
         except Exception as e:
             self._failing(e)
 
+    # --- the key's share of its minute, when it must come from the store first ---
+
+    def _wait_for_share(self, pending: asyncio.Future[None]) -> None:
+        pending.add_done_callback(lambda _: self._safely(self._shared))
+
+    def _shared(self) -> None:
+        pending = self.ex.admitted()  # a 429 is answered by _safely
+        if pending is None:
+            self._lease()
+        else:
+            self._wait_for_share(pending)
+
     # --- a replica ---
+
+    def _lease(self) -> None:
+        lease = self.ex.lease_now()
+        if lease is None:
+            self._wait_for_lease()
+        else:
+            self._send(lease)
 
     def _wait_for_lease(self) -> None:
         """The balancer's queue (or a fresh read of the ready replicas): one task for that

@@ -20,8 +20,10 @@ from llmgw._asgi import Receive, Scope, Send
 from llmgw.config import ServerConfig
 from llmgw.contract.records import ModelSpec
 from llmgw.control import _wire, keys
+from llmgw.control._budgets import CLAIM_WAIT_S, Budgets
 from llmgw.control._relay import kept, respond, whole_answer
 from llmgw.control._router import Router
+from llmgw.control._shares import KeyShares
 from llmgw.control._slots import SlotPoller
 from llmgw.control._upstream import Timeouts, Upstream
 from llmgw.control.balancer import (
@@ -71,7 +73,8 @@ class Caller:
     name: str
     id: str = ""
     models: tuple[str, ...] = ()
-    limits: keys.Limits | None = None
+    rpm: int = 0
+    tpm: int = 0
 
     def may_use(self, model: ModelSpec, names: dict[str, ModelSpec]) -> bool:
         """A key's models are catalog names or aliases; naming one allows all its names."""
@@ -94,7 +97,8 @@ class Gateway:
 
     def __init__(self, store: Store, *, tokens: list[str], upstream: Upstream,
                  metrics: GatewayMetrics | None, max_body_bytes: int, keys_required: bool,
-                 usage_flush_s: float, balancer: Balancer) -> None:
+                 usage_flush_s: float, balancer: Balancer,
+                 claim_wait_s: float = CLAIM_WAIT_S) -> None:
         self.router = Router(store)
         self.tokens = [t.encode() for t in tokens]
         self.required = keys_required or bool(tokens)
@@ -106,17 +110,21 @@ class Gateway:
         self._callers: dict[str, Caller] = {}
         self.balancer = balancer
         self.slots = SlotPoller(self.balancer, self.router.all_ready, upstream)
+        # Keys' rpm and tpm, shared with every gateway of the store (control/_budgets.py).
+        self.budgets = Budgets(store, claim_wait_s=claim_wait_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             if self.balancer.routing == "balanced":
                 self.slots.ensure_running()
             flusher = asyncio.ensure_future(self._flush_every())
+            self.budgets.ensure_running()
             try:
                 await _lifespan(receive, send)
             finally:
                 flusher.cancel()
                 await self.flush_usage()
+                await self.budgets.close()
                 await self.slots.stop()
             return
         if scope["type"] != "http":
@@ -198,9 +206,9 @@ class Gateway:
                                 f"{_utc(key['expires'])}; ask the owner for a new one")
         caller = self._callers.get(key["id"])
         if caller is None:
-            limits = keys.Limits(key["rpm"], key["tpm"]) if key["rpm"] or key["tpm"] else None
             caller = self._callers[key["id"]] = Caller(key["name"], key["id"],
-                                                       tuple(key["models"]), limits)
+                                                       tuple(key["models"]), key["rpm"],
+                                                       key["tpm"])
         return caller
 
     def _models(self, path: str, caller: Caller) -> dict[str, object]:
@@ -219,13 +227,40 @@ class Gateway:
         return found
 
     def count_usage(self, caller: Caller, status: int, usage: tuple[int, int] | None) -> None:
-        """A key's usage: its request (a 429 is none) and tokens, and its token window."""
+        """A key's usage: its request (a 429 is none) and tokens, and its share of tokens."""
         if not caller.id or status == 429:
             return
         prompt, completion = usage or (0, 0)
         self.usage.add(caller.id, time.time(), prompt, completion)
-        if caller.limits:
-            caller.limits.spend(time.monotonic(), prompt + completion)
+        if caller.tpm:
+            self.budgets.spend(self._shares(caller), prompt + completion)
+
+    def _shares(self, caller: Caller) -> KeyShares:
+        return self.budgets.shares(caller.id, caller.rpm, caller.tpm)
+
+    def admit(self, caller: Caller, started: float) -> asyncio.Future[None] | None:
+        """None when the caller may go now (its request counted against its key's rpm); a
+        429 in OpenAI's shape (type requests or tokens, code rate_limit_exceeded) with
+        Retry-After when its key spent its minute, fleet-wide; or a future to wait on while
+        this gateway asks the store for a share of the key's minute (then ask again, until
+        claim_wait_s after the request started: perf_counter's started)."""
+        if not (caller.rpm or caller.tpm):
+            return None
+        deadline = time.monotonic() - (time.perf_counter() - started) \
+            + self.budgets.claim_wait_s
+        over = self.budgets.admit(self._shares(caller), deadline)
+        if over is None or isinstance(over, asyncio.Future):
+            return over
+        what, wait_s = over
+        limit = caller.rpm if what == "requests" else caller.tpm
+        after = keys.retry_after(wait_s)
+        raise GatewayError(429, f"rate limit reached for key {caller.name!r} on {what} per "
+                           f"minute: limit {limit}; try again in {after} s", what,
+                           "rate_limit_exceeded",
+                           headers=[(b"retry-after", after.encode()),
+                                    (f"x-ratelimit-limit-{what}".encode(), str(limit).encode()),
+                                    (f"x-ratelimit-remaining-{what}".encode(), b"0"),
+                                    (f"x-ratelimit-reset-{what}".encode(), f"{after}s".encode())])
 
     async def lease(self, model: str, conv: Conversation | None,
                     tried: set[str]) -> Lease | None:
@@ -264,7 +299,7 @@ class Exchange:
     step runs once, so a key's minute is spent once and the request is counted once."""
 
     __slots__ = ("gw", "scope", "kind", "started", "caller", "raw", "requested", "stream",
-                 "name", "conv", "status", "usage")
+                 "name", "conv", "status", "usage", "body")
 
     def __init__(self, gw: Gateway, scope: Scope, kind: str) -> None:
         self.gw, self.scope, self.kind = gw, scope, kind
@@ -276,20 +311,22 @@ class Exchange:
         self.conv: Conversation | None = None
         self.status = 500
         self.usage: tuple[int, int] | None = None
+        self.body: dict[str, object] = {}
         if gw.metrics:
             gw.metrics.in_flight += 1
 
     def authorize(self) -> None:
         self.caller = self.gw.authorize(self.scope)
 
-    def check(self, raw: bytes) -> None:
+    def check(self, raw: bytes) -> asyncio.Future[None] | None:
         """The body: under the limit, JSON naming a model this caller may use, of the
-        route's kind; then the key's minute is spent (a 429 when it is over)."""
+        route's kind; then the key's minute is spent (a 429 when it is over). A future when
+        the key's share must come from the store first: once it is done, `admitted()`."""
         gw = self.gw
         if len(raw) > gw.max_body_bytes:
             raise gw._too_large()
-        body, self.requested, self.stream = _parse(raw)
-        if "id_slot" in body:
+        self.body, self.requested, self.stream = _parse(raw)
+        if "id_slot" in self.body:
             raise GatewayError(400, "the request sets \"id_slot\": this gateway chooses each "
                                "replica's slot itself (a conversation goes back to the slot "
                                "that holds it); send the request without it",
@@ -301,15 +338,27 @@ class Exchange:
                                "invalid_request_error", "model_not_found", "model")
         self.name = model["name"]
         _check_kind(model, self.kind, self.scope["path"])
-        _admit(self.caller)
         self.raw = raw
+        return self.admitted()
+
+    def admitted(self) -> asyncio.Future[None] | None:
+        """The key's minute spent (a 429 when it is over), then the conversation found; a
+        future while the store is asked for the key's share (then this again, within
+        claim_wait_s of the request's start)."""
+        gw = self.gw
+        pending = gw.admit(self.caller, self.started)
+        if pending is not None:
+            return pending
         if gw.balancer.routing == "balanced":
             gw.slots.ensure_running()
             # With one replica there is no choice to make: its conversations need no keys.
             # A body in another encoding than UTF-8 (JSON allows UTF-16 and 32) gets no
             # id_slot (Lease.body), so it gets no conversation either.
+            raw = self.raw or b""
             if len(gw.router.ready(self.name)) > 1 and raw.lstrip().startswith(b"{"):
-                self.conv = conversation(self.scope["headers"], raw, body)
+                self.conv = conversation(self.scope["headers"], raw, self.body)
+        self.body = {}
+        return None
 
     def lease_now(self) -> Lease | None:
         """A replica leased at once, or None (none free, or requests already queue)."""
@@ -349,17 +398,19 @@ class Exchange:
 
 def make_gateway_app(store: Store, settings: ServerConfig | None = None, *,
                      upstream: Upstream | None = None, metrics: GatewayMetrics | None = None,
-                     usage_flush_s: float = USAGE_FLUSH_S) -> Gateway:
+                     usage_flush_s: float = USAGE_FLUSH_S,
+                     claim_wait_s: float = CLAIM_WAIT_S) -> Gateway:
     """The gateway for server.yaml's settings (its defaults when none are given): tokens,
     gateway_keys, gateway_max_body_bytes, gateway_routing and the queue; upstream, the
-    replica client (its timeouts from the same settings unless given)."""
+    replica client (its timeouts from the same settings unless given); claim_wait_s, the
+    most a request waits for the store to grant its key a share."""
     settings = settings or ServerConfig()
     upstream = upstream or Upstream(Timeouts(settings.upstream_connect_timeout_s,
                                              settings.upstream_read_timeout_s))
     return Gateway(store, tokens=settings.tokens, upstream=upstream, metrics=metrics,
                    max_body_bytes=settings.gateway_max_body_bytes,
                    keys_required=settings.gateway_keys == "required",
-                   usage_flush_s=usage_flush_s,
+                   usage_flush_s=usage_flush_s, claim_wait_s=claim_wait_s,
                    balancer=Balancer(settings.gateway_routing,
                                      queue_size=settings.gateway_queue_size,
                                      queue_wait_s=settings.gateway_queue_wait_s))
@@ -379,26 +430,6 @@ def _unauthorized(message: str) -> GatewayError:
 
 def _utc(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
-
-
-def _admit(caller: Caller) -> None:
-    """A 429 in OpenAI's shape (type requests or tokens, code rate_limit_exceeded) with
-    Retry-After when the caller's key spent its minute."""
-    if caller.limits is None:
-        return
-    over = caller.limits.admit(time.monotonic())
-    if over is None:
-        return
-    what, wait_s = over
-    limit = caller.limits.rpm if what == "requests" else caller.limits.tpm
-    after = keys.retry_after(wait_s)
-    raise GatewayError(429, f"rate limit reached for key {caller.name!r} on {what} per "
-                       f"minute: limit {limit}; try again in {after} s", what,
-                       "rate_limit_exceeded",
-                       headers=[(b"retry-after", after.encode()),
-                                (f"x-ratelimit-limit-{what}".encode(), str(limit).encode()),
-                                (f"x-ratelimit-remaining-{what}".encode(), b"0"),
-                                (f"x-ratelimit-reset-{what}".encode(), f"{after}s".encode())])
 
 
 def _parse(raw: bytes) -> tuple[dict[str, object], str, bool]:

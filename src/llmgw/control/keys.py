@@ -1,4 +1,4 @@
-"""Gateway keys: their format, hashing, reading a presented key, per-key limit windows."""
+"""Gateway keys: their format, hashing, reading a presented key, the window of a limit."""
 
 from __future__ import annotations
 
@@ -111,13 +111,15 @@ class Window:
         while self.spent and self.spent[0][0] <= now - self.span_s:
             self.total -= self.spent.popleft()[1]
 
-    def wait_s(self, now: float, amount: int = 1) -> float:
-        """0 when amount more fits under the limit now; else the seconds until enough of
-        what was spent falls out of the window (at least one entry must go)."""
+    def wait_s(self, now: float, amount: int = 1, limit: int | None = None) -> float:
+        """0 when amount more fits under the limit (or the limit given) now; else the
+        seconds until enough of what was spent falls out of the window (at least one entry
+        must go)."""
         self._expire(now)
-        if self.total + amount <= self.limit or not self.spent:
+        limit = self.limit if limit is None else limit
+        if self.total + amount <= limit or not self.spent:
             return 0.0
-        over, freed = self.total + amount - self.limit, 0
+        over, freed = self.total + amount - limit, 0
         for at, n in self.spent:
             freed += n
             if freed >= over:
@@ -130,38 +132,14 @@ class Window:
             self.spent.append((now, amount))
             self.total += amount
 
-
-@dataclass
-class Limits:
-    """One key's windows: requests per minute (a request counts when admitted) and
-    tokens per minute (counted when the answer's usage is known)."""
-
-    rpm: int
-    tpm: int
-    requests: Window = field(init=False)
-    tokens: Window = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.requests, self.tokens = Window(self.rpm), Window(self.tpm)
-
-    def admit(self, now: float) -> tuple[str, float] | None:
-        """None when a request may go now (and it is counted); else (what ran out,
-        seconds to wait): ("requests", s) or ("tokens", s)."""
-        if self.tpm:
-            # A request's tokens are known only after it: it goes while one is left.
-            wait = self.tokens.wait_s(now, 1)
-            if wait > 0:
-                return "tokens", wait
-        if self.rpm:
-            wait = self.requests.wait_s(now, 1)
-            if wait > 0:
-                return "requests", wait
-            self.requests.add(now, 1)
-        return None
-
-    def spend(self, now: float, tokens: int) -> None:
-        if self.tpm:
-            self.tokens.add(now, tokens)
+    def since(self, t: float) -> int:
+        """What was spent after t (newest entries first: cheap for a recent t)."""
+        found = 0
+        for at, n in reversed(self.spent):
+            if at <= t:
+                break
+            found += n
+        return found
 
 
 def retry_after(wait_s: float) -> str:

@@ -1,9 +1,10 @@
 """The control plane's state: nodes and certificates, join tokens, the catalog, replicas,
-gateway keys and their usage, viewer keys and the fleet page's sessions, the control planes
-sharing it and which one schedules, in SQLite (a file, the embedded default) or PostgreSQL
-(`store: postgresql://…` in server.yaml), through SQLAlchemy Core.
+gateway keys, their usage and the shares of their minutes that gateways took, viewer keys
+and the fleet page's sessions, the control planes sharing it and which one schedules, in
+SQLite (a file, the embedded default) or PostgreSQL (`store: postgresql://…` in
+server.yaml), through SQLAlchemy Core.
 
-One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py,
+One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py, budgets.py,
 viewers.py, sessions.py, control_planes.py); _db.py opens the store and brings its schema
 to this code's revision (migrations/, Alembic).
 """
@@ -28,6 +29,7 @@ from ._db import (
     refusal,
     store_url,
 )
+from .budgets import BudgetStore, Grant, Settled, Want
 from .catalog import CatalogStore
 from .control_planes import SCHEDULER, ControlPlaneStore, Lease, LeaseLost
 from .keys import KeyStore
@@ -37,12 +39,12 @@ from .sessions import SessionStore
 from .tokens import TokenStore
 from .viewers import ViewerStore
 
-__all__ = ["SCHEDULER", "Lease", "LeaseLost", "SchemaError", "Store", "StoreConflict",
-           "StoreError", "answers", "redacted", "refusal", "store_url"]
+__all__ = ["SCHEDULER", "Grant", "Lease", "LeaseLost", "SchemaError", "Settled", "Store",
+           "StoreConflict", "StoreError", "Want", "answers", "redacted", "refusal", "store_url"]
 
 
 class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, ControlPlaneStore,
-            ViewerStore, SessionStore):
+            ViewerStore, SessionStore, BudgetStore):
     """The store, shared by the API threads of one process.
 
     where: a SQLite file's path, or a URL (`sqlite:///PATH`, `postgresql://…`).

@@ -142,5 +142,24 @@ sessions = sa.Table(
     sa.Index("sessions_by_expiry", "expires"),
 )
 
+# Shares of gateway keys' minutes (rpm, tpm) that gateways took (store/budgets.py): a row
+# counts amount units against its key's limit from at for a minute. Transient: rows older than
+# a minute mean nothing, and copies (backup, restore, store migrate) leave the table out
+# (copy.NOT_COPIED).
+key_budget = sa.Table(
+    "key_budget", metadata,
+    # BIGSERIAL in PostgreSQL; SQLite's INTEGER PRIMARY KEY is its rowid (a BIGINT one is not).
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
+              autoincrement=True),
+    sa.Column("key_id", sa.Text, nullable=False),
+    # "requests" or "tokens"
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("gateway", sa.Text, nullable=False),
+    sa.Column("at", Time, nullable=False),
+    sa.Column("amount", sa.BigInteger, nullable=False),
+    sa.Index("key_budget_by_key", "key_id", "kind", "at"),
+    sa.Index("key_budget_by_at", "at"),
+)
+
 TABLES = (nodes, models, replicas, certs, tokens, keys, control_planes, leases, viewers,
-          sessions)
+          sessions, key_budget)

@@ -24,8 +24,9 @@ from ._schema import metadata
 Rows = dict[str, list[dict[str, Any]]]
 # Not copied: the fleet page's sessions end with the store they were made in. A restore
 # (or a move) that brought them back would revive sessions signed out after the backup
-# was taken, and a backup would carry live sign-ins; signing in again is cheap.
-NOT_COPIED = frozenset({"sessions"})
+# was taken, and a backup would carry live sign-ins; signing in again is cheap. Nor the
+# shares of keys' minutes gateways took (key_budget), which mean nothing a minute later.
+NOT_COPIED = frozenset({"sessions", "key_budget"})
 
 
 def _copied() -> list[sa.Table]:
@@ -38,8 +39,8 @@ class CopyError(Error):
 
 @dataclass(frozen=True)
 class Copy:
-    """Every table's rows (ordered by primary key) at one moment, but the sessions
-    (NOT_COPIED), and the schema revision they were read at."""
+    """Every table's rows (ordered by primary key) at one moment, but the sessions and the
+    shares of keys' minutes (NOT_COPIED), and the schema revision they were read at."""
 
     revision: str
     rows: Rows
