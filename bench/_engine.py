@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.config import EngineConfig
 
 

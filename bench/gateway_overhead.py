@@ -34,7 +34,7 @@ which. --no-litellm leaves it out.
 
 A side "limited" is the same gateway sent a gateway key with an rpm and a tpm it never
 reaches (10^9 and 10^12): what it adds is the key's share of its minute, spent in memory,
-claimed from and settled with the store in the background (control/_budgets.py);
+claimed from and settled with the store in the background (gateway/_budgets.py);
 `limited/gateway` is its throughput over the same gateway's without a key (with --old-src,
 `old-limited` is the older gateway sent the same key). --no-limited leaves it out.
 
@@ -82,14 +82,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._engine import llama_server, wait_ok  # noqa: E402
 from llmgw.config import connect_host, load_server  # noqa: E402
-from llmgw.control import keys  # noqa: E402
-from llmgw.control._upstream import Upstream  # noqa: E402
-from llmgw.control.gateway import make_gateway_app  # noqa: E402
-from llmgw.control.metrics import GatewayMetrics  # noqa: E402
-from llmgw.control.store import Store  # noqa: E402
-from llmgw.engine_args import HTTP_THREADS  # noqa: E402
-from llmgw.layout import Layout  # noqa: E402
-from llmgw.netaddr import free_port  # noqa: E402
+from llmgw.contract import keys  # noqa: E402
+from llmgw.gateway._upstream import Upstream  # noqa: E402
+from llmgw.gateway.app import make_gateway_app  # noqa: E402
+from llmgw.gateway.metrics import GatewayMetrics  # noqa: E402
+from llmgw.store import Store  # noqa: E402
+from llmgw.model.engine_args import HTTP_THREADS  # noqa: E402
+from llmgw.host.layout import Layout  # noqa: E402
+from llmgw.host.netaddr import free_port  # noqa: E402
 from tests.procs import cpu_s, listener_pid  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
@@ -222,13 +222,13 @@ def serve_gateway(work: Path, port: int) -> None:
     in a checkout from before it, given with --old-src, the FastPath it had)."""
     from prometheus_client import CollectorRegistry
 
-    from llmgw._http1 import Http1Server
+    from llmgw.http1.server import Http1Server
 
     fill_store(work / "control.db", json.loads((work.parent / "setup.json").read_text()))
     app = make_gateway_app(Store(work / "control.db"), upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
     try:
-        from llmgw.control._forward import Forwarder
+        from llmgw.gateway._forward import Forwarder
         fast = Forwarder(app)
     except ImportError:  # --old-src: the code before the Forwarder
         from llmgw.control._fastpath import FastPath  # type: ignore[import-not-found]

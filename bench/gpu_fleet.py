@@ -61,12 +61,12 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from llmgw.agent.engine import PINNED_VERSION  # noqa: E402
+from llmgw.agent.engines.cpu import PINNED_VERSION  # noqa: E402
 from llmgw.config import load_server  # noqa: E402
 from llmgw.contract import CUDA_ENGINE  # noqa: E402
-from llmgw.layout import Layout  # noqa: E402
-from llmgw.netaddr import free_port  # noqa: E402
-from llmgw.services._supervisor import Supervisor  # noqa: E402
+from llmgw.host.layout import Layout  # noqa: E402
+from llmgw.host.netaddr import free_port  # noqa: E402
+from llmgw.host.services._supervisor import Supervisor  # noqa: E402
 from tests.hosts import ThrowawayHost  # noqa: E402
 from tests.loadgen import one_request  # noqa: E402
 

@@ -5,7 +5,7 @@ Run on demand, not in the suite:
     python bench/heartbeats.py --nodes 5000 --modes restart --duration 60
 
 Starts the real control plane (`llmgw server`, its own CA) and, in separate processes, N
-simulated nodes, each with its own client certificate made at run time with llmgw.pki.
+simulated nodes, each with its own client certificate made at run time with llmgw.host.pki.
 Every node sends the agent's heartbeat body every --interval seconds, spread evenly over
 the interval; `keepalive` holds one connection per node (as the agent does), `new` opens
 a TCP and TLS connection per beat (as the agent did when httpx's 5 s keep-alive expiry
@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmgw import pki  # noqa: E402
+from llmgw.host import pki  # noqa: E402
 from llmgw.agent.agent import backoff_s  # noqa: E402
 from llmgw.contract import AgentPaths  # noqa: E402
 from llmgw.control._tlsserver import new_event_loop  # noqa: E402

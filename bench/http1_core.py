@@ -3,7 +3,7 @@ demand:
 
     python bench/http1_core.py [--requests 20000] [--repeats 30]
 
-One connection of `llmgw._http1.Http1Server` is fed a chat-completion POST at a time (as
+One connection of `llmgw.http1.server.Http1Server` is fed a chat-completion POST at a time (as
 one read), each answered whole by a fast handler (`fast=`, the gateway's hot path: the
 body taken, the answer written at once): the parser, the connection's bookkeeping and
 the answer's head, nothing else. Its transport only counts the bytes written. On a
@@ -24,7 +24,7 @@ from typing import Any
 # Appended: a PYTHONPATH given (another version of the code) comes first.
 sys.path.append(str(Path(__file__).resolve().parents[1] / "src"))
 
-from llmgw._http1 import Cycle, Http1Server  # noqa: E402
+from llmgw.http1.server import Cycle, Http1Server  # noqa: E402
 
 BODY = b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":8}'
 REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n"

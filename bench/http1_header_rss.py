@@ -3,7 +3,7 @@
 
     python bench/http1_header_rss.py [--mib 32] [--runs 1] [--max-head-bytes N]
 
-The HTTP core (`llmgw._http1.Http1Server`, default Limits, an app that answers 200) runs in
+The HTTP core (`llmgw.http1.server.Http1Server`, default Limits, an app that answers 200) runs in
 a child process on loopback; the client sends a request line, then one header line of the
 given size in 64 KiB writes without its end, and reads what comes back. The child's
 VmRSS (/proc/PID/status) is read before and at the end. The last line:
@@ -23,13 +23,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from llmgw._http1_limits import Limits  # noqa: E402
-from llmgw.netaddr import free_port  # noqa: E402
+from llmgw.http1.limits import Limits  # noqa: E402
+from llmgw.host.netaddr import free_port  # noqa: E402
 
 CHILD = """
 import sys
-from llmgw._http1 import Http1Server
-from llmgw._http1_limits import Limits
+from llmgw.http1.server import Http1Server
+from llmgw.http1.limits import Limits
 
 async def app(scope, receive, send):
     if scope["type"] != "http":

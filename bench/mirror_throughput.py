@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from llmgw import admin_token
+from llmgw.host import admin_token
 from llmgw.mirror import MirrorClient
-from llmgw.netaddr import free_port
+from llmgw.host.netaddr import free_port
 
 MIB = 1024 * 1024
 STARLETTE_APP = """

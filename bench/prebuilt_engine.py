@@ -36,7 +36,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._engine import llama_server, wait_ok  # noqa: E402
-from llmgw.netaddr import free_port  # noqa: E402
+from llmgw.host.netaddr import free_port  # noqa: E402
 from tests.hosts import ThrowawayHost  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 

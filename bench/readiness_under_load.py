@@ -4,7 +4,7 @@ Run on demand:  python bench/readiness_under_load.py [--seconds 30] [--clients 3
                                                      [--direct] [--engine-args ARGS]
 
 The agent's replica supervisor starts the real llama-server on the tests' tiny GGUF; the
-real gateway runs on its own server (llmgw._http1) in its own process; `hey` (or a Python
+real gateway runs on its own server (llmgw.http1.server) in its own process; `hey` (or a Python
 generator in its own process) sends --clients concurrent chat completions through the
 gateway for --seconds. Meanwhile this process plays the agent's heartbeat: every second it asks the
 supervisor for its report (which probes /health) and separately times a bare /health
@@ -12,7 +12,7 @@ probe, the way the agent probed before issue 11 (2 s timeout, one failure = not 
 It prints the status codes, the states the replica was reported in, the probe latencies
 and how many of the old probes would have failed, and the state changes the agent counted.
 
-The engine starts with the arguments the control plane gives it (engine_args.py),
+The engine starts with the arguments the control plane gives it (model/engine_args.py),
 --engine-args added to its profile. --direct sends the load to the engine itself, as a
 client holding --clients keep-alive connections: with '--engine-args "--threads-http 6"'
 (llama-server's own default for 4 slots) that shows probes waiting seconds for an HTTP
@@ -41,11 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._engine import llama_server, wait_ok  # noqa: E402
 from bench.gateway_overhead import Side, hey, python_load, request_body  # noqa: E402
-from llmgw.agent.engine_process import stop_engines  # noqa: E402
-from llmgw.agent.replicas import ReplicaSupervisor  # noqa: E402
-from llmgw.control.store import Store  # noqa: E402
-from llmgw.engine_args import engine_args  # noqa: E402
-from llmgw.netaddr import free_port  # noqa: E402
+from llmgw.agent.replicas.process import stop_engines  # noqa: E402
+from llmgw.agent.replicas.supervisor import ReplicaSupervisor  # noqa: E402
+from llmgw.store import Store  # noqa: E402
+from llmgw.model.engine_args import engine_args  # noqa: E402
+from llmgw.host.netaddr import free_port  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 OLD_PROBE_TIMEOUT_S = 2.0

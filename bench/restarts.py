@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from llmgw.services._supervisor import Supervisor  # noqa: E402
+from llmgw.host.services._supervisor import Supervisor  # noqa: E402
 from tests.hosts import ThrowawayHost  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 

@@ -10,7 +10,7 @@ from llmgw_harness import _fleet
 from llmgw_harness.suite.test_promises import test_promise
 
 if TYPE_CHECKING:
-    from llmgw.remote import PromiseRecord
+    from llmgw.cli.remote import PromiseRecord
 
 __all__ = ["test_on_host", "test_promise"]
 

@@ -42,7 +42,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def llama_server() -> str:
     """Session: a llama-server binary, found the way a node finds one (configured, PATH,
     cache) or built from the pinned source the first time (about 11 minutes on 2 cores)."""
-    from llmgw.agent.engine import LlamaCpp
+    from llmgw.agent.engines.cpu import LlamaCpp
     from llmgw.config import EngineConfig
 
     engine = LlamaCpp(EngineConfig())

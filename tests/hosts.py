@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmgw.admin_token import read_token
+from llmgw.host.admin_token import read_token
 from llmgw.control.client import AdminClient
-from llmgw.netaddr import free_port
+from llmgw.host.netaddr import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTENERS = ("admin", "agent", "gateway", "gateway-metrics", "mirror", "mirror-api")

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import yaml
 
-from llmgw import admin_token, pki
-from llmgw.netaddr import free_port
+from llmgw.host import admin_token, pki
+from llmgw.host.netaddr import free_port
 
 TOKEN = "sk-test-token"
 
@@ -100,7 +100,7 @@ class LiveHost:
             x["state"] == "ready" for x in self.get(f"/api/v1/replicas?model={spec['name']}")))
 
     def stop(self) -> None:
-        from llmgw.agent.engine_process import stop_engines
+        from llmgw.agent.replicas.process import stop_engines
 
         for proc in reversed(self.procs):
             proc.terminate()

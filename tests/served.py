@@ -1,5 +1,5 @@
 """What a service process imported and how its listener answers, for the tests that hold
-every service to llmgw's own HTTP core (`llmgw._http1.Http1Server`)."""
+every service to llmgw's own HTTP core (`llmgw.http1.server.Http1Server`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""llmgw.backup: a control plane's authority in one file (0600, optionally encrypted), read
+"""llmgw.cli.backup: a control plane's authority in one file (0600, optionally encrypted), read
 back whole or refused, restored into a new state dir of either store backend."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw import backup, config, pki
-from llmgw.control.store import Store
-from llmgw.layout import Layout
+from llmgw.cli import backup
+from llmgw import config
+from llmgw.host import pki
+from llmgw.store import Store
+from llmgw.host.layout import Layout
 
 KEY = {"id": "k1", "name": "ci", "prefix": "sk-llmgw-abcd", "hash": "h1", "rpm": 0, "tpm": 0,
        "expires": None, "models": []}

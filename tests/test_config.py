@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llmgw import config as cfg
-from llmgw._http1_limits import Limits
+from llmgw.http1.limits import Limits
 
 # server.yaml as the previous release wrote it (control plane step, then the mirror block);
 # its header comment shortened.

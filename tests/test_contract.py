@@ -190,7 +190,7 @@ def test_what_a_new_model_leaves_out_it_gets_as_declared_and_so_does_an_old_row(
     import json
 
     from llmgw.contract.catalog import CATALOG_MODEL, SPEC_DEFAULTS
-    from llmgw.control.store.replicas import stored_spec
+    from llmgw.store.replicas import stored_spec
 
     given = {"name": "m", "source": "http://x/m.gguf",
              "profiles": [{"name": "cpu", "engine": "llamacpp"}]}

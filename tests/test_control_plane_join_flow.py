@@ -15,7 +15,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from llmgw import control_plane_join
+from llmgw.cli import control_plane_join
 from tests.hosts import ThrowawayHost
 from tests.loadgen import until
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from llmgw.config import ServerConfig, parse_listen
 from llmgw.contract import AdminPaths, AgentPaths
 from llmgw.control.admin_api import make_admin_app
-from llmgw.control.store import Store
+from llmgw.store import Store
 from llmgw_harness.settings import Listen
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from tests.sourceclasses import classes_of, llmgw_modules
 
 _ENTRY = re.compile(r"^(?P<indent>[ │]*)[├└]── (?P<name>[A-Za-z_][\w.]*)")
 # Outside the tree as errors.py says why: the prebuilt engine's venv has no llmgw.
-OUTSIDE = {"llmgw.agent.prebuilt_server.UsageError"}
+OUTSIDE = {"llmgw.agent.engines.prebuilt_server.UsageError"}
 
 
 def tree(doc: str) -> dict[str, str]:
@@ -87,7 +87,7 @@ def test_negative_control_a_stray_an_unlisted_and_a_misdrawn_class_are_found() -
     assert tree(doc) == {"pki.PKIError": "Error", "APIError": "Error",
                          "control.client.NotFound": "APIError", "pki.PKIError2": "APIError",
                          "config.ConfigError": "Error"}
-    from llmgw.pki import PKIError
+    from llmgw.host.pki import PKIError
 
     assert misplaced([Stray, Unlisted, PKIError], doc) == [
         "the tree names pki.PKIError2, which is no class",

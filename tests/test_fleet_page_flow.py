@@ -26,7 +26,7 @@ import pytest
 
 from llmgw.config import CHECK_INTERVAL_S, load_server
 from llmgw.contract.catalog import CATALOG_MODEL
-from llmgw.control.store import Store
+from llmgw.store import Store
 from tests.hosts import ROOT, RunResult, ThrowawayHost
 
 pytestmark = pytest.mark.slow

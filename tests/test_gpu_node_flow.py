@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from llmgw.services._supervisor import Supervisor
+from llmgw.host.services._supervisor import Supervisor
 from tests.hosts import ThrowawayHost
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""llmgw._httpclient, the one maker of control traffic's httpx clients, against a real TLS
+"""llmgw.httpclient, the one maker of control traffic's httpx clients, against a real TLS
 server on loopback with certificates made here; and the rule that src/ makes none elsewhere."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from llmgw import _httpclient as hc
-from llmgw import pki
+from llmgw import httpclient as hc
+from llmgw.host import pki
 from llmgw.errors import APIError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,7 +177,7 @@ def test_reason_is_httpx_words_or_the_errors_name() -> None:
 
 # --- the rule: one maker ---
 
-FACTORY = ROOT / "src" / "llmgw" / "_httpclient.py"
+FACTORY = ROOT / "src" / "llmgw" / "httpclient.py"
 MAKERS = {"Client", "AsyncClient", "get", "post", "put", "patch", "delete", "head",
           "options", "request", "stream"}
 
@@ -202,7 +202,7 @@ def test_no_module_of_src_but_the_factory_makes_an_httpx_client() -> None:
                  for path in sorted((ROOT / "src").rglob("*.py")) if path != FACTORY
                  for line in makers(path.read_text())]
     assert not offenders, ("these make an httpx client of their own; make it with "
-                           f"llmgw._httpclient (client, async_client, request, stream): "
+                           f"llmgw.httpclient (client, async_client, request, stream): "
                            f"{offenders}")
 
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from llmgw import pki
-from llmgw.layout import Layout
+from llmgw.host import pki
+from llmgw.host.layout import Layout
 from tests.hosts import ThrowawayHost
 
 NODE_ONLY = ("--no-mirror", "--no-starter")

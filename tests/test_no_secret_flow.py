@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmgw.backup import with_store
-from llmgw.netaddr import free_port
+from llmgw.cli.backup import with_store
+from llmgw.host.netaddr import free_port
 from tests.hosts import ThrowawayHost
 
 # Only the control plane's configuration: the store is checked before server.yaml is written.
@@ -84,7 +84,7 @@ def test_a_store_password_reaches_neither_the_served_checks_nor_llmgw_store(
     """A server.yaml whose `store:` carries a password (set by hand, the store away): the
     round `llmgw check --serve` runs, as /healthz, /metrics and the drift it sends say it;
     and `llmgw store migrate --to` a URL with a password that refuses."""
-    from llmgw.watch import Watch, check_round, drift_report, healthz, metrics
+    from llmgw.cli.watch import Watch, check_round, drift_report, healthz, metrics
 
     host = ThrowawayHost(tmp_path / "state")
     made = host.provision(*CONFIG_ONLY, timeout=120)
@@ -92,7 +92,7 @@ def test_a_store_password_reaches_neither_the_served_checks_nor_llmgw_store(
     server_yaml = host.state_dir / "etc/server.yaml"
 
     from llmgw.config import load_server
-    from llmgw.control.store import Store
+    from llmgw.store import Store
 
     Store(load_server(server_yaml).store_at()).close()  # its schema, as the control plane's
     dead = free_port()

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from llmgw.control.client import ControlPlaneError
-from llmgw.layout import Layout
-from llmgw.services._supervisor import Supervisor
+from llmgw.host.layout import Layout
+from llmgw.host.services._supervisor import Supervisor
 from llmgw_harness import node
 from llmgw_harness._host import Host
 from llmgw_harness.settings import HostSettings

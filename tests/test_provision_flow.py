@@ -131,7 +131,7 @@ def test_a_host_from_before_keys_keeps_its_open_gateway_and_checks_warn(provisio
     key are served, the owner's key is made anyway, and checks pass with a `!!` line."""
     import yaml
 
-    from llmgw.netaddr import free_port
+    from llmgw.host.netaddr import free_port
 
     server_yaml = provisioned.state_dir / "etc" / "server.yaml"
     before = server_yaml.read_text()

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from llmgw.agent.engine_process import pid_is_engine
+from llmgw.agent.replicas.process import pid_is_engine
 from tests.hosts import ThrowawayHost
 
 pytestmark = pytest.mark.slow

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from llmgw import watch
-from llmgw.netaddr import free_port
+from llmgw.cli import watch
+from llmgw.host.netaddr import free_port
 from tests.hosts import ThrowawayHost
 
 

@@ -1,5 +1,5 @@
 """python -m llmgw."""
 
-from llmgw.cli import main
+from llmgw.cli.command import main
 
 raise SystemExit(main())

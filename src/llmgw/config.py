@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from llmgw._http1_limits import Limits
+from llmgw.http1.limits import Limits
 from llmgw.contract.explain import problems
 from llmgw.errors import Error
 
@@ -194,7 +194,7 @@ class EngineConfig(_Section):
     # A string: `version: 0.3` in YAML is a number, refused (quote it).
     version: StrictStr = ""
     # off: find or build llama-server; xllamacpp: its prebuilt CPU wheel first; auto: the
-    # wheel on a CPU node without a cached build (see llmgw.agent.engine). Provisioning
+    # wheel on a CPU node without a cached build (see llmgw.agent.engines.cpu). Provisioning
     # writes auto (--engine-prebuilt); the library's own default builds.
     prebuilt: Annotated[EnginePrebuilt, BeforeValidator(_off)] = "off"
     # auto: on a node with NVIDIA GPUs, make llama.cpp with CUDA (llamacpp-cuda) in the

@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 
-from llmgw import pki
+from llmgw.host import pki
 from llmgw.agent.agent import Agent, replica_supervisor
-from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.engine_process import stop_engines
+from llmgw.agent.engines.cpu import LlamaCpp
+from llmgw.agent.replicas.process import stop_engines
 from llmgw.agent.gpus import LiveCards, discover
-from llmgw.agent.replicas import GPU_START_ATTEMPTS, ReplicaSupervisor
+from llmgw.agent.replicas.supervisor import GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import EngineState
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.scheduler import Scheduler
-from llmgw.control.store import Store
+from llmgw.store import Store
 
 STANDIN = Path(__file__).parents[1] / "standin_nvml" / "pynvml.py"
 H100 = "NVIDIA H100 80GB HBM3:81559:9.0"

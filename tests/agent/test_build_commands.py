@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent import _build, _cmake, _cuda, cache
-from llmgw.agent._build import BuildError
+from llmgw.agent.engines import _build, _cmake, _toolchain as _cuda, cache
+from llmgw.agent.engines._build import BuildError
 from tests.agent.test_cuda import FakePip, node, system_root
 
 TREE, BUILD = Path("/src/llama.cpp"), Path("/tmp/build")

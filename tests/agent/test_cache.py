@@ -1,4 +1,4 @@
-"""The engine cache's layout, spelled once (llmgw.agent.cache): the folders on disk stay where
+"""The engine cache's layout, spelled once (llmgw.agent.engines.cache): the folders on disk stay where
 existing caches have them, and nothing else spells them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent import cache
+from llmgw.agent.engines import cache
 
 ROOT = Path(__file__).resolve().parents[2]
 # How the layout used to be spelled beside the one module: its roots and its folders.
@@ -39,10 +39,10 @@ def test_the_user_cache_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 
 def test_no_other_module_spells_the_layout() -> None:
-    """src/, scripts/ and the tests' conftests read the layout from llmgw.agent.cache; the
+    """src/, scripts/ and the tests' conftests read the layout from llmgw.agent.engines.cache; the
     scan's own control: it finds the spellings in that module."""
     files = [*(ROOT / "src").rglob("*.py"), *(ROOT / "scripts").iterdir(),
              *(ROOT / "tests").rglob("conftest.py")]
     spelled = sorted(str(f.relative_to(ROOT)) for f in files
                      if f.is_file() and SPELLINGS.search(f.read_text(errors="replace")))
-    assert spelled == ["src/llmgw/agent/cache.py"]
+    assert spelled == ["src/llmgw/agent/engines/cache.py"]

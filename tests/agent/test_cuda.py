@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent import _cuda
-from llmgw.agent._cuda import ToolchainError
+from llmgw.agent.engines import _toolchain
+from llmgw.agent.engines._toolchain import ToolchainError
 from llmgw.agent.gpus import GPU, Discovery
 
 # The files each cuda-toolkit extra brings, as the real wheels lay them out (read from
@@ -113,9 +113,9 @@ def node(cuda_driver: str = "13.0", *capabilities: str) -> Discovery:
                      cuda_driver=cuda_driver, driver_version="580.65.06")
 
 
-def find(tmp_path: Path, discovery: Discovery, pip: FakePip, *roots: Path) -> _cuda.Toolchain:
+def find(tmp_path: Path, discovery: Discovery, pip: FakePip, *roots: Path) -> _toolchain.Toolchain:
     # search_path="" keeps this machine's own nvcc out of it; roots stand for /usr/local/cuda.
-    return _cuda.find_toolchain(tmp_path / "cache", discovery, pip=pip, search_path="",
+    return _toolchain.find_toolchain(tmp_path / "cache", discovery, pip=pip, search_path="",
                                 roots=roots)
 
 
@@ -129,12 +129,12 @@ def find(tmp_path: Path, discovery: Discovery, pip: FakePip, *roots: Path) -> _c
 ])
 def test_cuda_13_only_where_the_driver_runs_it_and_every_gpu_is_7_5_or_more(
         driver: str, caps: tuple[str, ...], major: int) -> None:
-    assert _cuda.cuda_major(node(driver, *caps)) == major
+    assert _toolchain.cuda_major(node(driver, *caps)) == major
 
 
 def test_a_driver_older_than_cuda_12_is_told_to_update() -> None:
     with pytest.raises(ToolchainError, match=r"runs CUDA 11\.8.*update the driver"):
-        _cuda.cuda_major(node("11.8"))
+        _toolchain.cuda_major(node("11.8"))
 
 
 def test_a_complete_system_toolkit_is_taken_as_it_is(tmp_path: Path) -> None:
@@ -192,7 +192,7 @@ def test_without_a_toolkit_cuda_13_is_assembled_no_newer_than_the_driver(
                             ("libcublasLt.so", "libcublasLt.so.13")):
         assert (root / "lib" / link).resolve() == (root / "lib" / versioned).resolve()
     # nvcc.profile's -I$(TOP)/targets/<platform>/include must find the headers.
-    assert (root / "targets" / _cuda._target_dir() / "include" / "cuda_runtime.h").is_file()
+    assert (root / "targets" / _toolchain._target_dir() / "include" / "cuda_runtime.h").is_file()
     assert (root / "lib64" / "libcudart.so").exists()
     assert (tmp_path / "cache" / "cuda" / "13" / ".llmgw-installed").is_file()
 
@@ -203,7 +203,7 @@ def test_a_system_toolkit_without_its_runtime_is_passed_over_for_an_assembled_on
     nvcc; one without cuda_runtime.h and libcudart gives way to a whole toolkit."""
     root = system_root(tmp_path, "13.0", runtime=False)
     lines: list[str] = []
-    chain = _cuda.find_toolchain(tmp_path / "cache", node("13.0"), pip=FakePip(),
+    chain = _toolchain.find_toolchain(tmp_path / "cache", node("13.0"), pip=FakePip(),
                                  search_path="", roots=[root], on_progress=lines.append)
     assert chain.origin.startswith("cache (")
     assert lines == [f"CUDA toolchain: assembling CUDA 13 from the package index into "
@@ -256,7 +256,7 @@ def test_this_machines_toolkit_is_seen_as_cuda_13_without_cublas() -> None:
     """/usr/local/cuda here was assembled from CUDA 13 wheels: nvcc, runtime, CCCL, no cuBLAS."""
     if not Path("/usr/local/cuda/bin/nvcc").is_file():
         pytest.skip("no /usr/local/cuda here")
-    found = _cuda.system_toolkit(search_path="")
+    found = _toolchain.system_toolkit(search_path="")
     assert found is not None and found.version is not None and found.version[0] >= 12
     if "cuBLAS" not in found.parts.missing():
         pytest.skip("this machine's toolkit has cuBLAS")
@@ -269,7 +269,7 @@ def test_pip_failing_leaves_no_half_installed_toolkit(tmp_path: Path) -> None:
         raise ToolchainError("pip could not install cuda-toolkit (1: no index)")
 
     with pytest.raises(ToolchainError, match="pip could not install"):
-        _cuda.find_toolchain(tmp_path / "cache", node("13.0"), pip=failing, search_path="",
+        _toolchain.find_toolchain(tmp_path / "cache", node("13.0"), pip=failing, search_path="",
                              roots=[])
     assert list((tmp_path / "cache" / "cuda").iterdir()) == [
         tmp_path / "cache" / "cuda" / ".13.lock"]

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent import cache
-from llmgw.agent._build import BuildError
-from llmgw.agent.cuda_engine import CudaEngine, cuda_devices
-from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.engines import engine_status
+from llmgw.agent.engines import cache
+from llmgw.agent.engines._build import BuildError
+from llmgw.agent.engines.cuda import CudaEngine, cuda_devices
+from llmgw.agent.engines.cpu import LlamaCpp
+from llmgw.agent.engines.common import engine_status
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import EngineConfig
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
@@ -178,7 +178,7 @@ def test_a_failed_engine_is_tried_again_only_when_its_cache_changed(
             raise BuildError("no CUDA toolkit")
         return built
 
-    monkeypatch.setattr("llmgw.agent.cuda_engine.RETRY_LOOK_S", 0.0)
+    monkeypatch.setattr("llmgw.agent.engines.cuda.RETRY_LOOK_S", 0.0)
     e = cuda_engine(tmp_path, flaky, [H100])
     assert e.provision()["state"] == EngineState.FAILED
     assert not e.retry_if_cache_changed(), "tried again with nothing changed"
@@ -217,7 +217,7 @@ def test_a_driver_too_old_for_any_toolkit_says_so_before_any_download(
     naming the driver and what to install, and neither the llama.cpp source nor a toolkit
     is fetched. The control, a 12.4 driver, fails further on (no CUDA 12 toolkit can be
     had here), not for the driver."""
-    from llmgw.agent import _build, _cuda
+    from llmgw.agent.engines import _build, _toolchain
     from llmgw.agent.gpus import discover
 
     monkeypatch.setenv("LLMGW_STANDIN_CUDA_DRIVER", driver)
@@ -228,7 +228,7 @@ def test_a_driver_too_old_for_any_toolkit_says_so_before_any_download(
         raise BuildError("nothing is downloaded in this test")
 
     monkeypatch.setattr(_build, "download_sdist", no_download)
-    monkeypatch.setattr(_cuda, "pip_install", lambda req, target: fetched.append(repr(req)))
+    monkeypatch.setattr(_toolchain, "pip_install", lambda req, target: fetched.append(repr(req)))
     found = discover(nvml=_standin_nvml())
     cpu = LlamaCpp(EngineConfig(cache_dir=str(tmp_path / "cache")))
     cpu._status = engine_status(CPU_ENGINE, cpu.source_version, EngineState.READY)

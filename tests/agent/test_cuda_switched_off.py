@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from llmgw.agent.agent import Agent
-from llmgw.agent.engine import ENGINE
-from llmgw.agent.engines import engine_status
+from llmgw.agent.engines.cpu import ENGINE
+from llmgw.agent.engines.common import engine_status
 from llmgw.agent.gpus import LiveCards, discover
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import EngineState
@@ -24,7 +24,7 @@ from llmgw.control.admin_api import public_replicas
 from llmgw.control.agent_api import AgentAPI
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import Scheduler
-from llmgw.control.store import Store
+from llmgw.store import Store
 from llmgw_harness import node as node_step
 from llmgw_harness import starter
 from llmgw_harness._changes import apply_fix

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from llmgw.agent import engine_log
+from llmgw.agent.replicas import log as engine_log
 
 
 def test_a_log_over_the_cap_rotates_and_the_writer_keeps_appending(tmp_path) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.replicas import GIVE_UP_FOR_S, GPU_START_ATTEMPTS, ReplicaSupervisor
-from llmgw.commands.status import render
+from llmgw.agent.replicas.supervisor import GIVE_UP_FOR_S, GPU_START_ATTEMPTS, ReplicaSupervisor
+from llmgw.cli.commands.status import render
 from llmgw.contract import EngineState
 from llmgw.control.admin_api import public_replica
 from llmgw.control.nodes import node_view

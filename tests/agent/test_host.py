@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import netaddr
+from llmgw.host import netaddr
 from llmgw.agent import host
 
 

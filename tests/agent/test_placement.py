@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.agent.engine_process import placement
-from llmgw.agent.prebuilt_server import UsageError, parse
+from llmgw.agent.replicas.process import placement
+from llmgw.agent.engines.prebuilt_server import UsageError, parse
 from llmgw.contract.records import Gpu
 
 NODE: list[Gpu] = [{"index": 0, "uuid": "GPU-a", "class": "h100-80gb"},
@@ -56,7 +56,7 @@ def test_the_prebuilt_cpu_engine_takes_device_none_and_refuses_any_other() -> No
 
 
 def test_a_replica_placed_on_gpus_runs_on_the_cuda_engine_and_one_without_on_its_own() -> None:
-    from llmgw.agent.engine_process import engine_for
+    from llmgw.agent.replicas.process import engine_for
 
     gpu = {"id": "r", "model": "m", "profile": "gpu-h100", "engine": "llamacpp",
            "gpu_class": "h100-80gb", "source": "", "sha256": "", "args": [], "gpus": ["GPU-a"]}

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.agent import _prebuilt
-from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.engine_process import stop_engines
-from llmgw.agent.replicas import ReplicaSupervisor
+from llmgw.agent.engines import _prebuilt
+from llmgw.agent.engines.cpu import LlamaCpp
+from llmgw.agent.replicas.process import stop_engines
+from llmgw.agent.replicas.supervisor import ReplicaSupervisor
 from llmgw.config import EngineConfig
 from tests.agent.conftest import FakeBinary
 

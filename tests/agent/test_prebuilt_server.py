@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.agent import prebuilt_server as ps
-from llmgw.engine_args import TAKES_VALUE
+from llmgw.agent.engines import prebuilt_server as ps
+from llmgw.model.engine_args import TAKES_VALUE
 
 
 def test_every_flag_a_profile_may_pass_is_taken_or_refused_by_name() -> None:
@@ -14,7 +14,7 @@ def test_every_flag_a_profile_may_pass_is_taken_or_refused_by_name() -> None:
         if flag in ps.UNSUPPORTED or flag in ps.DEVICE_FLAGS:
             continue
         known = ps.TAKES_VALUE if takes_value else ps.SWITCHES
-        assert flag in known, f"{flag} is allowed by llmgw.engine_args but not mapped"
+        assert flag in known, f"{flag} is allowed by llmgw.model.engine_args but not mapped"
 
 
 def test_the_agents_own_words_set_model_listen_address_key_and_metrics() -> None:

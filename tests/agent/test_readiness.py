@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from llmgw.agent.engine_process import Record
-from llmgw.agent.replicas import PROBE_FAILURES_TO_LEAVE, Replica, ReplicaSupervisor
-from llmgw.netaddr import free_port
+from llmgw.agent.replicas.process import Record
+from llmgw.agent.replicas.supervisor import PROBE_FAILURES_TO_LEAVE, Replica, ReplicaSupervisor
+from llmgw.host.netaddr import free_port
 
 
 @pytest.fixture

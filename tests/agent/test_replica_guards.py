@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.engine_process import Record
-from llmgw.agent.replicas import Replica, ReplicaSupervisor
-from llmgw.engine_args import EngineArgsError
+from llmgw.agent.replicas.process import Record
+from llmgw.agent.replicas.supervisor import Replica, ReplicaSupervisor
+from llmgw.model.engine_args import EngineArgsError
 
 
 @pytest.fixture

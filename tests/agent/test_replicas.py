@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.agent.engine_process import pid_is_engine, stop_engines, terminate
-from llmgw.agent.replicas import ReplicaSupervisor
+from llmgw.agent.replicas.process import pid_is_engine, stop_engines, terminate
+from llmgw.agent.replicas.supervisor import ReplicaSupervisor
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """A GPU replica's slots, sized at its start for its card's free memory then: the engine
-is started with --parallel and --ctx-size from llmgw.kv_sizing on the weights file's own
+is started with --parallel and --ctx-size from llmgw.model.kv_sizing on the weights file's own
 geometry; a profile's --parallel wins; a CPU replica keeps llama-server's default slots;
 a card filled since the placement fails the start, saying free against needed."""
 
@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from llmgw import kv_sizing
-from llmgw.agent.engine_process import Record
-from llmgw.agent.replicas import Replica, ReplicaSupervisor
+from llmgw.model import kv_sizing
+from llmgw.agent.replicas.process import Record
+from llmgw.agent.replicas.supervisor import Replica, ReplicaSupervisor
 from llmgw.agent.sizing import DoesNotFit, gpu_args
 from llmgw.contract import CUDA_ENGINE
-from llmgw.ggufmeta import geometry
+from llmgw.model.ggufmeta import geometry
 from tests.tiny_gguf import write_tiny_gguf
 
 MIB = 1 << 20
@@ -32,7 +32,7 @@ def tiny(tmp_path: Path) -> Path:
 
 def test_a_gpu_replica_gets_the_formulas_slots_for_its_cards_free_memory(tiny: Path) -> None:
     """The tiny GGUF on an H100 with 80,535 MiB free: 64 slots of its 2048-token training
-    context (kv_sizing; tests/test_kv_sizing.py works the sums out), the profile's other
+    context (kv_sizing; tests/model/test_kv_sizing.py works the sums out), the profile's other
     args kept and its --ctx-size read as each slot's."""
     sized = gpu_args(["--ctx-size", "32768", "--temp", "0.2"], tiny, ["GPU-a"], [CARD])
     assert sized.args == ["--temp", "0.2", "--parallel", "64", "--ctx-size", str(64 * 2048)]

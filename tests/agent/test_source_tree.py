@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent._build import BuildError, find_tree
+from llmgw.agent.engines._build import BuildError, find_tree
 
 
 def make(root: Path, *files: str) -> None:

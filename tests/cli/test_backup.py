@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from llmgw import cli, config
-from llmgw.control.store import Store
-from llmgw.control.store.copy import compare, read
-from llmgw.netaddr import free_port
+from llmgw.store import Store
+from llmgw.store.copy import compare, read
+from llmgw.host.netaddr import free_port
 from tests.postgres import PASSWORD
 from tests.test_backup import _control_plane
 
@@ -217,9 +217,9 @@ def test_backup_and_store_migrate_without_a_control_plane_exit_3(
 def test_a_backup_into_a_folder_that_cannot_be_written_is_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _control_plane(tmp_path / "a")
-    assert cli.main(["backup", "--out", "/proc/llmgw.backup", *_state(tmp_path, "a")]) == 1
+    assert cli.main(["backup", "--out", "/proc/llmgw.cli.backup", *_state(tmp_path, "a")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("llmgw backup: cannot write /proc/llmgw.backup") and \
+    assert err.startswith("llmgw backup: cannot write /proc/llmgw.cli.backup") and \
         err.count("\n") == 1, err
     out = tmp_path / "cp.backup"
     assert cli.main(["backup", "--out", str(out), *_state(tmp_path, "a")]) == 0, "control"

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw import __version__, admin_token
+from llmgw import __version__
+from llmgw.host import admin_token
 from llmgw.control.admin_api import make_admin_app
-from llmgw.control.store import Store
-from llmgw.netaddr import free_port
-from tests.control.servers import serve_asgi
+from llmgw.store import Store
+from llmgw.host.netaddr import free_port
+from tests.servers import serve_asgi
 
 MODEL = {"name": "tiny", "aliases": ["tiny-chat"], "source": "http://m/tiny.gguf",
          "profiles": [{"name": "cpu", "engine": "llamacpp"}]}

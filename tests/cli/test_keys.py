@@ -12,14 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw import admin_token
+from llmgw.host import admin_token
 from llmgw.config import ServerConfig
-from llmgw.control._upstream import Upstream
+from llmgw.gateway._upstream import Upstream
 from llmgw.control.admin_api import make_admin_app
-from llmgw.control.gateway import make_gateway_app
-from llmgw.control.store import Store
+from llmgw.gateway.app import make_gateway_app
+from llmgw.store import Store
 from tests.cli.test_day2 import MODEL, write_server_yaml
-from tests.control.servers import serve_asgi, serve_gateway
+from tests.servers import serve_asgi, serve_gateway
 
 
 def llmgw(state: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import admin_token, cli, config, pki
+from llmgw.host import admin_token, pki
+from llmgw import cli, config
 from llmgw.control.admin_api import make_admin_app
-from llmgw.control.store import Store
-from llmgw.layout import Layout
-from tests.control.servers import serve_asgi
+from llmgw.store import Store
+from llmgw.host.layout import Layout
+from tests.servers import serve_asgi
 
 
 def _state(root: Path) -> list[str]:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from llmgw import admin_token, pki
+from llmgw.host import admin_token, pki
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
-from llmgw.control.store import Store
+from llmgw.store import Store
 
 
 @dataclass

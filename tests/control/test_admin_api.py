@@ -199,7 +199,7 @@ def test_a_replica_on_cpu_on_a_gpu_node_says_why_it_is_not_on_the_gpu(live_contr
     """GET /api/v1/replicas: held_back names the card and its free memory against what
     the model needs; `llmgw status` shows it as a `!!` line. The control: a card with room
     (the move is due) has nothing to explain, and neither has a node without GPUs."""
-    from llmgw.commands.status import render
+    from llmgw.cli.commands.status import render
 
     cp = live_control_plane
     gib = 1 << 30
@@ -233,7 +233,7 @@ def test_a_replica_on_cpu_on_a_gpu_node_says_why_it_is_not_on_the_gpu(live_contr
 
 
 def test_status_shows_each_cards_free_memory_or_that_it_stopped_answering() -> None:
-    from llmgw.commands.status import render
+    from llmgw.cli.commands.status import render
 
     card = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_mb": 81_559, "uuid": "GPU-a"}
     node = {"id": "n", "state": "ready", "engines": ["llamacpp"], "last_seen": 0.0,

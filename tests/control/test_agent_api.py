@@ -8,7 +8,7 @@ import ssl
 import httpx
 import pytest
 
-from llmgw import pki
+from llmgw.host import pki
 from llmgw.contract import AgentPaths
 from llmgw_harness._tls import anonymous_request
 
@@ -176,7 +176,7 @@ def test_the_heartbeat_answer_names_every_live_control_plane(live_control_plane)
 
 def test_without_a_list_the_answer_names_this_control_plane_alone(tmp_path) -> None:
     from llmgw.control.agent_api import AgentAPI
-    from llmgw.control.store import Store
+    from llmgw.store import Store
 
     store = Store(tmp_path / "db")
     try:

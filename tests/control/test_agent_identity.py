@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import pki
+from llmgw.host import pki
 from llmgw.agent.client import AgentAPIError, AgentClient
 from llmgw.config import TLSFiles
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
-from llmgw.control.store import Store
+from llmgw.store import Store
 
 
 @pytest.fixture

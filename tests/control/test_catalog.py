@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.control.catalog import HEADER_LIMIT, read_file_facts
-from llmgw.ggufmeta import geometry
+from llmgw.model.ggufmeta import geometry
 from tests import tiny_gguf
 
 TINY = {"block_count": tiny_gguf.N_LAYER, "context_length": tiny_gguf.N_CTX,

@@ -1,4 +1,4 @@
-"""llmgw.control_plane_join: the fleet's shared secrets sealed with a certificate key the
+"""llmgw.cli.control_plane_join: the fleet's shared secrets sealed with a certificate key the
 store never sees, handed out once for a control-plane token over the agent API (a real
 one, TLS with a CA made now), and opened only with that key."""
 
@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import config, control_plane_join, pki
+from llmgw import config
+from llmgw.cli import control_plane_join
+from llmgw.host import pki
 from llmgw.agent.join import JoinError
-from llmgw.layout import Layout
+from llmgw.host.layout import Layout
 
 
 def _fleet(root: Path) -> tuple[Layout, config.ServerConfig]:

@@ -10,10 +10,10 @@ import httpx
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw import pki
+from llmgw.host import pki
 from llmgw.control._fleet_metrics import card_answers
 from llmgw.control.metrics import ControlPlaneMetrics
-from llmgw.control.store import Store
+from llmgw.store import Store
 from tests.postgres import PostgresServer
 
 H100 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_mb": 81559, "uuid": "GPU-a",

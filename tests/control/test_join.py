@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw import pki
+from llmgw.host import pki
 from llmgw.agent.client import AgentClient
 from llmgw.agent.join import JoinError, join
 from llmgw.config import TLSFiles
@@ -147,7 +147,7 @@ def test_renewal_swaps_the_certificate_over_mtls(live_control_plane, tmp_path) -
 
 def test_an_agent_renews_a_certificate_that_expires_soon(live_control_plane, tmp_path) -> None:
     from llmgw.agent.agent import Agent
-    from llmgw.agent.engine import LlamaCpp
+    from llmgw.agent.engines.cpu import LlamaCpp
     from llmgw.agent.gpus import Discovery
     from llmgw.config import AgentConfig, EngineConfig
 
@@ -168,7 +168,7 @@ def test_an_agent_renews_a_certificate_that_expires_soon(live_control_plane, tmp
 def test_negative_control_a_certificate_far_from_expiry_is_kept(live_control_plane,
                                                                  tmp_path) -> None:
     from llmgw.agent.agent import Agent
-    from llmgw.agent.engine import LlamaCpp
+    from llmgw.agent.engines.cpu import LlamaCpp
     from llmgw.agent.gpus import Discovery
     from llmgw.config import AgentConfig, EngineConfig
 
@@ -189,7 +189,7 @@ def test_negative_control_a_certificate_far_from_expiry_is_kept(live_control_pla
 def test_the_heartbeat_answer_names_the_mirror(tmp_path) -> None:
     """A node finds the mirror through the control plane, not a local server.yaml."""
     from llmgw.control.agent_api import AgentAPI
-    from llmgw.control.store import Store
+    from llmgw.store import Store
 
     store = Store(tmp_path / "db")
     answer = AgentAPI(store, mirror_url="http://10.0.0.1:8081").heartbeat("n1", {})

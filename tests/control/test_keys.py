@@ -7,7 +7,7 @@ import datetime as dt
 
 import pytest
 
-from llmgw.control import keys
+from llmgw.contract import keys
 
 
 def test_a_new_key_has_its_shape_and_only_its_hash_is_derived() -> None:

@@ -10,10 +10,11 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from llmgw.control.dataplane import metrics_app
-from llmgw.control.metrics import ControlPlaneMetrics, GatewayMetrics, relabel
-from llmgw.control.store import Store
-from tests.control.servers import refused_endpoint, serve_asgi
+from llmgw.gateway.dataplane import metrics_app
+from llmgw.control.metrics import ControlPlaneMetrics, relabel
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.store import Store
+from tests.servers import refused_endpoint, serve_asgi
 
 ENGINE = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
 # TYPE llamacpp:prompt_tokens_total counter
@@ -81,7 +82,7 @@ def test_the_gateways_plain_counts_expose_as_prometheus_client_metrics_would() -
     and Histogram gave for the same requests."""
     from prometheus_client import Counter, Histogram
 
-    from llmgw.control.metrics import DURATION_BUCKETS
+    from llmgw.gateway.metrics import DURATION_BUCKETS
 
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     metrics = GatewayMetrics(ours)

@@ -10,7 +10,7 @@ import pytest
 
 from llmgw.agent.agent import Agent
 from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved
-from llmgw.agent.engine import LlamaCpp
+from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.gpus import Discovery
 from llmgw.agent.workload import NoReplicas
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles

@@ -7,7 +7,7 @@ from typing import Any
 
 from llmgw.contract.records import NodeRecord
 from llmgw.control.nodes import Hearing, node_view, silence_s
-from llmgw.control.store import Store
+from llmgw.store import Store
 
 TIMEOUT_S = 30.0
 

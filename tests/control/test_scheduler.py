@@ -105,7 +105,7 @@ def test_satisfied_model_changes_nothing() -> None:
 
 def test_tick_applies_the_plan_and_forgets_long_stopped_replicas(tmp_path) -> None:
     from llmgw.control.scheduler import KEEP_STOPPED_S, Scheduler
-    from llmgw.control.store import Store
+    from llmgw.store import Store
 
     now = [1000.0]
     store = Store(tmp_path / "db", clock=lambda: now[0])

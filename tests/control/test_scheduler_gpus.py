@@ -206,7 +206,7 @@ def test_tick_stores_the_assigned_gpus(tmp_path, gpus: list[str]) -> None:
     """The UUIDs reach the replica row (what the agent API hands the agent); a CPU
     profile's row has none."""
     from llmgw.control.scheduler import Scheduler
-    from llmgw.control.store import Store
+    from llmgw.store import Store
 
     store = Store(tmp_path / "db")
     engines = ["llamacpp", "llamacpp-cuda"] if gpus else ["llamacpp"]

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 from llmgw.control.leadership import ID_FILE, Identity, Leadership, control_plane_id
 from llmgw.control.scheduler import Scheduler
-from llmgw.control.store import LeaseLost, Store, StoreError
+from llmgw.store import LeaseLost, Store, StoreError
 from tests.control.test_scheduler import PIN, model
 
 

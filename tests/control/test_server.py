@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import yaml
 
-from llmgw import pki
-from llmgw.control.store import Store
-from llmgw.netaddr import free_port
-from llmgw.waiting import Probe, wait_until
-from tests.control.servers import admin_test_client
+from llmgw.host import pki
+from llmgw.store import Store
+from llmgw.host.netaddr import free_port
+from llmgw.host.waiting import Probe, wait_until
+from tests.servers import admin_test_client
 from tests.served import CONNECT, CORE_REFUSAL, connect_answer, imported
 
 
@@ -63,7 +63,7 @@ def test_the_admin_api_runs_on_llmgws_core_and_sigterm_stops_it_cleanly(
     said = log.read_text(errors="replace")
     assert "received SIGTERM; shutting down" in said and "control plane stopped" in said
     modules = imported(log)
-    assert {"fastapi", "llmgw.control.admin_api", "llmgw._http1"} <= modules
+    assert {"fastapi", "llmgw.control.admin_api", "llmgw.http1.server"} <= modules
     assert not {m for m in modules if m.split(".")[0] == "uvicorn"}
 
     store = Store(tmp_path / "in-process.db")

@@ -12,10 +12,10 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from llmgw.control.store import Store
-from tests.control.servers import admin_test_client, scripted_upstream
-from tests.control.test_gateway import MODEL, json_answer, ready
-from tests.control.test_gateway_keys import chat, client, gateway, key
+from llmgw.store import Store
+from tests.servers import admin_test_client, scripted_upstream
+from tests.gateway.test_gateway import MODEL, json_answer, ready
+from tests.gateway.test_gateway_keys import chat, client, gateway, key
 from tests.postgres import PostgresServer
 
 

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from llmgw.control.scheduler import Scheduler
-from llmgw.control.store import LeaseLost, Store, StoreError
+from llmgw.store import LeaseLost, Store, StoreError
 from tests.control.test_scheduler import PIN, model
 from tests.control.test_scheduler_lease import Clock, _leader
 

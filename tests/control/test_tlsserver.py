@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from llmgw import pki
+from llmgw.host import pki
 from llmgw.agent.client import AgentClient
 from llmgw.config import AGENT_LIMITS, TLSFiles
 from llmgw.contract import AgentPaths
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
-from llmgw.control.store import Store
+from llmgw.store import Store
 
 # How long past a deadline a test waits for the close it promises: the machine is shared,
 # and a deadline's timer fires late when the loop is busy.

@@ -13,9 +13,11 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw import pki, watch
-from llmgw.control.metrics import ControlPlaneMetrics, GatewayMetrics, gateway_metrics
-from llmgw.control.store import Store
+from llmgw.host import pki
+from llmgw.cli import watch
+from llmgw.control.metrics import ControlPlaneMetrics, gateway_metrics
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.store import Store
 from llmgw.mirror._downloads import Manager
 from llmgw.mirror._metrics import ServedCounter
 from llmgw.mirror._metrics import registry as mirror_registry

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from llmgw.netaddr import free_port
+from llmgw.host.netaddr import free_port
 from tests.deploy.promql import (
     RULES,
     SCRAPE_CONFIG,

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from llmgw import pki
+from llmgw.host import pki
 from llmgw.agent.join import JoinError, join
 from llmgw.config import TLSFiles
 from llmgw.control.client import AdminClient

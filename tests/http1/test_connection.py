@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from llmgw._http1 import BODY_READ_AHEAD_BYTES, MAX_HEAD_BYTES
-from llmgw._http1_limits import Limits
-from tests.control.servers import events_released_by, serve_gateway
+from llmgw.http1.server import BODY_READ_AHEAD_BYTES, MAX_HEAD_BYTES
+from llmgw.http1.limits import Limits
+from tests.servers import events_released_by, serve_gateway
 from tests.http1.servers import echo_path_app, port_of, running
 from tests.http1.wire import WAIT_S, Client, answer, get, read_body
 

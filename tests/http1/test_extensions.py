@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from llmgw import pki
-from llmgw._http1 import SENDFILE_CHUNK_BYTES
+from llmgw.host import pki
+from llmgw.http1.server import SENDFILE_CHUNK_BYTES
 from tests.http1.servers import LoopKind, accepting, in_loop, running
 from tests.http1.wire import Client, get
 

@@ -1,4 +1,4 @@
-"""The sans-IO request parser (`llmgw._http1_parse`) alone, as h11 is tested: bytes in,
+"""The sans-IO request parser (`llmgw.http1._parse`) alone, as h11 is tested: bytes in,
 events out, no server, socket or loop.
 
 The hostile-input corpus the servers are held to (test_conformance.py) is fed to it
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from llmgw import _http1_parse
-from llmgw._http1_limits import Limits
-from llmgw._http1_parse import RequestParser
+from llmgw.http1 import _parse
+from llmgw.http1.limits import Limits
+from llmgw.http1._parse import RequestParser
 from tests.http1.test_conformance import HOW, SEED, _expected, load, pieces, rfc_refusal, vectors
 
 
@@ -298,6 +298,6 @@ IO = {"asyncio", "socket", "ssl", "time", "selectors", "threading", "os"}
 
 def test_the_parser_imports_no_io_loop_or_clock() -> None:
     """Control: the connection module, which does I/O, is caught by the same check."""
-    from llmgw import _http1_conn
-    assert _imports(_http1_parse) & IO == set()
-    assert _imports(_http1_conn) & IO
+    from llmgw.http1 import _conn
+    assert _imports(_parse) & IO == set()
+    assert _imports(_conn) & IO

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from llmgw import pki
-from llmgw._http1 import IDLE_DRAIN_S, Http1Server
-from llmgw.netaddr import free_port
-from tests.control.servers import serve_gateway
+from llmgw.host import pki
+from llmgw.http1.server import IDLE_DRAIN_S, Http1Server
+from llmgw.host.netaddr import free_port
+from tests.servers import serve_gateway
 from tests.http1.servers import echo_path_app, port_of, running, wait_for
 from tests.http1.wire import WAIT_S, Client, answer, get
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from llmgw.config import CHECK_INTERVAL_S, CHECK_LISTEN, parse_listen
-from llmgw.layout import Layout
+from llmgw.host.layout import Layout
 from llmgw_harness import watch
 from llmgw_harness._host import Host
 from llmgw_harness.settings import HostSettings, Listen

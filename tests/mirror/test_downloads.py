@@ -88,7 +88,7 @@ def test_a_download_resumes_after_the_mirror_restarts(start_mirror, data, sig):
 
 
 def _wait_bytes(mirror, at_least: int) -> None:
-    from llmgw.waiting import Probe, wait_until
+    from llmgw.host.waiting import Probe, wait_until
 
     def look() -> Probe:
         with mirror.client() as api:

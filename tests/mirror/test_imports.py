@@ -57,7 +57,7 @@ def _send_part(mirror: MirrorProcess, path: Path, data: bytes, upto: int) -> Non
 
 
 def _wait_bytes(mirror: MirrorProcess, n: int) -> None:
-    from llmgw.waiting import Probe, wait_until
+    from llmgw.host.waiting import Probe, wait_until
 
     def look() -> Probe:
         with mirror.client() as api:

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from llmgw import admin_token
-from llmgw._http1_limits import Limits
+from llmgw.host import admin_token
+from llmgw.http1.limits import Limits
 from llmgw.mirror import MirrorClient, MirrorError
 from llmgw.mirror._api import make_api
 from llmgw.mirror._downloads import Manager
-from llmgw.netaddr import free_port
-from llmgw.waiting import Probe, wait_until
+from llmgw.host.netaddr import free_port
+from llmgw.host.waiting import Probe, wait_until
 from tests.served import CONNECT, CORE_REFUSAL, connect_answer, imported
 
 
@@ -67,7 +67,7 @@ def test_the_management_api_runs_on_llmgws_core_and_sigterm_stops_it_cleanly(
     said = log.read_text(errors="replace")
     assert "received SIGTERM; shutting down" in said and "mirror stopped" in said
     modules = imported(log)
-    assert {"fastapi", "llmgw.mirror._api", "llmgw._http1"} <= modules
+    assert {"fastapi", "llmgw.mirror._api", "llmgw.http1.server"} <= modules
     assert not {m for m in modules if m.split(".")[0] == "uvicorn"}
 
     manager = Manager(tmp_path / "in-process", "http://127.0.0.1:1")

@@ -191,13 +191,13 @@ def test_the_agents_cuda_configure_line_passes_on_the_packed_tree(packed: Path,
     from wheels, configures the packed tree (no build); then, as a negative control, the
     same tree short of one template instance stops at configure, naming it."""
     _cached_toolkit()
-    from llmgw.agent import _build, _cmake, _cuda
+    from llmgw.agent.engines import _build, _cmake, _toolchain
     from llmgw.agent.gpus import GPU, Discovery
 
     gc = gpu_check()
     h200 = Discovery([GPU(0, "NVIDIA H200", 143771, "GPU-x", "h200", 143000, "9.0")],
                      cuda_driver="13.0")
-    toolchain = _cuda.find_toolchain(gc.CACHE, h200, roots=(), search_path="/usr/bin:/bin")
+    toolchain = _toolchain.find_toolchain(gc.CACHE, h200, roots=(), search_path="/usr/bin:/bin")
     tree = _build.unpack(packed, tmp_path / "src")
 
     def configure(build: str) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent import cache
+from llmgw.agent.engines import cache
 from tests.system.container import (
     DEFAULT_PORTS,
     SYSTEM_PATHS,

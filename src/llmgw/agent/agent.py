@@ -15,11 +15,11 @@ from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
 from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved, Unreachable
 from llmgw.agent.control_planes import ControlPlanes
-from llmgw.agent.cuda_engine import CudaEngine
-from llmgw.agent.engine import LlamaCpp
-from llmgw.agent.engine_process import memlock_for_engines, preset_socket_ifnames
+from llmgw.agent.engines.cuda import CudaEngine
+from llmgw.agent.engines.cpu import LlamaCpp
+from llmgw.agent.replicas.process import memlock_for_engines, preset_socket_ifnames
 from llmgw.agent.join import needs_renewal, renewal_request
-from llmgw.agent.replicas import GPU_START_ATTEMPTS, ReplicaSupervisor
+from llmgw.agent.replicas.supervisor import GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
 from llmgw.contract import CUDA_ENGINE, EngineState

@@ -10,8 +10,9 @@ import httpx
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from llmgw import _httpclient, pki
-from llmgw._files import atomic_write
+from llmgw import httpclient
+from llmgw.host import pki
+from llmgw.host.files import atomic_write
 from llmgw.agent.join import refusal
 from llmgw.config import TLSFiles
 from llmgw.contract import AgentPaths
@@ -41,7 +42,7 @@ _REVOKED = "CERTIFICATE_REVOKED"
 def client_context(tls: TLSFiles) -> ssl.SSLContext:
     """Trust only the cluster CA; prove this node with its certificate."""
     try:
-        return _httpclient.tls(ca=tls.ca, cert=tls.cert, key=tls.key)
+        return httpclient.tls(ca=tls.ca, cert=tls.cert, key=tls.key)
     except (OSError, ssl.SSLError) as e:
         raise AgentAPIError(
             f"cannot load the node's TLS files (ca {tls.ca}, cert {tls.cert}, key {tls.key}): "
@@ -57,7 +58,7 @@ class AgentClient:
         server: str,
         tls: TLSFiles,
         *,
-        timeout: float = _httpclient.TIMEOUT_S,
+        timeout: float = httpclient.TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.server = server.rstrip("/")
@@ -67,10 +68,10 @@ class AgentClient:
         self._http = self._client()
 
     def _client(self) -> httpx.Client:
-        verify: _httpclient.Verify = (client_context(self.tls) if self._transport is None
+        verify: httpclient.Verify = (client_context(self.tls) if self._transport is None
                                       else True)
         limits = httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_S)
-        return _httpclient.client(self.server, verify=verify, timeout=self._timeout,
+        return httpclient.client(self.server, verify=verify, timeout=self._timeout,
                                   transport=self._transport, limits=limits)
 
     @property
@@ -125,8 +126,8 @@ class AgentClient:
         """Whether the control plane's revocation list, signed by the cluster CA, names
         this node's certificate; False when that cannot be told."""
         try:
-            ctx = _httpclient.tls(ca=self.tls.ca)
-            with _httpclient.client(verify=ctx, timeout=self._timeout,
+            ctx = httpclient.tls(ca=self.tls.ca)
+            with httpclient.client(verify=ctx, timeout=self._timeout,
                                     transport=self._transport) as anonymous:
                 crl_pem = anonymous.get(f"{self.server}{AgentPaths.CRL}").json()["crl"]
             crl = x509.load_pem_x509_crl(crl_pem.encode())
@@ -155,7 +156,7 @@ class AgentClient:
                     "revoked: the node was removed (llmgw node rm). Join it again with a new "
                     "token to serve"
                 ) from e
-            raise Unreachable(_httpclient.no_answer(e, f"the control plane at {self.shown}",
+            raise Unreachable(httpclient.no_answer(e, f"the control plane at {self.shown}",
                                                     timeout=self._timeout)) from e
 
     def _body(self, response: httpx.Response) -> Any:

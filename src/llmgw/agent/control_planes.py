@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from llmgw._files import atomic_write
+from llmgw.host.files import atomic_write
 from llmgw.errors import shown_url
 
 log = logging.getLogger("llmgw.agent")

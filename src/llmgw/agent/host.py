@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from llmgw import netaddr
+from llmgw.host import netaddr
 
 LAST_RESORT_INTERFACE = "eth0"
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 from cryptography import x509
 
-from llmgw import _httpclient, pki
-from llmgw._files import atomic_write
+from llmgw import httpclient
+from llmgw.host import pki
+from llmgw.host.files import atomic_write
 from llmgw.contract import AgentPaths
 from llmgw.errors import Error, shown_url
 
@@ -36,7 +37,7 @@ class Joined:
 def join(
     url: str, token: str, ca_hash: str, node_id: str,
     key_path: str | Path, cert_path: str | Path, ca_path: str | Path,
-    *, timeout: float = _httpclient.TIMEOUT_S, transport: httpx.BaseTransport | None = None,
+    *, timeout: float = httpclient.TIMEOUT_S, transport: httpx.BaseTransport | None = None,
 ) -> Joined:
     """Join the control plane at url (https://HOST:7443) as node_id; write the key (0600),
     the signed certificate and the pinned CA."""
@@ -44,8 +45,8 @@ def join(
     ca_pem = pinned_ca(url, ca_hash, timeout)
     key = pki.new_key()
     body = {"token": token, "node_id": node_id, "csr": pki.make_csr(key, node_id).decode()}
-    verify = _httpclient.tls(cadata=ca_pem)
-    with _httpclient.client(verify=verify, timeout=timeout, transport=transport) as http:
+    verify = httpclient.tls(cadata=ca_pem)
+    with httpclient.client(verify=verify, timeout=timeout, transport=transport) as http:
         answer = _post(http, f"{url}{AgentPaths.JOIN}", body, timeout)
     cert = x509.load_pem_x509_certificate(answer["cert"].encode())
     if not pki.key_matches(cert, key) or pki.common_name(cert) != node_id:
@@ -61,10 +62,10 @@ def pinned_ca(url: str, expected: str, timeout: float) -> str:
     """The control plane's CA, fetched without trusting anyone, kept only if its hash is
     the one pinned."""
     # Not verified on purpose: nothing is trusted yet; the hash below is the trust.
-    with _httpclient.answered(JoinError, f"the control plane at {shown_url(url)}", timeout=timeout,
+    with httpclient.answered(JoinError, f"the control plane at {shown_url(url)}", timeout=timeout,
                               then="; check --join and that port 7443 is reachable from "
                                    "this machine"):
-        response = _httpclient.request("GET", f"{url}{AgentPaths.JOIN_CA}", verify=False,
+        response = httpclient.request("GET", f"{url}{AgentPaths.JOIN_CA}", verify=False,
                                        timeout=timeout)
     if response.status_code != 200:
         raise JoinError(f"the control plane at {shown_url(url)} did not hand out its CA "
@@ -89,7 +90,7 @@ def _post(http: httpx.Client, url: str, body: dict[str, str],
         response = http.post(url, json=body)
     except httpx.HTTPError as e:
         raise JoinError(f"the join at {shown_url(url)} failed: "
-                        f"{_httpclient.reason(e, timeout)}") from e
+                        f"{httpclient.reason(e, timeout)}") from e
     if response.status_code != 200:
         raise JoinError(f"the control plane refused the join ({response.status_code}): "
                         f"{refusal(response)}")

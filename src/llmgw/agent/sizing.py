@@ -1,5 +1,5 @@
 """A GPU replica's slots, sized at each start for its cards' free memory at that moment
-(llmgw.kv_sizing's formula, on the geometry of the weights file it runs)."""
+(llmgw.model.kv_sizing's formula, on the geometry of the weights file it runs)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw import kv_sizing
+from llmgw.model import kv_sizing
 from llmgw.contract.records import Gpu
 from llmgw.errors import Error
-from llmgw.ggufmeta import GGUFError, geometry
+from llmgw.model.ggufmeta import GGUFError, geometry
 
 MIB = kv_sizing.MIB
 

@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 from typing_extensions import TypedDict
 
 from llmgw.contract.states import CPU_ENGINE
-from llmgw.engine_args import check_engine_args
+from llmgw.model.engine_args import check_engine_args
 
 # A profile names the engine family; a GPU profile runs on its CUDA build (llamacpp-cuda).
 ENGINES = (CPU_ENGINE,)

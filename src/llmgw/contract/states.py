@@ -63,7 +63,7 @@ ENGINE_GAVE_UP = frozenset({EngineState.FAILED, EngineState.UNSUPPORTED})
 # An engine that will not be made here, by design: nothing to wait for or warn about.
 ENGINE_NOT_WANTED = frozenset({EngineState.ABSENT, EngineState.SWITCHED_OFF})
 
-# A GPU placement its node gave up on (agent/replicas.py) is tried again before the node
+# A GPU placement its node gave up on (agent/replicas/supervisor.py) is tried again before the node
 # stops reporting it (GIVE_UP_FOR_S there) once its card's free memory, as the heartbeat
 # reports it, has grown by this much (MiB) since: the scheduler's rule, the agent's warning.
 GIVE_UP_FREE_GROWTH_MB = 1024

@@ -9,7 +9,7 @@ steps: its first byte and whole ClientHello must come within first_byte_timeout_
 takes no handshake slot meanwhile: a silent or half-done connection cannot keep a node
 out), then it waits for one of HANDSHAKES_AT_ONCE slots (at most HANDSHAKE_QUEUE_S), then
 the handshake must end within the handshake deadline. The requests are read by the core
-(`llmgw._http1`) under its limits: a head or body that stops part-way is closed by its
+(`llmgw.http1.server`) under its limits: a head or body that stops part-way is closed by its
 deadline, before any certificate check would matter; framing the core refuses (two
 Content-Lengths, an unknown coding, folded lines) never reaches the handler.
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
-from llmgw._asgi import Receive, Scope, Send
-from llmgw._http1 import Http1Server
-from llmgw._http1_limits import Limits
+from llmgw.http1.asgi import Receive, Scope, Send
+from llmgw.http1.server import Http1Server
+from llmgw.http1.limits import Limits
 from llmgw.config import AGENT_LIMITS
 
 log = logging.getLogger("llmgw.agent_api")

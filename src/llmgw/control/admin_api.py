@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
-from llmgw import _httpclient
+from llmgw import httpclient
 from llmgw.contract import AdminPaths
 from llmgw.contract.catalog import CatalogModel, names
 from llmgw.contract.explain import problems
@@ -32,7 +32,8 @@ from llmgw.contract.records import (
     ReplicaLog,
     ReplicaRecord,
 )
-from llmgw.control import keys, viewers
+from llmgw.contract import keys
+from llmgw.control import viewers
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import read_file_facts
 from llmgw.control.drift import DriftBoard, add_drift_routes
@@ -40,7 +41,7 @@ from llmgw.control.leadership import control_plane_views
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import held_back
-from llmgw.control.store import Store, StoreError
+from llmgw.store import Store, StoreError
 from llmgw.control.ui import AdminAccess, Credentials, Sessions, TrafficWatch, add_fleet_page
 
 log = logging.getLogger("llmgw.admin_api")
@@ -83,7 +84,7 @@ def replica_log(store: Store, rid: str, n: int) -> ReplicaLog:
 
 class TokenRequest(BaseModel):
     ttl_s: float = Field(3600.0, gt=0, le=7 * 24 * 3600)
-    # A control-plane token's sealed bundle (llmgw.control_plane_join.seal): kept with the
+    # A control-plane token's sealed bundle (llmgw.cli.control_plane_join.seal): kept with the
     # token's hash, handed to whoever spends it; this process cannot open it.
     bundle: str = Field("", max_length=1 << 20)
 
@@ -192,7 +193,7 @@ def make_admin_app(
                       "by itself, so try again once the database answers"})
     metrics = metrics or ControlPlaneMetrics(store, node_timeout_s)
     # httpx's own default wait; each scrape names its own (ENGINE_SCRAPE_TIMEOUT_S).
-    scraper = _httpclient.async_client(timeout=5.0)
+    scraper = httpclient.async_client(timeout=5.0)
     add_drift_routes(app, drift or DriftBoard())
     add_fleet_page(app, credentials, sessions, TrafficWatch(metrics.gateway_url, scraper))
 

@@ -21,8 +21,8 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from pydantic import ValidationError
 
-from llmgw import pki
-from llmgw._http1_limits import Limits
+from llmgw.host import pki
+from llmgw.http1.limits import Limits
 from llmgw.contract import AgentPaths, ReplicaState
 from llmgw.contract.records import (
     DRIFT_REPORT,
@@ -38,8 +38,8 @@ from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.drift import DriftBoard
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import needed_engine
-from llmgw.control.store import Store, StoreError
-from llmgw.engine_args import engine_args
+from llmgw.store import Store, StoreError
+from llmgw.model.engine_args import engine_args
 
 log = logging.getLogger("llmgw.agent_api")
 

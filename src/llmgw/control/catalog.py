@@ -7,10 +7,10 @@ import logging
 
 import httpx
 
-from llmgw import _httpclient
+from llmgw import httpclient
 from llmgw.contract.records import Geometry as GeometrySpec
 from llmgw.errors import shown_url
-from llmgw.ggufmeta import ChunkReader, GGUFError, read_geometry
+from llmgw.model.ggufmeta import ChunkReader, GGUFError, read_geometry
 
 log = logging.getLogger("llmgw.catalog")
 
@@ -30,7 +30,7 @@ def read_file_facts(source: str, *, timeout_s: float = HEADER_TIMEOUT_S,
         return 0, {}, f"{shown} is not an http(s) URL (the mirror's are)"
     headers = {"Range": f"bytes=0-{HEADER_LIMIT - 1}"}
     try:
-        with _httpclient.client(timeout=timeout_s, transport=transport) as client, \
+        with httpclient.client(timeout=timeout_s, transport=transport) as client, \
                 client.stream("GET", source, headers=headers) as r:
             if r.status_code not in (200, 206):
                 return 0, {}, f"GET {shown} answered {r.status_code}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llmgw._jsonclient import JSONClient
+from llmgw.httpclient import JSONClient
 from llmgw.contract import AdminPaths
 from llmgw.contract.records import (
     ControlPlaneView,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.contract.records import ControlPlaneView
-from llmgw.control.store import Lease, LeaseLost, Store, StoreError
+from llmgw.store import Lease, LeaseLost, Store, StoreError
 
 log = logging.getLogger("llmgw.server")
 

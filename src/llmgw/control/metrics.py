@@ -24,7 +24,7 @@ from llmgw.contract.records import NodeRecord, ReplicaRecord
 from llmgw.control import _fleet_metrics as fleet
 from llmgw.control.leadership import control_plane_views
 from llmgw.control.nodes import node_view
-from llmgw.control.store import Store, StoreError
+from llmgw.store import Store, StoreError
 
 ENGINE_SCRAPE_TIMEOUT_S = 2.0
 

@@ -15,7 +15,7 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
-from llmgw import kv_sizing
+from llmgw.model import kv_sizing
 from llmgw.contract import (
     CPU_ENGINE,
     CUDA_ENGINE,
@@ -33,7 +33,7 @@ from llmgw.contract.records import (
     ReplicaRecord,
 )
 from llmgw.control.nodes import gpu_engine_switched_off, node_view
-from llmgw.control.store import Lease, Store
+from llmgw.store import Lease, Store
 
 log = logging.getLogger("llmgw.scheduler")
 
@@ -76,7 +76,7 @@ def needed_engine(profile: ProfileSpec) -> str:
 
 
 # --- what a model takes on a GPU ---
-# One formula, llmgw.kv_sizing's: the agent sizes a GPU replica's slots by it, and a card
+# One formula, llmgw.model.kv_sizing's: the agent sizes a GPU replica's slots by it, and a card
 # fits a model when it gives the model at least one slot.
 
 

@@ -12,16 +12,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from llmgw import pki
-from llmgw._http1 import Http1Server
-from llmgw._service import listening, on_stop_signals
+from llmgw.host import pki
+from llmgw.http1.server import Http1Server
+from llmgw.http1.service import listening, on_stop_signals
 from llmgw.config import ServerConfig, connect_host, parse_listen
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.leadership import Identity, Leadership, control_plane_id
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.scheduler import Scheduler
-from llmgw.control.store import LeaseLost, Store, StoreError
+from llmgw.store import LeaseLost, Store, StoreError
 
 log = logging.getLogger("llmgw.server")
 
@@ -147,7 +147,7 @@ def _raise_open_files() -> None:
 async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
     """Run until SIGTERM or SIGINT, then stop every listener and close the database.
 
-    admin_token_hash: the file holding the admin token's sha256 (admin_token.py)."""
+    admin_token_hash: the file holding the admin token's sha256 (host/admin_token.py)."""
     _raise_open_files()
     tune_gc()
     store = Store(config.store_at())

@@ -1,6 +1,6 @@
 """The bytes server: GET and HEAD of finished files, with single ranges, nothing else.
 
-Served by llmgw's HTTP/1.1 core (`llmgw._http1`), which reads every request under its
+Served by llmgw's HTTP/1.1 core (`llmgw.http1.server`), which reads every request under its
 limits and deadlines (a head one byte at a time, two Content-Lengths, a client that stops
 reading a multi-gigabyte answer) before this app sees it. Not Starlette's FileResponse,
 which reads the file in a worker thread and pushes every chunk through the ASGI loop:
@@ -24,9 +24,9 @@ from http import HTTPStatus
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from llmgw._asgi import Receive, Scope, Send
-from llmgw._http1 import Http1Server
-from llmgw._http1_limits import Limits
+from llmgw.http1.asgi import Receive, Scope, Send
+from llmgw.http1.server import Http1Server
+from llmgw.http1.limits import Limits
 from llmgw.mirror._disk import is_name
 from llmgw.mirror._downloads import Manager, Servable
 from llmgw.mirror._metrics import ServedCounter

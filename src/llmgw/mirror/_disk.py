@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw._files import atomic_write
+from llmgw.host.files import atomic_write
 
 # One path component: no separators, no leading dot (so never '.', '..' or a hidden file).
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,127}$"

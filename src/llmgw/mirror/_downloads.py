@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from llmgw import _httpclient
+from llmgw import httpclient
 from llmgw.contract.records import MirrorVersion
 from llmgw.errors import shown_url
 from llmgw.mirror import _sources as sources
@@ -66,7 +66,7 @@ class Manager:
         # The only folders a file:// source may be read from (the mirror may run as root).
         self.import_dirs = tuple(Path(d).resolve() for d in import_dirs)
         self._receiving: set[tuple[str, str]] = set()
-        self._client = client or _httpclient.client(
+        self._client = client or httpclient.client(
             follow_redirects=True, timeout=httpx.Timeout(30.0, connect=10.0)
         )
         self._lock = threading.Lock()

@@ -9,7 +9,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from llmgw._jsonclient import JSONClient
+from llmgw.httpclient import JSONClient
 from llmgw.contract.records import MirrorVersion
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT
 from llmgw.mirror._errors import MirrorError, MirrorNotFound

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import admin_token
+from llmgw.host import admin_token
 from llmgw.control.admin_api import make_admin_app
-from llmgw.control.store import Store
-from tests.control.servers import serve_asgi
+from llmgw.store import Store
+from tests.servers import serve_asgi
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from llmgw import admin_token
+from llmgw.host import admin_token
 from llmgw.control.ui.sessions import COOKIE
 
 MODEL = {"name": "tiny", "source": "http://127.0.0.1:8081/tiny/1/tiny.gguf",

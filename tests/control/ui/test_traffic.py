@@ -14,10 +14,10 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 
-from llmgw.control.metrics import GatewayMetrics
+from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.control.ui.traffic import TrafficWatch, compare, parse, quantile
-from llmgw.netaddr import free_port
-from tests.control.servers import serve_asgi
+from llmgw.host.netaddr import free_port
+from tests.servers import serve_asgi
 
 
 def observed(gateway: GatewayMetrics, model: str, status: int, seconds: float,

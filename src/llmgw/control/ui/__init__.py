@@ -12,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from llmgw.contract import AdminPaths
-from llmgw.control.store import StoreError
+from llmgw.store import StoreError
 from llmgw.control.ui.access import PAGE, AdminAccess, Credentials, signed_in
 from llmgw.control.ui.sessions import (
     LIFETIME_S,

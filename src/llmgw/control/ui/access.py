@@ -11,8 +11,8 @@ from typing import Any
 
 import anyio
 
-from llmgw.admin_token import ASGIApp, RequireAdminToken, Verifier, _refuse, hash_token
-from llmgw.control.store import Store, StoreError
+from llmgw.host.admin_token import ASGIApp, RequireAdminToken, Verifier, _refuse, hash_token
+from llmgw.store import Store, StoreError
 from llmgw.control.ui.sessions import (
     LIFETIME_S,
     PER_CREDENTIAL,

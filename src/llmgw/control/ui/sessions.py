@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmgw.control.store import Store
+from llmgw.store import Store
 
 COOKIE = "llmgw_session"
 LIFETIME_S = 12 * 3600.0

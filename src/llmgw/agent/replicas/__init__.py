@@ -1,0 +1,1 @@
+"""A node's replicas: the engine processes it runs, supervised, probed, given up on."""

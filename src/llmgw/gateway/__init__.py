@@ -1,0 +1,1 @@
+"""The gateway process: the OpenAI-compatible data plane in front of the replicas."""

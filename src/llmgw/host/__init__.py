@@ -1,0 +1,2 @@
+"""This machine's authority and files: certificates, the admin token, accounts, the
+install layout, services."""

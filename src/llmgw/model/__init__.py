@@ -1,0 +1,1 @@
+"""What every process knows of a model: GGUF metadata, KV sizing, engine arguments."""
