@@ -205,7 +205,7 @@ def test_llama_cpp_allocates_what_the_formula_says(tmp_path: Path, llama_server:
 
 
 def test_no_more_slots_than_the_gateway_holds_connections_to_a_replica() -> None:
-    from llmgw.gateway._upstream import MAX_CONNECTIONS_PER_REPLICA
+    from llmgw.model.engine_args import MAX_CONNECTIONS_PER_REPLICA
 
     assert MAX_SLOTS == MAX_CONNECTIONS_PER_REPLICA
 

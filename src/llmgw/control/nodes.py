@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from llmgw.contract import CUDA_ENGINE, EngineState, NodeState
 from llmgw.contract.records import NodeRecord, NodeView
-
-
-@dataclass(frozen=True)
-class Hearing:
-    """Since when this control plane hears heartbeats, and the newest one stored before.
-
-    A node cannot beat to a control plane that is down or starting: its silence is
-    counted from `since`, not from its last beat, unless it was already silent when the
-    previous control plane last heard anyone (`last_before`). So a restart keeps every
-    node's state for one node timeout while the agents reconnect. The defaults count
-    silence from the last beat alone."""
-
-    since: float = float("-inf")
-    last_before: float = float("-inf")
-
-
-ALWAYS_HEARD = Hearing()
+# Kept by the store (which counts silence from it); said here with the rest of a node's state.
+from llmgw.store.nodes import ALWAYS_HEARD, Hearing
 
 
 def silence_s(last_seen: float, now: float, timeout_s: float,

@@ -23,16 +23,8 @@ from urllib.parse import urlsplit
 from llmgw.config import ServerConfig
 from llmgw.gateway._replica_conn import Replica, ReplicaConnection, TooLarge
 from llmgw.errors import Error
+from llmgw.model.engine_args import MAX_CONNECTIONS_PER_REPLICA
 
-# cpp-httplib gives each open connection one of the engine's HTTP threads for as long as
-# requests keep coming on it; a connection beyond the threads waits, unserved, until one
-# frees. With 32 busy keep-alive connections on a default engine (6 threads: slots + 2) a
-# new connection waited 5-7 s, and so did the agent's /health probe, on its own fresh
-# connection (measured against llama-server). So the gateway opens at most this many connections to
-# one replica, in use and idle together, and the agent starts engines with more HTTP
-# threads than this (control/engine_args.py HTTP_THREADS): some are always free for the
-# probe. A request beyond them waits in the gateway for a connection, not in the engine.
-MAX_CONNECTIONS_PER_REPLICA = 64
 # The most of one answer gathered whole (Call.gather): a chat completion or a batch of
 # embeddings is far less; anything near this is no answer the gateway should hold.
 MAX_WHOLE_ANSWER_BYTES = 64 << 20

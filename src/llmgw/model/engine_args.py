@@ -15,12 +15,21 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from llmgw.gateway._upstream import MAX_CONNECTIONS_PER_REPLICA
-
 if TYPE_CHECKING:
     from llmgw.contract.records import ModelSpec, ProfileSpec
 
 from llmgw.errors import Error
+
+# cpp-httplib gives each open connection one of the engine's HTTP threads for as long as
+# requests keep coming on it; a connection beyond the threads waits, unserved, until one
+# frees. With 32 busy keep-alive connections on a default engine (6 threads: slots + 2) a
+# new connection waited 5-7 s, and so did the agent's /health probe, on its own fresh
+# connection (measured against llama-server). So the gateway opens at most this many
+# connections to one replica, in use and idle together (llmgw.gateway._upstream), and the
+# agent starts engines with more HTTP threads than this (HTTP_THREADS below): some are
+# always free for the probe. A request beyond them waits in the gateway for a connection,
+# not in the engine. Here, not in the gateway, because the agent needs it too.
+MAX_CONNECTIONS_PER_REPLICA = 64
 
 # Each entry: the spellings of one flag, and whether it takes a value.
 _WITH_VALUE = [

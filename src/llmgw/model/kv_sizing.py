@@ -44,7 +44,7 @@ UBATCH = 512
 # llama.cpp's --fit leaves this much of each device free (common.h fit_params_target).
 MARGIN = GIB
 # The gateway holds at most as many connections to one replica
-# (control._upstream.MAX_CONNECTIONS_PER_REPLICA): slots beyond them would idle.
+# (engine_args.MAX_CONNECTIONS_PER_REPLICA): slots beyond them would idle.
 MAX_SLOTS = 64
 DEFAULT_CTX_PER_SLOT = 8192
 CTX_STEP = 256

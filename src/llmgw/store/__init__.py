@@ -17,7 +17,6 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from llmgw.control.nodes import Hearing
 
 from ._db import (
     Database,
@@ -33,7 +32,7 @@ from .budgets import BudgetStore, Grant, Settled, Want
 from .catalog import CatalogStore
 from .control_planes import SCHEDULER, ControlPlaneStore, Lease, LeaseLost
 from .keys import KeyStore
-from .nodes import NodeStore
+from .nodes import Hearing, NodeStore
 from .replicas import ReplicaStore
 from .sessions import SessionStore
 from .tokens import TokenStore

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, RowMapping
@@ -25,6 +26,24 @@ from ._schema import certs, models, nodes, replicas
 from .replicas import replica_columns, replica_row, stored_spec
 
 log = logging.getLogger("llmgw.store")
+
+
+@dataclass(frozen=True)
+class Hearing:
+    """Since when this control plane hears heartbeats, and the newest one stored before.
+
+    A node cannot beat to a control plane that is down or starting: its silence is
+    counted from `since`, not from its last beat, unless it was already silent when the
+    previous control plane last heard anyone (`last_before`). So a restart keeps every
+    node's state for one node timeout while the agents reconnect. The defaults count
+    silence from the last beat alone."""
+
+    since: float = float("-inf")
+    last_before: float = float("-inf")
+
+
+ALWAYS_HEARD = Hearing()
+
 
 _META = (nodes.c.id, nodes.c.first_seen, nodes.c.last_seen, nodes.c.serial, nodes.c.inv_version)
 
