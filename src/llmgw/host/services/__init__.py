@@ -20,7 +20,6 @@ __all__ = [
     "ServiceManager",
     "ServiceSpec",
     "llmgw_command",
-    "manager_for",
     "read_environment_file",
 ]
 
@@ -177,14 +176,3 @@ def _unquoted(value: str) -> str:
     for c in chars:
         out.append(next(chars, "") if c == "\\" else c)
     return "".join(out)
-
-
-def manager_for(layout: Layout) -> ServiceManager:
-    if layout.mode == "system":
-        from llmgw.host.services._systemd import Systemd
-
-        return Systemd()
-    from llmgw.host.services._supervisor import Supervisor
-
-    assert layout.root is not None
-    return Supervisor(layout.root)
