@@ -86,10 +86,10 @@ from llmgw.contract import keys  # noqa: E402
 from llmgw.gateway._upstream import Upstream  # noqa: E402
 from llmgw.gateway.app import make_gateway_app  # noqa: E402
 from llmgw.gateway.metrics import GatewayMetrics  # noqa: E402
-from llmgw.store import Store  # noqa: E402
-from llmgw.model.engine_args import HTTP_THREADS  # noqa: E402
 from llmgw.host.layout import Layout  # noqa: E402
 from llmgw.host.netaddr import free_port  # noqa: E402
+from llmgw.model.engine_args import HTTP_THREADS  # noqa: E402
+from llmgw.store import Store  # noqa: E402
 from tests.procs import cpu_s, listener_pid  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 

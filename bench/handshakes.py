@@ -26,9 +26,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmgw.host import pki  # noqa: E402
 from llmgw.control._tlsserver import new_event_loop  # noqa: E402
 from llmgw.control.agent_api import mtls_context  # noqa: E402
+from llmgw.host import pki  # noqa: E402
 from llmgw.host.netaddr import free_port  # noqa: E402
 from tests.procs import cpu_s  # noqa: E402
 

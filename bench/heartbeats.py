@@ -33,10 +33,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmgw.host import pki  # noqa: E402
 from llmgw.agent.agent import backoff_s  # noqa: E402
 from llmgw.contract import AgentPaths  # noqa: E402
 from llmgw.control._tlsserver import new_event_loop  # noqa: E402
+from llmgw.host import pki  # noqa: E402
 from tests.fleet.cluster import ControlPlane  # noqa: E402
 
 TIMEOUT_S = 10.0

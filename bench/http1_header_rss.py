@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from llmgw.http1.limits import Limits  # noqa: E402
 from llmgw.host.netaddr import free_port  # noqa: E402
+from llmgw.http1.limits import Limits  # noqa: E402
 
 CHILD = """
 import sys

@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from llmgw.host import admin_token
-from llmgw.mirror import MirrorClient
 from llmgw.host.netaddr import free_port
+from llmgw.mirror import MirrorClient
 
 MIB = 1024 * 1024
 STARLETTE_APP = """

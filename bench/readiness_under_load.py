@@ -43,9 +43,9 @@ from bench._engine import llama_server, wait_ok  # noqa: E402
 from bench.gateway_overhead import Side, hey, python_load, request_body  # noqa: E402
 from llmgw.agent.replicas.process import stop_engines  # noqa: E402
 from llmgw.agent.replicas.supervisor import ReplicaSupervisor  # noqa: E402
-from llmgw.store import Store  # noqa: E402
-from llmgw.model.engine_args import engine_args  # noqa: E402
 from llmgw.host.netaddr import free_port  # noqa: E402
+from llmgw.model.engine_args import engine_args  # noqa: E402
+from llmgw.store import Store  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 OLD_PROBE_TIMEOUT_S = 2.0

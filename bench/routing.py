@@ -72,9 +72,9 @@ from llmgw.config import ServerConfig
 from llmgw.contract.records import ModelSpec, ProfileSpec  # noqa: E402
 from llmgw.gateway._upstream import Upstream  # noqa: E402
 from llmgw.gateway.app import make_gateway_app  # noqa: E402
-from llmgw.store import Store  # noqa: E402
-from llmgw.model.engine_args import engine_args  # noqa: E402
 from llmgw.host.netaddr import free_port  # noqa: E402
+from llmgw.model.engine_args import engine_args  # noqa: E402
+from llmgw.store import Store  # noqa: E402
 
 MODES = ("round-robin", "balanced")
 WORDS = ("river stone market lantern harbor winter copper garden signal orchard thunder "
@@ -147,8 +147,8 @@ def model_path(name: str, work: Path) -> tuple[Path, int]:
 
 
 def serve_gateway(work: Path, port: int, routing: str) -> None:
-    from llmgw.http1.server import Http1Server
     from llmgw.gateway._forward import Forwarder
+    from llmgw.http1.server import Http1Server
 
     app = make_gateway_app(Store(work / "control.db"),
                            ServerConfig(gateway_routing=routing),  # type: ignore[arg-type]

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmgw.host.admin_token import read_token
 from llmgw.control.client import AdminClient
+from llmgw.host.admin_token import read_token
 from llmgw.host.netaddr import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

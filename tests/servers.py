@@ -15,10 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from llmgw.http1.server import Http1Server
 from llmgw.gateway._forward import Forwarder
 from llmgw.gateway.app import Gateway
 from llmgw.host.netaddr import free_port
+from llmgw.http1.server import Http1Server
 from tests.http1.servers import run_in_thread
 
 
@@ -165,8 +165,8 @@ def admin_test_client(store: Any, root: Path) -> Any:
     made under root/etc."""
     from fastapi.testclient import TestClient
 
-    from llmgw.host import admin_token
     from llmgw.control.admin_api import make_admin_app
+    from llmgw.host import admin_token
 
     token_path = root / "etc" / admin_token.TOKEN_FILE
     admin_token.ensure(token_path)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmgw.cli import backup
 from llmgw import config
+from llmgw.cli import backup
 from llmgw.host import pki
-from llmgw.store import Store
 from llmgw.host.layout import Layout
+from llmgw.store import Store
 
 KEY = {"id": "k1", "name": "ci", "prefix": "sk-llmgw-abcd", "hash": "h1", "rpm": 0, "tpm": 0,
        "expires": None, "models": []}

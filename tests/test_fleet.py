@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.host import pki
-from llmgw.config import ConfigError, ServerConfig, TLSFiles
 from llmgw.cli.fleet import advertised_host, agent_url, join_line, parse_ttl
+from llmgw.config import ConfigError, ServerConfig, TLSFiles
+from llmgw.host import pki
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("15m", 900), ("1h", 3600),

@@ -18,8 +18,8 @@ import pytest
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from llmgw import httpclient as hc
-from llmgw.host import pki
 from llmgw.errors import APIError
+from llmgw.host import pki
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW_S = 0.5

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.host.netaddr import free_port
 from llmgw.cli.remote import check_host, check_hosts, parse_hosts
+from llmgw.host.netaddr import free_port
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 pytestmark = pytest.mark.skipif(not Path(SSHD).exists(),

@@ -24,9 +24,9 @@ from pydantic import (
     model_validator,
 )
 
-from llmgw.http1.limits import Limits
 from llmgw.contract.explain import problems
 from llmgw.errors import Error
+from llmgw.http1.limits import Limits
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -12,11 +12,10 @@ import os
 import ssl
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import httpx
-from typing import Any, ClassVar, Self
-import httpx
+
 from llmgw.errors import APIError, shown_url
 
 # Connecting, and each read, when the caller names no timeout of its own.

@@ -15,16 +15,16 @@ from typing import Any
 
 import pytest
 
-from llmgw.host import pki
 from llmgw.agent.agent import Agent, replica_supervisor
 from llmgw.agent.engines.cpu import LlamaCpp
-from llmgw.agent.replicas.process import stop_engines
 from llmgw.agent.gpus import LiveCards, discover
+from llmgw.agent.replicas.process import stop_engines
 from llmgw.agent.replicas.supervisor import GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import EngineState
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.scheduler import Scheduler
+from llmgw.host import pki
 from llmgw.store import Store
 
 STANDIN = Path(__file__).parents[1] / "standin_nvml" / "pynvml.py"

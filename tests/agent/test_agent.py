@@ -8,19 +8,19 @@ from typing import Any
 
 import pytest
 
-from llmgw.host import pki
 from llmgw.agent import agent as agent_mod
 from llmgw.agent.agent import MAX_BACKOFF_S, Agent, backoff_s
 from llmgw.agent.client import AgentAPIError, AgentClient
-from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.engines.common import engine_status
+from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.nodes import node_view
-from llmgw.store import Store
+from llmgw.host import pki
 from llmgw.model.engine_args import HTTP_THREADS
+from llmgw.store import Store
 from tests.agent.conftest import FakeBinary
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.engines import _build, _cmake, _toolchain as _cuda, cache
+from llmgw.agent.engines import _build, _cmake, cache
+from llmgw.agent.engines import _toolchain as _cuda
 from llmgw.agent.engines._build import BuildError
 from tests.agent.test_cuda import FakePip, node, system_root
 

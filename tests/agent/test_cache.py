@@ -1,5 +1,5 @@
-"""The engine cache's layout, spelled once (llmgw.agent.engines.cache): the folders on disk stay where
-existing caches have them, and nothing else spells them."""
+"""The engine cache's layout, spelled once (llmgw.agent.engines.cache): the folders on disk
+stay where existing caches have them, and nothing else spells them."""
 
 from __future__ import annotations
 

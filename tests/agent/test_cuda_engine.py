@@ -18,9 +18,9 @@ import pytest
 
 from llmgw.agent.engines import cache
 from llmgw.agent.engines._build import BuildError
-from llmgw.agent.engines.cuda import CudaEngine, cuda_devices
-from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.engines.common import engine_status
+from llmgw.agent.engines.cpu import LlamaCpp
+from llmgw.agent.engines.cuda import CudaEngine, cuda_devices
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import EngineConfig
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from llmgw.agent.agent import Agent
-from llmgw.agent.engines.cpu import ENGINE
 from llmgw.agent.engines.common import engine_status
+from llmgw.agent.engines.cpu import ENGINE
 from llmgw.agent.gpus import LiveCards, discover
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import EngineState

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.engines import _build
-from llmgw.agent.engines.cpu import PINNED_VERSION, LlamaCpp
 from llmgw.agent.engines.common import Found, record, recorded_engine, version_of
+from llmgw.agent.engines.cpu import PINNED_VERSION, LlamaCpp
 from llmgw.config import EngineConfig
 from tests.agent.conftest import FakeBinary
 

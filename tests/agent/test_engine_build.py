@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.engines import _build, cache
-from llmgw.agent.engines.cpu import PINNED_VERSION, LlamaCpp
 from llmgw.agent.engines.common import run_quietly
+from llmgw.agent.engines.cpu import PINNED_VERSION, LlamaCpp
 from llmgw.config import EngineConfig
 
 pytestmark = pytest.mark.slow

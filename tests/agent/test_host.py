@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.host import netaddr
 from llmgw.agent import host
+from llmgw.host import netaddr
 
 
 def test_loopback_control_plane_is_reached_over_lo() -> None:

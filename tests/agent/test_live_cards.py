@@ -17,16 +17,16 @@ from typing import Any
 
 import pytest
 
-from llmgw.host import pki
 from llmgw.agent.agent import Agent
-from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.engines.common import engine_status
+from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.gpus import LiveCards, discover
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import GIB, Scheduler
+from llmgw.host import pki
 from llmgw.store import Store
 
 STANDIN = Path(__file__).resolve().parents[1] / "standin_nvml" / "pynvml.py"

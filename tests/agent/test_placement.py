@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.agent.replicas.process import placement
 from llmgw.agent.engines.prebuilt_server import UsageError, parse
+from llmgw.agent.replicas.process import placement
 from llmgw.contract.records import Gpu
 
 NODE: list[Gpu] = [{"index": 0, "uuid": "GPU-a", "class": "h100-80gb"},

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from llmgw.model import kv_sizing
 from llmgw.agent.replicas.process import Record
 from llmgw.agent.replicas.supervisor import Replica, ReplicaSupervisor
 from llmgw.agent.sizing import DoesNotFit, gpu_args
 from llmgw.contract import CUDA_ENGINE
+from llmgw.model import kv_sizing
 from llmgw.model.ggufmeta import geometry
 from tests.tiny_gguf import write_tiny_gguf
 

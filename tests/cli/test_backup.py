@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from llmgw import cli, config
+from llmgw.host.netaddr import free_port
 from llmgw.store import Store
 from llmgw.store.copy import compare, read
-from llmgw.host.netaddr import free_port
 from tests.postgres import PASSWORD
 from tests.test_backup import _control_plane
 

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from llmgw import __version__
-from llmgw.host import admin_token
 from llmgw.control.admin_api import make_admin_app
-from llmgw.store import Store
+from llmgw.host import admin_token
 from llmgw.host.netaddr import free_port
+from llmgw.store import Store
 from tests.servers import serve_asgi
 
 MODEL = {"name": "tiny", "aliases": ["tiny-chat"], "source": "http://m/tiny.gguf",

@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.host import admin_token
 from llmgw.config import ServerConfig
-from llmgw.gateway._upstream import Upstream
 from llmgw.control.admin_api import make_admin_app
+from llmgw.gateway._upstream import Upstream
 from llmgw.gateway.app import make_gateway_app
+from llmgw.host import admin_token
 from llmgw.store import Store
 from tests.cli.test_day2 import MODEL, write_server_yaml
 from tests.servers import serve_asgi, serve_gateway

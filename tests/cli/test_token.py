@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.host import admin_token, pki
 from llmgw import cli, config
 from llmgw.control.admin_api import make_admin_app
-from llmgw.store import Store
+from llmgw.host import admin_token, pki
 from llmgw.host.layout import Layout
+from llmgw.store import Store
 from tests.servers import serve_asgi
 
 

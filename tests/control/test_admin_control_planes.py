@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmgw.host import admin_token
 from llmgw.cli.commands.status import render
 from llmgw.control.admin_api import make_admin_app
+from llmgw.host import admin_token
 from llmgw.store import Store
 from tests.cli.test_day2 import llmgw, write_server_yaml
 from tests.servers import admin_test_client, serve_asgi

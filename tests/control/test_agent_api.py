@@ -8,8 +8,8 @@ import ssl
 import httpx
 import pytest
 
-from llmgw.host import pki
 from llmgw.contract import AgentPaths
+from llmgw.host import pki
 from llmgw_harness._tls import anonymous_request
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.host import pki
 from llmgw.agent.client import AgentAPIError, AgentClient
 from llmgw.config import TLSFiles
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.host import pki
 from llmgw.store import Store
 
 

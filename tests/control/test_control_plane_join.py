@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from llmgw import config
+from llmgw.agent.join import JoinError
 from llmgw.cli import control_plane_join
 from llmgw.host import pki
-from llmgw.agent.join import JoinError
 from llmgw.host.layout import Layout
 
 

@@ -10,9 +10,9 @@ import httpx
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.host import pki
 from llmgw.control._fleet_metrics import card_answers
 from llmgw.control.metrics import ControlPlaneMetrics
+from llmgw.host import pki
 from llmgw.store import Store
 from tests.postgres import PostgresServer
 

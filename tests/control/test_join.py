@@ -8,11 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmgw.host import pki
 from llmgw.agent.client import AgentClient
 from llmgw.agent.join import JoinError, join
 from llmgw.config import TLSFiles
 from llmgw.contract import AgentPaths
+from llmgw.host import pki
 
 
 def _token(cp, ttl_s: float = 600) -> str:

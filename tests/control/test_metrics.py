@@ -10,8 +10,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from llmgw.gateway.dataplane import metrics_app
 from llmgw.control.metrics import ControlPlaneMetrics, relabel
+from llmgw.gateway.dataplane import metrics_app
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.store import Store
 from tests.servers import refused_endpoint, serve_asgi

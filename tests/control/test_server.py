@@ -13,11 +13,11 @@ import httpx
 import yaml
 
 from llmgw.host import pki
-from llmgw.store import Store
 from llmgw.host.netaddr import free_port
 from llmgw.host.waiting import Probe, wait_until
-from tests.servers import admin_test_client
+from llmgw.store import Store
 from tests.served import CONNECT, CORE_REFUSAL, connect_answer, imported
+from tests.servers import admin_test_client
 
 
 def _server_yaml(tmp_path: Path) -> tuple[Path, int]:

@@ -13,10 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from llmgw.store import Store
-from tests.servers import admin_test_client, scripted_upstream
 from tests.gateway.test_gateway import MODEL, json_answer, ready
 from tests.gateway.test_gateway_keys import chat, client, gateway, key
 from tests.postgres import PostgresServer
+from tests.servers import admin_test_client, scripted_upstream
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from llmgw.host import pki
 from llmgw.agent.client import AgentClient
 from llmgw.config import AGENT_LIMITS, TLSFiles
 from llmgw.contract import AgentPaths
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.host import pki
 from llmgw.store import Store
 
 # How long past a deadline a test waits for the close it promises: the machine is shared,

@@ -13,14 +13,14 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmgw.host import pki
 from llmgw.cli import watch
 from llmgw.control.metrics import ControlPlaneMetrics, gateway_metrics
 from llmgw.gateway.metrics import GatewayMetrics
-from llmgw.store import Store
+from llmgw.host import pki
 from llmgw.mirror._downloads import Manager
 from llmgw.mirror._metrics import ServedCounter
 from llmgw.mirror._metrics import registry as mirror_registry
+from llmgw.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "llmgw-rules.yml"

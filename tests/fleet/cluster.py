@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from llmgw.host import admin_token, pki
 from llmgw.config import AgentConfig, EngineConfig, MirrorRef, ServerConfig, TLSFiles, render
 from llmgw.control.client import AdminClient
+from llmgw.host import admin_token, pki
 from llmgw.host.netaddr import free_port
 from tests.procs import cpu_s
 

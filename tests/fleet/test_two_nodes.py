@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from llmgw.host import pki
 from llmgw.agent.join import JoinError, join
 from llmgw.config import TLSFiles
 from llmgw.control.client import AdminClient
+from llmgw.host import pki
 from tests.fleet.cluster import Agent, ControlPlane
 
 pytestmark = pytest.mark.slow

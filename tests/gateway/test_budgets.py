@@ -22,15 +22,15 @@ import pytest
 import yaml
 
 from llmgw.config import ServerConfig
-from llmgw.gateway._upstream import Upstream
 from llmgw.control.admin_api import KeyRequest, create_key
+from llmgw.gateway._upstream import Upstream
 from llmgw.gateway.app import Gateway, make_gateway_app
-from llmgw.store import Store
 from llmgw.host.netaddr import free_port
-from tests.servers import scripted_upstream, serve_gateway
-from tests.gateway.test_gateway import CHAT, EMBED, MODEL, json_answer, ready
+from llmgw.store import Store
 from tests.control.test_store_split import Cable
+from tests.gateway.test_gateway import CHAT, EMBED, MODEL, json_answer, ready
 from tests.loadgen import until
+from tests.servers import scripted_upstream, serve_gateway
 
 SENT = 40
 

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import yaml
 
-from llmgw.store import Store
 from llmgw.host.netaddr import free_port
+from llmgw.store import Store
 from tests.gateway.test_gateway import MODEL, ready
 from tests.loadgen import Load, until
 

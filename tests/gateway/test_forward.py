@@ -16,18 +16,18 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from llmgw.http1.server import Http1Server
 from llmgw.config import ServerConfig
+from llmgw.control.admin_api import KeyRequest, create_key
 from llmgw.gateway import _replica_conn
 from llmgw.gateway._forward import Forwarder
 from llmgw.gateway._upstream import Timeouts, Upstream
-from llmgw.control.admin_api import KeyRequest, create_key
 from llmgw.gateway.app import Gateway, make_gateway_app
 from llmgw.gateway.metrics import GatewayMetrics
-from llmgw.store import Store
 from llmgw.host.netaddr import free_port
-from tests.servers import raw_server, run_in_thread, scripted_upstream, serve_gateway
+from llmgw.http1.server import Http1Server
+from llmgw.store import Store
 from tests.gateway.test_gateway import CHAT, EMBED, MODEL, json_answer, ready
+from tests.servers import raw_server, run_in_thread, scripted_upstream, serve_gateway
 
 # One step of a scripted answer: wait this long, then send these bytes (HANG_UP: close).
 Step = tuple[float, bytes]

@@ -19,15 +19,15 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from llmgw.host import pki
 from llmgw.config import ServerConfig
-from llmgw.gateway._upstream import Upstream
 from llmgw.control.admin_api import KeyRequest, create_key
+from llmgw.gateway._upstream import Upstream
 from llmgw.gateway.app import make_gateway_app
 from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.host import pki
 from llmgw.store import Store
-from tests.servers import scripted_upstream, serve_gateway
 from tests.gateway.test_gateway import CHAT, json_answer, ready, store  # noqa: F401
+from tests.servers import scripted_upstream, serve_gateway
 
 HI = [{"role": "user", "content": "hi"}]
 

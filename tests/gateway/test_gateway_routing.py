@@ -18,9 +18,9 @@ from llmgw.config import ServerConfig
 from llmgw.gateway import _slottable as st
 from llmgw.gateway._upstream import Upstream
 from llmgw.gateway.app import Gateway, make_gateway_app
-from llmgw.store import Store
-from llmgw.model.engine_args import engine_args
 from llmgw.host.netaddr import free_port
+from llmgw.model.engine_args import engine_args
+from llmgw.store import Store
 from tests.gateway.fake_engine import FakeEngine, fake_engine
 from tests.servers import scripted_upstream, serve_gateway
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
-from llmgw.http1.server import Http1Server
 from llmgw.host.netaddr import free_port
+from llmgw.http1.server import Http1Server
 from tests.http1.wire import WAIT_S, answer
 
 LoopKind = Literal["uvloop", "asyncio"]

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from llmgw.http1.server import BODY_READ_AHEAD_BYTES, MAX_HEAD_BYTES
 from llmgw.http1.limits import Limits
-from tests.servers import events_released_by, serve_gateway
+from llmgw.http1.server import BODY_READ_AHEAD_BYTES, MAX_HEAD_BYTES
 from tests.http1.servers import echo_path_app, port_of, running
 from tests.http1.wire import WAIT_S, Client, answer, get, read_body
+from tests.servers import events_released_by, serve_gateway
 
 
 def test_keep_alive_answers_two_requests_on_one_connection_with_length_and_date() -> None:

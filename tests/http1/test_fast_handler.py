@@ -9,8 +9,8 @@ import threading
 import time
 from typing import Any
 
-from llmgw.http1.server import BODY_READ_AHEAD_BYTES
 from llmgw.http1.limits import Limits
+from llmgw.http1.server import BODY_READ_AHEAD_BYTES
 from tests.http1.servers import running
 from tests.http1.wire import WAIT_S, Client, answer, get, read_body
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from llmgw.http1.limits import Limits
 from llmgw.config import ConfigError, ServerConfig, parse
 from llmgw.gateway.dataplane import BODY_FRAMING_SLACK_BYTES, gateway_limits
+from llmgw.http1.limits import Limits
 from tests.http1.servers import running, wait_for
 from tests.http1.wire import Client, answer, get, read_body
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from llmgw.http1 import _parse
-from llmgw.http1.limits import Limits
 from llmgw.http1._parse import RequestParser
+from llmgw.http1.limits import Limits
 from tests.http1.test_conformance import HOW, SEED, _expected, load, pieces, rfc_refusal, vectors
 
 

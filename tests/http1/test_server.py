@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from llmgw.host import pki
-from llmgw.http1.server import IDLE_DRAIN_S, Http1Server
 from llmgw.host.netaddr import free_port
-from tests.servers import serve_gateway
+from llmgw.http1.server import IDLE_DRAIN_S, Http1Server
 from tests.http1.servers import echo_path_app, port_of, running, wait_for
 from tests.http1.wire import WAIT_S, Client, answer, get
+from tests.servers import serve_gateway
 
 
 def stream_released_by(event: threading.Event, parts: list[bytes],

@@ -15,9 +15,9 @@ import time
 import httpx
 import pytest
 
+from llmgw.host.netaddr import free_port
 from llmgw.http1.server import Http1Server
 from llmgw.http1.service import ListenError, listening
-from llmgw.host.netaddr import free_port
 
 SERVES_UNTIL_SIGTERM = """
 import logging, sys

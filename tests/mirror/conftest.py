@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.host import admin_token
 from llmgw.contract.records import MirrorVersion
-from llmgw.mirror import MirrorClient, MirrorError
+from llmgw.host import admin_token
 from llmgw.host.waiting import Probe, wait_until
+from llmgw.mirror import MirrorClient, MirrorError
 from tests.hosts import free_port
 
 

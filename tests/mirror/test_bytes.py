@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from llmgw.host.waiting import Probe, wait_until
 from llmgw.http1.limits import Limits
 from llmgw.mirror import PRESENT
 from llmgw.mirror._bytes import BytesServer
 from llmgw.mirror._downloads import Manager
-from llmgw.host.waiting import Probe, wait_until
 from tests.hosts import free_port
 from tests.mirror.conftest import MirrorProcess
 

@@ -13,12 +13,12 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from llmgw.host import admin_token
+from llmgw.host.netaddr import free_port
+from llmgw.host.waiting import Probe, wait_until
 from llmgw.http1.limits import Limits
 from llmgw.mirror import MirrorClient, MirrorError
 from llmgw.mirror._api import make_api
 from llmgw.mirror._downloads import Manager
-from llmgw.host.netaddr import free_port
-from llmgw.host.waiting import Probe, wait_until
 from tests.served import CONNECT, CORE_REFUSAL, connect_answer, imported
 
 

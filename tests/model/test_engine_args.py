@@ -8,7 +8,12 @@ import pytest
 from llmgw.agent.engines import prebuilt_server
 from llmgw.gateway._upstream import MAX_CONNECTIONS_PER_REPLICA
 from llmgw.model.engine_args import (
-    HTTP_THREADS, SLOT_ARGS, TAKES_VALUE, EngineArgsError, check_engine_args, engine_args,
+    HTTP_THREADS,
+    SLOT_ARGS,
+    TAKES_VALUE,
+    EngineArgsError,
+    check_engine_args,
+    engine_args,
 )
 
 

@@ -15,10 +15,10 @@ from types import ModuleType
 
 import pytest
 
+from llmgw.host.netaddr import free_port
 from llmgw.model import kv_sizing
 from llmgw.model.ggufmeta import geometry
 from llmgw.model.kv_sizing import GIB, MARGIN, MAX_SLOTS, engine_args, size
-from llmgw.host.netaddr import free_port
 from tests.tiny_gguf import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -120,8 +120,8 @@ def test_a_failed_statement_is_the_stores_own_error_and_a_taken_name_a_conflict(
     leaves as itself."""
     import sqlalchemy as sa
 
-    from llmgw.store import StoreConflict
     from llmgw.errors import Error
+    from llmgw.store import StoreConflict
 
     store = Store(tmp_path / "control.db")
     try:

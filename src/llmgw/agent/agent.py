@@ -15,10 +15,10 @@ from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
 from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved, Unreachable
 from llmgw.agent.control_planes import ControlPlanes
-from llmgw.agent.engines.cuda import CudaEngine
 from llmgw.agent.engines.cpu import LlamaCpp
-from llmgw.agent.replicas.process import memlock_for_engines, preset_socket_ifnames
+from llmgw.agent.engines.cuda import CudaEngine
 from llmgw.agent.join import needs_renewal, renewal_request
+from llmgw.agent.replicas.process import memlock_for_engines, preset_socket_ifnames
 from llmgw.agent.replicas.supervisor import GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig

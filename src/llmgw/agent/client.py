@@ -11,13 +11,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from llmgw import httpclient
-from llmgw.host import pki
-from llmgw.host.files import atomic_write
 from llmgw.agent.join import refusal
 from llmgw.config import TLSFiles
 from llmgw.contract import AgentPaths
 from llmgw.contract.records import DriftReport, Heartbeat, HeartbeatAnswer, HostDrift, NodeView
 from llmgw.errors import Error, shown_url
+from llmgw.host import pki
+from llmgw.host.files import atomic_write
 
 
 class AgentAPIError(Error):

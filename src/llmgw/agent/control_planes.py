@@ -6,8 +6,8 @@ import json
 import logging
 from pathlib import Path
 
-from llmgw.host.files import atomic_write
 from llmgw.errors import shown_url
+from llmgw.host.files import atomic_write
 
 log = logging.getLogger("llmgw.agent")
 

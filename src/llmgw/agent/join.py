@@ -15,10 +15,10 @@ import httpx
 from cryptography import x509
 
 from llmgw import httpclient
-from llmgw.host import pki
-from llmgw.host.files import atomic_write
 from llmgw.contract import AgentPaths
 from llmgw.errors import Error, shown_url
+from llmgw.host import pki
+from llmgw.host.files import atomic_write
 
 
 class JoinError(Error):

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.model import kv_sizing
 from llmgw.contract.records import Gpu
 from llmgw.errors import Error
+from llmgw.model import kv_sizing
 from llmgw.model.ggufmeta import GGUFError, geometry
 
 MIB = kv_sizing.MIB

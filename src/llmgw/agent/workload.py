@@ -3,7 +3,8 @@
 Every heartbeat the agent calls `report()` and sends the result as `replicas` in its
 body, then hands the control plane's answer (`replicas`: the assignments for this node)
 to `reconcile()`. `run_agent` gives the agent the replica supervisor
-(`llmgw.agent.replicas.supervisor`); `NoReplicas` runs nothing, for an agent built without one (tests).
+(`llmgw.agent.replicas.supervisor`); `NoReplicas` runs nothing, for an agent built without
+one (tests).
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
 from llmgw import __version__
-from llmgw.host.files import atomic_write
 from llmgw.config import ConfigError, ServerConfig, load_server, parse
 from llmgw.errors import Error
+from llmgw.host.files import atomic_write
 from llmgw.host.layout import Layout
 
 ENCRYPTED = b"LLMGW-BACKUP-AES256GCM-1\n"

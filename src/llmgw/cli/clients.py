@@ -4,9 +4,9 @@ that turns a Layout (a state dir, or the system host) into a working client."""
 from __future__ import annotations
 
 from llmgw import config as cfg
-from llmgw.host.admin_token import read_token
 from llmgw.control.client import AdminClient
 from llmgw.errors import Error
+from llmgw.host.admin_token import read_token
 from llmgw.host.layout import Layout
 from llmgw.mirror import MirrorClient
 

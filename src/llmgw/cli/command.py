@@ -19,10 +19,10 @@ from llmgw.host.layout import MODES
 def _server(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from llmgw.http1.service import run_service
-    from llmgw.host.admin_token import server_hash_path
     from llmgw.config import load_server
     from llmgw.control.server import serve
+    from llmgw.host.admin_token import server_hash_path
+    from llmgw.http1.service import run_service
 
     config = load_server(args.config)
     token_hash = server_hash_path(Path(args.config), config.admin_token_hash)
@@ -46,8 +46,8 @@ def _gateway(args: argparse.Namespace) -> int:
 def _mirror_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from llmgw.mirror.server import Options, serve
     from llmgw.host.services import read_environment_file
+    from llmgw.mirror.server import Options, serve
 
     if args.env_file:  # local mode: supervisord has no EnvironmentFile, so the mirror reads it
         os.environ.update(read_environment_file(Path(args.env_file)))
@@ -102,8 +102,8 @@ def _token_create(args: argparse.Namespace) -> int:
     import datetime as dt
 
     from llmgw.cli.commands._admin import server_config
-    from llmgw.errors import APIError
     from llmgw.cli.fleet import create_token, parse_ttl
+    from llmgw.errors import APIError
     from llmgw.host.layout import Layout
 
     layout = Layout.for_mode(args.mode, args.state_dir)

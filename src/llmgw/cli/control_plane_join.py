@@ -24,11 +24,11 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from llmgw import httpclient
-from llmgw.host.files import atomic_write
 from llmgw.agent.join import JoinError, pinned_ca, refusal
 from llmgw.config import ServerConfig
 from llmgw.contract import AgentPaths
 from llmgw.errors import Error, shown_url
+from llmgw.host.files import atomic_write
 from llmgw.host.layout import Layout
 
 _AAD = b"llmgw control-plane bundle 1"

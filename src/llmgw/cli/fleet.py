@@ -9,9 +9,9 @@ import socket
 from dataclasses import dataclass
 
 from llmgw.cli import control_plane_join
-from llmgw.host import pki
 from llmgw.cli.clients import admin_client
 from llmgw.config import ConfigError, ServerConfig, load_server, parse_listen
+from llmgw.host import pki
 from llmgw.host.layout import Layout
 
 _TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmgw.http1.asgi import Receive, Scope, Send
-from llmgw.http1.server import Http1Server
 from llmgw.config import parse_listen
 from llmgw.contract.records import DriftFailure, DriftReport
+from llmgw.http1.asgi import Receive, Scope, Send
+from llmgw.http1.server import Http1Server
 
 log = logging.getLogger("llmgw.watch")
 
@@ -218,9 +218,9 @@ def reporter(layout: Any, host: str) -> Callable[[Result], None] | None:
     """Send each round to the control plane: through its admin API on its own machine (the
     admin token is readable there), else through the agent API as this node (a joined
     node: its certificate names it); None where this machine is neither."""
-    from llmgw.host.admin_token import AdminTokenError
     from llmgw.config import ConfigError
     from llmgw.errors import Error
+    from llmgw.host.admin_token import AdminTokenError
 
     if layout.server_yaml.is_file():
         send = _to_admin_api(layout, host)

@@ -58,11 +58,12 @@ class EngineStatus(TypedDict, total=False):
 
 @with_config(_OPEN)
 class GivenUp(TypedDict, total=False):
-    """A GPU placement a node gave up on (agent/replicas/supervisor.py, GPU_START_ATTEMPTS failed starts
-    in a row): its replica, model, profile and GPUs, why (the engine's log), how many starts,
-    each card's free memory (MiB) as it then was, and since when (unix seconds). The node
-    reports it for GIVE_UP_FOR_S; the scheduler places no replica of that model and profile
-    on those cards meanwhile, unless a card's free memory grew by GIVE_UP_FREE_GROWTH_MB."""
+    """A GPU placement a node gave up on (agent/replicas/supervisor.py, GPU_START_ATTEMPTS
+    failed starts in a row): its replica, model, profile and GPUs, why (the engine's log),
+    how many starts, each card's free memory (MiB) as it then was, and since when (unix
+    seconds). The node reports it for GIVE_UP_FOR_S; the scheduler places no replica of that
+    model and profile on those cards meanwhile, unless a card's free memory grew by
+    GIVE_UP_FREE_GROWTH_MB."""
 
     replica: str
     model: str

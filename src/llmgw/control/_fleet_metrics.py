@@ -10,9 +10,9 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 
-from llmgw.host import pki
 from llmgw.contract import EngineState, NodeState
 from llmgw.contract.records import NodeView
+from llmgw.host import pki
 from llmgw.store import Store, StoreError
 
 _MIB = 1024 * 1024

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
-from llmgw.http1.asgi import Receive, Scope, Send
-from llmgw.http1.server import Http1Server
-from llmgw.http1.limits import Limits
 from llmgw.config import AGENT_LIMITS
+from llmgw.http1.asgi import Receive, Scope, Send
+from llmgw.http1.limits import Limits
+from llmgw.http1.server import Http1Server
 
 log = logging.getLogger("llmgw.agent_api")
 

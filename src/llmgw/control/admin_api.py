@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from llmgw import httpclient
-from llmgw.contract import AdminPaths
+from llmgw.contract import AdminPaths, keys
 from llmgw.contract.catalog import CatalogModel, names
 from llmgw.contract.explain import problems
 from llmgw.contract.records import (
@@ -32,7 +32,6 @@ from llmgw.contract.records import (
     ReplicaLog,
     ReplicaRecord,
 )
-from llmgw.contract import keys
 from llmgw.control import viewers
 from llmgw.control.agent_api import token_hash as join_token_hash
 from llmgw.control.catalog import read_file_facts
@@ -41,8 +40,8 @@ from llmgw.control.leadership import control_plane_views
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import held_back
-from llmgw.store import Store, StoreError
 from llmgw.control.ui import AdminAccess, Credentials, Sessions, TrafficWatch, add_fleet_page
+from llmgw.store import Store, StoreError
 
 log = logging.getLogger("llmgw.admin_api")
 

@@ -21,8 +21,6 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from pydantic import ValidationError
 
-from llmgw.host import pki
-from llmgw.http1.limits import Limits
 from llmgw.contract import AgentPaths, ReplicaState
 from llmgw.contract.records import (
     DRIFT_REPORT,
@@ -38,8 +36,10 @@ from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
 from llmgw.control.drift import DriftBoard
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import needed_engine
-from llmgw.store import Store, StoreError
+from llmgw.host import pki
+from llmgw.http1.limits import Limits
 from llmgw.model.engine_args import engine_args
+from llmgw.store import Store, StoreError
 
 log = logging.getLogger("llmgw.agent_api")
 

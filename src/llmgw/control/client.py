@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llmgw.httpclient import JSONClient
 from llmgw.contract import AdminPaths
 from llmgw.contract.records import (
     ControlPlaneView,
@@ -22,6 +21,7 @@ from llmgw.contract.records import (
     ReplicaLog,
 )
 from llmgw.errors import APIError
+from llmgw.httpclient import JSONClient
 
 
 class ControlPlaneError(APIError):

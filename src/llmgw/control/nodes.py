@@ -7,6 +7,7 @@ from typing import Any
 
 from llmgw.contract import CUDA_ENGINE, EngineState, NodeState
 from llmgw.contract.records import NodeRecord, NodeView
+
 # Kept by the store (which counts silence from it); said here with the rest of a node's state.
 from llmgw.store.nodes import ALWAYS_HEARD, Hearing
 

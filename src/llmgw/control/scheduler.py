@@ -15,7 +15,6 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
-from llmgw.model import kv_sizing
 from llmgw.contract import (
     CPU_ENGINE,
     CUDA_ENGINE,
@@ -33,6 +32,7 @@ from llmgw.contract.records import (
     ReplicaRecord,
 )
 from llmgw.control.nodes import gpu_engine_switched_off, node_view
+from llmgw.model import kv_sizing
 from llmgw.store import Lease, Store
 
 log = logging.getLogger("llmgw.scheduler")

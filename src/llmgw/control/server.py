@@ -12,15 +12,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from llmgw.host import pki
-from llmgw.http1.server import Http1Server
-from llmgw.http1.service import listening, on_stop_signals
 from llmgw.config import ServerConfig, connect_host, parse_listen
 from llmgw.control.admin_api import make_admin_app
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.leadership import Identity, Leadership, control_plane_id
 from llmgw.control.metrics import ControlPlaneMetrics
 from llmgw.control.scheduler import Scheduler
+from llmgw.host import pki
+from llmgw.http1.server import Http1Server
+from llmgw.http1.service import listening, on_stop_signals
 from llmgw.store import LeaseLost, Store, StoreError
 
 log = logging.getLogger("llmgw.server")

@@ -19,12 +19,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from llmgw.http1.server import Cycle
 from llmgw.gateway import _wire
 from llmgw.gateway._relay import kept
 from llmgw.gateway._upstream import Call, ConnectFailed, UpstreamError
-from llmgw.gateway.balancer import Lease
 from llmgw.gateway.app import FORWARDED, JSON_HEADERS, Exchange, Gateway, GatewayError
+from llmgw.gateway.balancer import Lease
+from llmgw.http1.server import Cycle
 
 log = logging.getLogger("llmgw.gateway")
 

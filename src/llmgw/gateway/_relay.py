@@ -3,8 +3,8 @@ byte level (`_wire`) and every other byte as the engine sent it; the app's own a
 
 from __future__ import annotations
 
-from llmgw.http1.asgi import Send
 from llmgw.gateway import _wire
+from llmgw.http1.asgi import Send
 
 
 def kept(headers: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:

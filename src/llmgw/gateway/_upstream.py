@@ -21,8 +21,8 @@ from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 from llmgw.config import ServerConfig
-from llmgw.gateway._replica_conn import Replica, ReplicaConnection, TooLarge
 from llmgw.errors import Error
+from llmgw.gateway._replica_conn import Replica, ReplicaConnection, TooLarge
 from llmgw.model.engine_args import MAX_CONNECTIONS_PER_REPLICA
 
 # The most of one answer gathered whole (Call.gather): a chat completion or a batch of

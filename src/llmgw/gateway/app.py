@@ -16,11 +16,11 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from llmgw.http1.asgi import Receive, Scope, Send
 from llmgw.config import ServerConfig
-from llmgw.contract.records import ModelSpec
-from llmgw.gateway import _wire
 from llmgw.contract import keys
+from llmgw.contract.records import ModelSpec
+from llmgw.errors import Error
+from llmgw.gateway import _wire
 from llmgw.gateway._budgets import CLAIM_WAIT_S, Budgets
 from llmgw.gateway._relay import kept, respond, whole_answer
 from llmgw.gateway._router import Router
@@ -28,11 +28,16 @@ from llmgw.gateway._shares import KeyShares
 from llmgw.gateway._slots import SlotPoller
 from llmgw.gateway._upstream import Timeouts, Upstream
 from llmgw.gateway.balancer import (
-    RETRY_AFTER_S, Balancer, Conversation, Lease, Saturated, conversation,
+    RETRY_AFTER_S,
+    Balancer,
+    Conversation,
+    Lease,
+    Saturated,
+    conversation,
 )
 from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.http1.asgi import Receive, Scope, Send
 from llmgw.store import Store, StoreError
-from llmgw.errors import Error
 
 log = logging.getLogger("llmgw.gateway")
 

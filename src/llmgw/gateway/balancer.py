@@ -42,9 +42,9 @@ from typing import Any, Literal
 
 from llmgw.config import ServerConfig
 from llmgw.contract.records import ReplicaRecord
+from llmgw.errors import Error
 from llmgw.gateway import _slottable as st
 from llmgw.gateway._slottable import Homes, Slot
-from llmgw.errors import Error
 
 # server.yaml's defaults, where each is spelled (the balancer's own defaults are these).
 _SERVER = ServerConfig()

@@ -27,15 +27,15 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from llmgw import __version__
-from llmgw.http1.asgi import Receive, Scope, Send
-from llmgw.http1.server import Http1Server
-from llmgw.http1.limits import Limits
-from llmgw.http1.service import on_stop_signals
 from llmgw.config import ServerConfig, load_server, parse_listen
 from llmgw.gateway._forward import Forwarder
 from llmgw.gateway._slottable import RouteDecisions
 from llmgw.gateway.app import make_gateway_app
 from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.http1.asgi import Receive, Scope, Send
+from llmgw.http1.limits import Limits
+from llmgw.http1.server import Http1Server
+from llmgw.http1.service import on_stop_signals
 from llmgw.store import SchemaError, Store
 
 log = logging.getLogger("llmgw.gateway")

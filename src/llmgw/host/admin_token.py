@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmgw.host.files import atomic_write
 from llmgw.errors import Error
+from llmgw.host.files import atomic_write
 
 TOKEN_FILE = "admin-token"
 HASH_FILE = "admin-token.sha256"

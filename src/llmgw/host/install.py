@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llmgw.host.files import atomic_write
 from llmgw.errors import Error
+from llmgw.host.files import atomic_write
 
 __all__ = [
     "LINK",

@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from llmgw.host.files import atomic_write
 from llmgw.errors import Error
+from llmgw.host.files import atomic_write
 
 CA_DAYS = 3650
 LEAF_DAYS = 825

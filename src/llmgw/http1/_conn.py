@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from llmgw.http1.asgi import Scope
 from llmgw.http1._close import close_transport
 from llmgw.http1._cycle import BODY_READ_AHEAD_BYTES, Cycle, plain_answer
 from llmgw.http1._parse import RequestParser
+from llmgw.http1.asgi import Scope
 
 if TYPE_CHECKING:
     from llmgw.http1.server import Http1Server

@@ -33,12 +33,12 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-from llmgw.http1.asgi import Lifespan
+from llmgw.config import parse_listen
 from llmgw.http1._conn import IDLE_DRAIN_S, SENDFILE_CHUNK_BYTES, _Connection
 from llmgw.http1._cycle import BODY_READ_AHEAD_BYTES, Cycle
+from llmgw.http1.asgi import Lifespan
 from llmgw.http1.limits import Limits
 from llmgw.http1.service import run_service
-from llmgw.config import parse_listen
 
 __all__ = ["BODY_READ_AHEAD_BYTES", "DEFAULT_LIMITS", "IDLE_DRAIN_S", "KEEP_ALIVE_S",
            "MAX_HEAD_BYTES", "SENDFILE_CHUNK_BYTES", "Cycle", "Http1Server"]

@@ -12,8 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
-from llmgw.host.admin_token import RequireAdminToken
 from llmgw.contract.records import MirrorVersion
+from llmgw.host.admin_token import RequireAdminToken
 from llmgw.mirror import _metrics
 from llmgw.mirror._disk import FAILED, NAME_PATTERN
 from llmgw.mirror._downloads import Conflict, Manager, WrongOffset

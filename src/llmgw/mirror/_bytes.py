@@ -25,8 +25,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from llmgw.http1.asgi import Receive, Scope, Send
-from llmgw.http1.server import Http1Server
 from llmgw.http1.limits import Limits
+from llmgw.http1.server import Http1Server
 from llmgw.mirror._disk import is_name
 from llmgw.mirror._downloads import Manager, Servable
 from llmgw.mirror._metrics import ServedCounter

@@ -9,8 +9,8 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from llmgw.httpclient import JSONClient
 from llmgw.contract.records import MirrorVersion
+from llmgw.httpclient import JSONClient
 from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT
 from llmgw.mirror._errors import MirrorError, MirrorNotFound
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from llmgw.http1.server import Http1Server
-from llmgw.http1.limits import Limits
-from llmgw.http1.service import listening, on_stop_signals
 from llmgw.config import MIRROR_API_LISTEN, MIRROR_LISTEN, connect_host, parse_listen
+from llmgw.http1.limits import Limits
+from llmgw.http1.server import Http1Server
+from llmgw.http1.service import listening, on_stop_signals
 from llmgw.mirror import _metrics
 from llmgw.mirror._api import make_api
 from llmgw.mirror._bytes import BytesServer

@@ -17,7 +17,6 @@ from typing import Any
 
 import sqlalchemy as sa
 
-
 from ._db import (
     Database,
     SchemaError,

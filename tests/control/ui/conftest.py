@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.host import admin_token
 from llmgw.control.admin_api import make_admin_app
+from llmgw.host import admin_token
 from llmgw.store import Store
 from tests.servers import serve_asgi
 

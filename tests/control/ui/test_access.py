@@ -14,8 +14,8 @@ import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from llmgw.host import admin_token
 from llmgw.control.ui.sessions import COOKIE
+from llmgw.host import admin_token
 
 MODEL = {"name": "tiny", "source": "http://127.0.0.1:8081/tiny/1/tiny.gguf",
          "profiles": [{"name": "cpu", "engine": "llamacpp", "priority": 100}]}

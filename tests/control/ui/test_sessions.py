@@ -15,15 +15,15 @@ import httpx
 import sqlalchemy as sa
 from fastapi.testclient import TestClient
 
-from llmgw.host import admin_token
-from llmgw.host.files import atomic_write
 from llmgw.control.admin_api import make_admin_app
-from llmgw.store import Store
 from llmgw.control.ui import sessions as sessions_module
 from llmgw.control.ui.sessions import COOKIE, LIFETIME_S, Principal, Sessions
-from tests.servers import serve_asgi
+from llmgw.host import admin_token
+from llmgw.host.files import atomic_write
+from llmgw.store import Store
 from tests.control.ui.conftest import Fleet
 from tests.control.ui.test_access import signed_in
+from tests.servers import serve_asgi
 
 
 def _cookie(token: str) -> dict[str, str]:

@@ -14,8 +14,8 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 
-from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.control.ui.traffic import TrafficWatch, compare, parse, quantile
+from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.host.netaddr import free_port
 from tests.servers import serve_asgi
 

@@ -9,8 +9,8 @@ default of an agent.yaml without it:
     <root>/engines/llamacpp/<version>/build.log           how it was built
     <root>/engines/llamacpp/<version>-cuda<major>-sm<archs>/...   a CUDA build for these GPUs
     <root>/engines/llamacpp/.<dir>.lock                   one build of each at a time
-    <root>/engines/xllamacpp/<version>/...                the prebuilt wheel (llmgw.agent.engines._prebuilt)
-    <root>/cuda/...                                       CUDA toolchains (llmgw.agent.engines._toolchain)
+    <root>/engines/xllamacpp/<version>/...                the prebuilt wheel (engines._prebuilt)
+    <root>/cuda/...                                       CUDA toolchains (engines._toolchain)
     <root>/sources/llama_cpp_python-<version>.tar.gz      the downloaded source
 
 Only the standard library: scripts/gpu-check reads it by path where llmgw is not installed.

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
-from llmgw.host.files import atomic_write
 from llmgw.contract import CPU_ENGINE, EngineState
 from llmgw.contract.records import EngineStatus
 from llmgw.errors import Error
+from llmgw.host.files import atomic_write
 
 log = logging.getLogger("llmgw.agent.engine")
 

@@ -25,7 +25,14 @@ from pathlib import Path
 from llmgw.agent.engines import _build, _cmake, _prebuilt, cache
 from llmgw.agent.engines._build import BuildError
 from llmgw.agent.engines.common import (
-    EngineUnavailable, Found, Reporting, engine_status, one_line, record, run_quietly, version_of,
+    EngineUnavailable,
+    Found,
+    Reporting,
+    engine_status,
+    one_line,
+    record,
+    run_quietly,
+    version_of,
 )
 from llmgw.config import EngineConfig
 from llmgw.contract import CPU_ENGINE, EngineState

@@ -19,12 +19,17 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from llmgw.agent.engines import _build, cache
 from llmgw.agent import gpus as gpu_discovery
-from llmgw.agent.engines.cpu import ENGINE, LlamaCpp
+from llmgw.agent.engines import _build, cache
 from llmgw.agent.engines.common import (
-    EngineUnavailable, Found, Reporting, engine_status, one_line, run_quietly,
+    EngineUnavailable,
+    Found,
+    Reporting,
+    engine_status,
+    one_line,
+    run_quietly,
 )
+from llmgw.agent.engines.cpu import ENGINE, LlamaCpp
 from llmgw.config import EngineConfig
 from llmgw.contract import CUDA_ENGINE, ENGINE_GAVE_UP, EngineState
 from llmgw.contract.records import EngineStatus, Gpu

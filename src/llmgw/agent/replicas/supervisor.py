@@ -1,8 +1,9 @@
 """The replica supervisor, one job: this node's replicas held to what the control plane
 assigns, through their lifecycle (downloading, starting, ready, failed with backoff, given
 up, retired, adopted again after the agent restarts). What it drives lives beside it: the
-weights (llmgw.agent.replicas._weights), the engine's process and record (llmgw.agent.replicas.process),
-its probes (llmgw.agent.replicas._probe), its slots (llmgw.agent.sizing).
+weights (llmgw.agent.replicas._weights), the engine's process and record
+(llmgw.agent.replicas.process), its probes (llmgw.agent.replicas._probe), its slots
+(llmgw.agent.sizing).
 
 A replica placed on GPUs whose engine exits before it is ever ready GPU_START_ATTEMPTS
 times in a row (out of memory while loading, a CUDA error) is given up: not started again,
@@ -31,12 +32,19 @@ from pathlib import Path
 import httpx
 
 from llmgw import httpclient
-from llmgw.host.files import atomic_write, last_lines
-from llmgw.agent.replicas import _probe, _weights, log as engine_log
 from llmgw.agent import sizing
+from llmgw.agent.replicas import _probe, _weights
+from llmgw.agent.replicas import log as engine_log
 from llmgw.agent.replicas._giveups import GIVE_UP_FOR_S, GiveUps, given_up
 from llmgw.agent.replicas.process import (
-    Record, command, engine_for, environment, pid_is_engine, placement, read_record, spawn,
+    Record,
+    command,
+    engine_for,
+    environment,
+    pid_is_engine,
+    placement,
+    read_record,
+    spawn,
     terminate,
 )
 from llmgw.contract import ReplicaState
@@ -48,8 +56,9 @@ from llmgw.contract.records import (
     StateChanges,
     reported,
 )
-from llmgw.model.engine_args import check_engine_args
+from llmgw.host.files import atomic_write, last_lines
 from llmgw.host.netaddr import free_port
+from llmgw.model.engine_args import check_engine_args
 
 log = logging.getLogger("llmgw.replicas")
 

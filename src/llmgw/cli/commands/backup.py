@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmgw.cli import backup
-from llmgw.host.files import atomic_write
 from llmgw.cli.commands import _admin
 from llmgw.config import ServerConfig, connect_host, parse_listen
 from llmgw.errors import Error
+from llmgw.host.files import atomic_write
 from llmgw.host.layout import Layout
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ import time
 
 from llmgw.cli.commands import _admin
 from llmgw.cli.commands._table import ago, table
-from llmgw.contract.records import PublicKey, PublicViewer
 from llmgw.contract.keys import parse_expires
+from llmgw.contract.records import PublicKey, PublicViewer
 from llmgw.errors import Error
 
 

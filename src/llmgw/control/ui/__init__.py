@@ -12,7 +12,6 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from llmgw.contract import AdminPaths
-from llmgw.store import StoreError
 from llmgw.control.ui.access import PAGE, AdminAccess, Credentials, signed_in
 from llmgw.control.ui.sessions import (
     LIFETIME_S,
@@ -23,6 +22,7 @@ from llmgw.control.ui.sessions import (
     set_cookie,
 )
 from llmgw.control.ui.traffic import Traffic, TrafficWatch
+from llmgw.store import StoreError
 
 __all__ = ["PAGE", "AdminAccess", "Credentials", "Sessions", "TrafficWatch", "add_fleet_page"]
 

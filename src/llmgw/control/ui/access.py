@@ -11,8 +11,6 @@ from typing import Any
 
 import anyio
 
-from llmgw.host.admin_token import ASGIApp, RequireAdminToken, Verifier, _refuse, hash_token
-from llmgw.store import Store, StoreError
 from llmgw.control.ui.sessions import (
     LIFETIME_S,
     PER_CREDENTIAL,
@@ -22,6 +20,8 @@ from llmgw.control.ui.sessions import (
     cookie_value,
 )
 from llmgw.control.viewers import hash_viewer_key, is_viewer_key
+from llmgw.host.admin_token import ASGIApp, RequireAdminToken, Verifier, _refuse, hash_token
+from llmgw.store import Store, StoreError
 
 # Where the page, its files and its sign-in live: open, as a sign-in form must be.
 PAGE = "/ui"

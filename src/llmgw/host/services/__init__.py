@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from llmgw.host.changes import Mkdir, Run, WriteFile
 from llmgw.errors import Error
-from llmgw.host.layout import Layout
+from llmgw.host.changes import Mkdir, Run, WriteFile
 
 __all__ = [
     "HARDENING",

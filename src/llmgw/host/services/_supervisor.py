@@ -13,8 +13,8 @@ from typing import Any
 
 from supervisor.xmlrpc import SupervisorTransport
 
-from llmgw.host.files import last_lines
 from llmgw.host.changes import Mkdir, Run, WriteFile
+from llmgw.host.files import last_lines
 from llmgw.host.layout import Layout
 from llmgw.host.services import OPEN_FILES, Action, ServiceError, ServiceSpec, drift
 from llmgw.host.waiting import Probe, wait_until
