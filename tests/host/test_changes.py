@@ -10,7 +10,7 @@ from llmgw.host import changes, services
 from llmgw.host.changes import Mkdir, Run, WriteFile
 from llmgw_harness import _changes
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 # Every name a change type has had: the one set's and the service managers' old ones.
 CHANGE_NAMES = ("WriteFile", "Mkdir", "Run", "Chmod", "Chown", "Rename", "SystemUser",
                 "WriteText", "MakeDir", "Command")

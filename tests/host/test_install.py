@@ -18,7 +18,7 @@ import pytest
 
 from llmgw.host import install
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Recorder:

@@ -142,6 +142,6 @@ def test_the_engine_args_are_one_module() -> None:
     flags the control plane adds are checked by the same list (no second engine_args)."""
     from pathlib import Path
 
-    src = Path(__file__).resolve().parents[1] / "src"
+    src = Path(__file__).resolve().parents[2] / "src"
     assert [str(p.relative_to(src)) for p in src.rglob("model/engine_args.py")] == \
         ["llmgw/model/engine_args.py"]

@@ -21,7 +21,7 @@ from llmgw.model.ggufmeta import geometry
 from llmgw.model.kv_sizing import GIB, MARGIN, MAX_SLOTS, engine_args, size
 from tests.tiny_gguf import write_tiny_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 

@@ -19,7 +19,7 @@ from llmgw_harness import control_plane, gateway, mirror, watch
 from llmgw_harness.node import agent_service
 from llmgw_harness.settings import HostSettings
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
+DEPLOY = Path(__file__).resolve().parents[3] / "deploy" / "systemd"
 PLACEHOLDER = "ADVERTISED_ADDRESS"
 
 
