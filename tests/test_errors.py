@@ -82,20 +82,20 @@ class Unlisted(Error):
 
 
 def test_negative_control_a_stray_an_unlisted_and_a_misdrawn_class_are_found() -> None:
-    doc = ("Error\n ├── pki.PKIError\n └── APIError\n      ├── control.client.NotFound\n"
-           "      └── pki.PKIError2\n └── config.ConfigError\n")
-    assert tree(doc) == {"pki.PKIError": "Error", "APIError": "Error",
-                         "control.client.NotFound": "APIError", "pki.PKIError2": "APIError",
+    doc = ("Error\n ├── host.pki.PKIError\n └── APIError\n      ├── control.client.NotFound\n"
+           "      └── host.pki.PKIError2\n └── config.ConfigError\n")
+    assert tree(doc) == {"host.pki.PKIError": "Error", "APIError": "Error",
+                         "control.client.NotFound": "APIError", "host.pki.PKIError2": "APIError",
                          "config.ConfigError": "Error"}
     from llmgw.host.pki import PKIError
 
     assert misplaced([Stray, Unlisted, PKIError], doc) == [
-        "the tree names pki.PKIError2, which is no class",
+        "the tree names host.pki.PKIError2, which is no class",
         "tests.test_errors.Stray is not an llmgw.errors.Error",
         "tests.test_errors.Unlisted is not in errors.py's tree",
     ]
-    wrong = doc.replace("control.client.NotFound", "pki.PKIError")
-    assert "the tree draws pki.PKIError under APIError, which it does not derive from" \
+    wrong = doc.replace("control.client.NotFound", "host.pki.PKIError")
+    assert "the tree draws host.pki.PKIError under APIError, which it does not derive from" \
         in misplaced([], wrong)
 
 

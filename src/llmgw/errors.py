@@ -3,43 +3,43 @@ names it (tests/test_errors.py holds the two to each other). And shown_url, how 
 a log line or an answer shows a URL: without the credentials it may carry.
 
 Error
- ├── pki.PKIError
+ ├── host.pki.PKIError
  ├── config.ConfigError
- ├── engine_args.EngineArgsError (also a ValueError: a flag a profile may not give)
+ ├── model.engine_args.EngineArgsError (also a ValueError: a flag a profile may not give)
  ├── contract.records.RecordError (also a ValueError: a record the store refuses)
- ├── admin_token.AdminTokenError
- ├── services.ServiceError
- ├── _service.ListenError (a service cannot listen on its address)
- ├── install.InstallError
- ├── accounts.AccountError
- ├── agent._build.BuildError
- ├── agent._cuda.ToolchainError (no CUDA toolchain can be had; CudaBuild makes it a BuildError)
- ├── agent.engine.EngineUnavailable
+ ├── host.admin_token.AdminTokenError
+ ├── host.services.ServiceError
+ ├── http1.service.ListenError (a service cannot listen on its address)
+ ├── host.install.InstallError
+ ├── host.accounts.AccountError
+ ├── agent.engines._build.BuildError
+ ├── agent.engines._toolchain.ToolchainError (no CUDA toolchain: CudaBuild makes it a BuildError)
+ ├── agent.engines.cpu.EngineUnavailable
  ├── agent.sizing.DoesNotFit (a GPU replica's cards have no room for one slot now)
  ├── agent.client.AgentAPIError
  │    ├── agent.client.NodeRemoved (the control plane revoked this node's certificate)
  │    └── agent.client.Unreachable (no answer in time: another control plane may give one)
  ├── agent.join.JoinError
- ├── control_plane_join.ControlPlaneJoinError (a bundle that does not open, a fleet on SQLite)
- ├── control.store.StoreError (a read or a write the store could not do: away, busy, broken)
- │    └── control.store.StoreConflict (a unique key refused a write: the name is taken)
- ├── control.store.LeaseLost (a fenced write found the scheduler lease another's)
- ├── control.store._db.SchemaError (the store's schema is not the one this code reads)
- ├── control.store.copy.CopyError (a copy of a store that does not read back the same)
- ├── backup.BackupError
- ├── ggufmeta.GGUFError
- ├── control.balancer.Saturated (every replica's queue is full)
- ├── control.gateway.GatewayError (an answer in OpenAI's error shape)
- ├── control._upstream.UpstreamError (a replica failed once the request was sent)
- │    └── control._upstream.ConnectFailed (it never reached the engine: try another)
- ├── control._replica_conn.TooLarge (a replica's answer over the cap gathered whole)
- ├── commands._admin.Unreachable (no control plane answers the CLI)
+ ├── cli.control_plane_join.ControlPlaneJoinError (a bundle that does not open, a fleet on SQLite)
+ ├── store.StoreError (a read or a write the store could not do: away, busy, broken)
+ │    └── store.StoreConflict (a unique key refused a write: the name is taken)
+ ├── store.LeaseLost (a fenced write found the scheduler lease another's)
+ ├── store._db.SchemaError (the store's schema is not the one this code reads)
+ ├── store.copy.CopyError (a copy of a store that does not read back the same)
+ ├── cli.backup.BackupError
+ ├── model.ggufmeta.GGUFError
+ ├── gateway.balancer.Saturated (every replica's queue is full)
+ ├── gateway.app.GatewayError (an answer in OpenAI's error shape)
+ ├── gateway._upstream.UpstreamError (a replica failed once the request was sent)
+ │    └── gateway._upstream.ConnectFailed (it never reached the engine: try another)
+ ├── gateway._replica_conn.TooLarge (a replica's answer over the cap gathered whole)
+ ├── cli.commands._admin.Unreachable (no control plane answers the CLI)
  ├── mirror._sources.Changed (the source is no longer the file a partial came from)
  ├── mirror._sources.Gone (the source refused in a way a retry will not fix)
  ├── mirror._sources.Unavailable (the source is busy or failing for now)
  ├── mirror._transfer.Stopped (the mirror is shutting down)
  ├── mirror._transfer.Interrupted (the connection ended before the whole file came)
- ├── waiting.WaitTimeout (also an AssertionError)
+ ├── host.waiting.WaitTimeout (also an AssertionError)
  └── APIError (an llmgw API did not answer, or refused)
       ├── control.client.ControlPlaneError
       │    └── control.client.NotFound
@@ -52,7 +52,7 @@ Error
 
 Outside it, on purpose:
 - a private class (a leading _) is a signal within its module that never leaves it;
-- agent.prebuilt_server.UsageError: that script runs in the prebuilt engine's own venv,
+- agent.engines.prebuilt_server.UsageError: that script runs in the prebuilt engine's own venv,
   which has no llmgw to import.
 """
 

@@ -1,5 +1,5 @@
-"""One connection of Http1Server against raw sockets on loopback (`_http1_conn`,
-`_http1_cycle`): keep-alive, pipelining, streams, bodies, Expect: 100-continue, HEAD,
+"""One connection of Http1Server against raw sockets on loopback (`http1._conn`,
+`http1._cycle`): keep-alive, pipelining, streams, bodies, Expect: 100-continue, HEAD,
 refusals, a client that leaves, an app that fails, closing and the idle bound."""
 
 from __future__ import annotations

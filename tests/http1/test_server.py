@@ -1,4 +1,4 @@
-"""Http1Server's life (`_http1`) against raw sockets on loopback: the drain that lets
+"""Http1Server's life (`http1.server`) against raw sockets on loopback: the drain that lets
 what is under way finish, and the ASGI lifespan around it."""
 
 from __future__ import annotations

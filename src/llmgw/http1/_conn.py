@@ -1,7 +1,7 @@
 """One client connection of Http1Server: reads requests, answers them in turn, holds deadlines.
 
-An asyncio protocol: the sans-IO parser's events (`_http1_parse`) become ASGI cycles
-(`_http1_cycle`), one request at a time, in order (pipelined ones wait, their reading
+An asyncio protocol: the sans-IO parser's events (`_parse`) become ASGI cycles
+(`_cycle`), one request at a time, in order (pipelined ones wait, their reading
 paused). What the parser refuses is answered only after the answers ahead of it, and
 nothing behind it is read. Here too: Expect: 100-continue, a client that leaves
 (http.disconnect), the deadlines, write backpressure, sendfile, the scope's TLS extension

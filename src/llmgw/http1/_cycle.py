@@ -2,7 +2,7 @@
 
 An answer whose body comes in one message leaves in one write with its head, a streamed
 one as HTTP chunks, a file through the connection's send_file (the ASGI zero-copy send
-extension); a HEAD's answer leaves without its body. The connection (`_http1_conn`) reads
+extension); a HEAD's answer leaves without its body. The connection (`_conn`) reads
 the request into it and writes what it makes.
 """
 

@@ -6,7 +6,7 @@ order, events.request_started() at a head's first byte, request_head(...) with t
 method, target, headers and framing decided, request_body(data) as the body comes,
 request_end() at its end; or request_refused(status, why) once, after which nothing more
 is read. It reads no clock, opens nothing and awaits nothing: the deadlines are the
-connection's (`_http1_conn`), which reads `received`, `body_seen` and `length` for them.
+connection's (`_conn`), which reads `received`, `body_seen` and `length` for them.
 
 httptools (llhttp in its strict mode) parses; what it leaves to a server is done here, as
 it reads (`Limits`): the head on raw bytes (a line that never ends is cut at the limit),

@@ -1,5 +1,5 @@
 """The ASGI shapes the services' plain apps (the gateway, its metrics) take and give, and
-the lifespan protocol's runner for a server of ours (`_http1`)."""
+the lifespan protocol's runner for a server of ours (`server`)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ _Seconds = Annotated[float, Gt(0)]
 
 @dataclass(frozen=True)
 class Limits:
-    """The limits and deadlines `_http1.Http1Server` holds every connection to, as it reads.
+    """The limits and deadlines `server.Http1Server` holds every connection to, as it reads.
 
     Sizes count raw bytes as they arrive (whitespace, chunk framing, chunk extensions and
     trailers included), so what a client sends is bounded before anything is buffered

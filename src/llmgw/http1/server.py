@@ -7,11 +7,11 @@ headers, flow-control and event objects, and the writes it gathers only through 
 private classes. This server does what llmgw needs and no more, in one asyncio protocol
 per connection. HTTP/1.1 (and 1.0) only: no upgrades, no HTTP/2. Its parts, one job each:
 
-- `_http1_parse`: the sans-IO request parser, where `Limits`' sizes and RFC 9112's
+- `_parse`: the sans-IO request parser, where `Limits`' sizes and RFC 9112's
   refusals are counted as it reads;
-- `_http1_conn`: one connection (keep-alive, pipelining, deadlines, backpressure,
+- `_conn`: one connection (keep-alive, pipelining, deadlines, backpressure,
   sendfile, the TLS scope, the drain of one connection);
-- `_http1_cycle`: one request and its answer (the app's receive() and send());
+- `_cycle`: one request and its answer (the app's receive() and send());
 - this module: the server (listen, serve, lifespan, started/should_exit, drain).
 
 What a client may send, and how slowly, is held as it reads (`Limits`): the head on raw
@@ -56,7 +56,7 @@ BACKLOG = 4096
 class Http1Server:
     """Serves app on listen (HOST:PORT) or on sockets handed to serve(); HTTPS with
     certfile (the chain, leaf first) and keyfile. `started` once it listens,
-    `should_exit = True` to stop (a service's signal handler sets it: `_service`).
+    `should_exit = True` to stop (a service's signal handler sets it: `service`).
 
     On stop: no new connections; requests under way (streams too) get drain_s to finish,
     idle connections are closed without losing a request on the wire; then whatever is

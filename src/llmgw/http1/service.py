@@ -16,7 +16,7 @@ class ListenError(Error):
 
 
 class Listener(Protocol):
-    """A server that listens once serve() runs (`_http1.Http1Server`)."""
+    """A server that listens once serve() runs (`server.Http1Server`)."""
 
     started: bool
     listen: str
