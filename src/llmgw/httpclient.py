@@ -1,5 +1,5 @@
 """The one maker of llmgw's httpx clients for control traffic: their TLS, their timeouts,
-and a failure to answer told in llmgw's words.
+and a failure to answer told in llmgw's words; and JSONClient, the JSON API client on them.
 
 Agent, CLI, mirror and harness make every httpx client here, sync or async, and nowhere
 else (tests/test_httpclient.py holds that); the data plane's upstream client is another
@@ -143,8 +143,8 @@ def answered(error: Callable[[str], BaseException], who: str, *, asked: str = ""
         raise error(no_answer(e, who, asked=asked, timeout=timeout) + then) from e
 
 
-# The JSON client (once httpclient.py):
-# The JSON-over-HTTP client core both llmgw clients share: typed errors, a detail line.
+# The JSON-over-HTTP client core both llmgw clients share (the admin API's and the mirror's),
+# on the clients above: typed errors, a detail line.
 class JSONClient:
     """An httpx client of one JSON API; subclasses name the API and their error types.
 
