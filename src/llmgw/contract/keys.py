@@ -1,21 +1,20 @@
-"""Gateway keys: their format, hashing, reading a presented key, the window of a limit."""
+"""Gateway keys: their format, hashing, reading a presented key, their names and expiry, how
+the admin API shows one. Made by the control plane, read by the gateway (whose limit
+windows and usage are llmgw.gateway._limits')."""
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import math
 import re
 import secrets
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmgw.contract.records import KeyRecord, PublicKey
 
 # sk-llmgw-<8 hex: the id, shown to people>-<43 characters: the secret part>
 PREFIX = "sk-llmgw-"
 _FORMAT = re.compile(rb"sk-llmgw-([0-9a-f]{8})-[A-Za-z0-9_-]{43}")
-WINDOW_S = 60.0
 # What keys count under in metrics when none (an open gateway) or a server.yaml token is sent.
 ANONYMOUS = ""
 STATIC = "server.yaml"
@@ -94,89 +93,6 @@ def parse_expires(text: str, now: float) -> float:
     if when.timestamp() <= now:
         raise ValueError(f"--expires {text!r} is in the past; give a later date")
     return when.timestamp()
-
-
-@dataclass
-class Window:
-    """What was spent in the last span_s seconds against a limit (a sliding log).
-
-    Entries older than the span fall out; the log holds at most one entry per request."""
-
-    limit: int
-    span_s: float = WINDOW_S
-    spent: deque[tuple[float, int]] = field(default_factory=deque)
-    total: int = 0
-
-    def _expire(self, now: float) -> None:
-        while self.spent and self.spent[0][0] <= now - self.span_s:
-            self.total -= self.spent.popleft()[1]
-
-    def wait_s(self, now: float, amount: int = 1, limit: int | None = None) -> float:
-        """0 when amount more fits under the limit (or the limit given) now; else the
-        seconds until enough of what was spent falls out of the window (at least one entry
-        must go)."""
-        self._expire(now)
-        limit = self.limit if limit is None else limit
-        if self.total + amount <= limit or not self.spent:
-            return 0.0
-        over, freed = self.total + amount - limit, 0
-        for at, n in self.spent:
-            freed += n
-            if freed >= over:
-                return max(at + self.span_s - now, 0.001)
-        return self.spent[-1][0] + self.span_s - now
-
-    def add(self, now: float, amount: int) -> None:
-        if amount > 0:
-            self._expire(now)
-            self.spent.append((now, amount))
-            self.total += amount
-
-    def since(self, t: float) -> int:
-        """What was spent after t (newest entries first: cheap for a recent t)."""
-        found = 0
-        for at, n in reversed(self.spent):
-            if at <= t:
-                break
-            found += n
-        return found
-
-
-def retry_after(wait_s: float) -> str:
-    """Retry-After's value: whole seconds, rounded up, at least 1."""
-    return str(max(1, math.ceil(wait_s)))
-
-
-@dataclass
-class Usage:
-    """Requests and tokens per key id, gathered in memory between two writes to the store."""
-
-    counts: dict[str, list[float]] = field(default_factory=dict)
-
-    def add(self, key_id: str, now: float, prompt: int, completion: int) -> None:
-        got = self.counts.get(key_id)
-        if got is None:
-            self.counts[key_id] = [1, prompt, completion, now]
-            return
-        got[0] += 1
-        got[1] += prompt
-        got[2] += completion
-        got[3] = max(got[3], now)
-
-    def take(self) -> dict[str, tuple[int, int, int, float]]:
-        """Everything gathered, leaving none."""
-        taken = {k: (int(v[0]), int(v[1]), int(v[2]), v[3]) for k, v in self.counts.items()}
-        self.counts = {}
-        return taken
-
-    def put_back(self, taken: dict[str, tuple[int, int, int, float]]) -> None:
-        """Gathered counts that could not be written, merged with what came since."""
-        for key_id, (requests, prompt, completion, last) in taken.items():
-            got = self.counts.setdefault(key_id, [0, 0, 0, 0.0])
-            got[0] += requests
-            got[1] += prompt
-            got[2] += completion
-            got[3] = max(got[3], last)
 
 
 def public(key: KeyRecord) -> PublicKey:

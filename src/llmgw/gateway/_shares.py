@@ -7,7 +7,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from llmgw.contract.keys import Window
+from llmgw.gateway._limits import Window
 from llmgw.store import Grant, Settled, Want
 
 # Units of a claim left unspent this long go back to the key's minute, for other gateways.

@@ -20,7 +20,7 @@ from llmgw.config import ServerConfig
 from llmgw.contract import keys
 from llmgw.contract.records import ModelSpec
 from llmgw.errors import Error
-from llmgw.gateway import _wire
+from llmgw.gateway import _limits, _wire
 from llmgw.gateway._budgets import CLAIM_WAIT_S, Budgets
 from llmgw.gateway._relay import kept, respond, whole_answer
 from llmgw.gateway._router import Router
@@ -106,7 +106,7 @@ class Gateway:
         self.upstream = upstream
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
-        self.usage = keys.Usage()
+        self.usage = _limits.Usage()
         self.usage_flush_s = usage_flush_s
         self._callers: dict[str, Caller] = {}
         self.balancer = balancer
@@ -254,7 +254,7 @@ class Gateway:
             return over
         what, wait_s = over
         limit = caller.rpm if what == "requests" else caller.tpm
-        after = keys.retry_after(wait_s)
+        after = _limits.retry_after(wait_s)
         raise GatewayError(429, f"rate limit reached for key {caller.name!r} on {what} per "
                            f"minute: limit {limit}; try again in {after} s", what,
                            "rate_limit_exceeded",
