@@ -9,8 +9,12 @@ import time
 
 import httpx
 
-from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.config import EngineConfig
+
+try:
+    from llmgw.agent.engines.cpu import LlamaCpp
+except ImportError:  # gateway_overhead.py --old-src: a checkout from before its layout (issue 41)
+    from llmgw.agent.engine import LlamaCpp  # type: ignore[no-redef]
 
 
 def llama_server(prebuilt: str = "off", cache_dir: str = "") -> str:

@@ -82,14 +82,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._engine import llama_server, wait_ok  # noqa: E402
 from llmgw.config import connect_host, load_server  # noqa: E402
-from llmgw.contract import keys  # noqa: E402
-from llmgw.gateway._upstream import Upstream  # noqa: E402
-from llmgw.gateway.app import make_gateway_app  # noqa: E402
-from llmgw.gateway.metrics import GatewayMetrics  # noqa: E402
-from llmgw.host.layout import Layout  # noqa: E402
-from llmgw.host.netaddr import free_port  # noqa: E402
-from llmgw.model.engine_args import HTTP_THREADS  # noqa: E402
-from llmgw.store import Store  # noqa: E402
+
+try:  # this checkout's layout (a package per process: issue 41)
+    from llmgw.contract import keys
+    from llmgw.gateway._upstream import Upstream
+    from llmgw.gateway.app import make_gateway_app
+    from llmgw.gateway.metrics import GatewayMetrics
+    from llmgw.host.layout import Layout
+    from llmgw.host.netaddr import free_port
+    from llmgw.http1.server import Http1Server
+    from llmgw.model.engine_args import HTTP_THREADS
+    from llmgw.store import Store
+except ImportError:  # --old-src's gateway process, on a checkout from before it
+    from llmgw._http1 import Http1Server  # type: ignore[no-redef]
+    from llmgw.control._upstream import Upstream  # type: ignore[no-redef]
+    from llmgw.control.gateway import make_gateway_app  # type: ignore[no-redef]
+    from llmgw.control.store import Store  # type: ignore[no-redef]
+    from llmgw.engine_args import HTTP_THREADS  # type: ignore[no-redef]
+    from llmgw.layout import Layout  # type: ignore[no-redef]
+    from llmgw.netaddr import free_port  # type: ignore[no-redef]
+
+    from llmgw.control import keys  # type: ignore[no-redef]
+    from llmgw.control.metrics import GatewayMetrics  # type: ignore[no-redef]
 from tests.procs import cpu_s, listener_pid  # noqa: E402
 from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
@@ -222,13 +236,14 @@ def serve_gateway(work: Path, port: int) -> None:
     in a checkout from before it, given with --old-src, the FastPath it had)."""
     from prometheus_client import CollectorRegistry
 
-    from llmgw.http1.server import Http1Server
-
     fill_store(work / "control.db", json.loads((work.parent / "setup.json").read_text()))
     app = make_gateway_app(Store(work / "control.db"), upstream=Upstream(),
                            metrics=GatewayMetrics(CollectorRegistry()))
     try:
-        from llmgw.gateway._forward import Forwarder
+        try:
+            from llmgw.gateway._forward import Forwarder
+        except ImportError:  # --old-src: a checkout from before the package per process
+            from llmgw.control._forward import Forwarder  # type: ignore[no-redef]
         fast = Forwarder(app)
     except ImportError:  # --old-src: the code before the Forwarder
         from llmgw.control._fastpath import FastPath  # type: ignore[import-not-found]
