@@ -78,7 +78,7 @@ def test_an_interface_reached_through_its_second_address_is_the_management_one(
     """The control plane is reached from mgmt0's second address: mgmt0 is found, not the
     eth0 of last resort the one-address read led to (the Go original's bug)."""
     found = run_in(netns, f"""
-        from llmgw import netaddr
+        from llmgw.host import netaddr
         from llmgw.agent.host import management_interface
         print(*management_interface({CONTROL_PLANE!r}))
         print(*netaddr.interface_addresses()["mgmt0"])
@@ -98,7 +98,7 @@ def test_a_point_to_point_address_is_this_end_not_the_peer(netns: str) -> None:
     its peer B (IFA_ADDRESS there); the control: the peer is routed over that interface."""
     _ip("-n", netns, "addr", "add", "10.206.0.2", "peer", "10.206.0.1/32", "dev", "data0")
     found = run_in(netns, """
-        from llmgw import netaddr
+        from llmgw.host import netaddr
         print(*netaddr.interface_addresses()["data0"])
         print(netaddr.source_address_towards("10.206.0.1", 7443))
     """)
@@ -135,7 +135,7 @@ def test_agent_yaml_names_the_interface_and_one_this_machine_lacks_is_refused(
 ENGINE_ENV = f"""
     import logging
     from pathlib import Path
-    from llmgw.agent import engine_process
+    from llmgw.agent.replicas import process as engine_process
     from llmgw.agent.host import management_interface
     interface, _ = management_interface({CONTROL_PLANE!r})
     env = engine_process.environment({{"CUDA_VISIBLE_DEVICES": ""}}, interface)
@@ -167,7 +167,7 @@ def test_a_socket_ifname_set_for_the_agent_is_kept_for_its_engines(
 MEMLOCK = """
     import logging, resource, subprocess, sys
     from pathlib import Path
-    from llmgw.agent import engine_process
+    from llmgw.agent.replicas import process as engine_process
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, hard))
