@@ -1,10 +1,25 @@
-"""What a process on this machine has used, read from /proc: the CPU figures of the benches
-and the fleet tests."""
+"""The processes on this machine and what each has used, read from /proc: the CPU figures of
+the benches and the fleet tests, and the tests that look for a host's processes."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+
+def processes() -> list[tuple[int, list[bytes]]]:
+    """Every process now on this machine with its argv, from /proc; one that ends while it is
+    read is left out (a scan of /proc races every process that exits meanwhile)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found.append((int(proc.name), argv))
+    return found
 
 
 def cpu_s(pid: int) -> float:

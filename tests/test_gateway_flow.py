@@ -4,14 +4,13 @@ is down, a changed server.yaml is found by `pytest checks/` and handed to a new 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 import yaml
 
 from llmgw.host.services._supervisor import Supervisor
 from tests.hosts import ThrowawayHost
+from tests.procs import processes
 
 pytestmark = pytest.mark.slow
 
@@ -37,15 +36,8 @@ def ask(host: ThrowawayHost, token: str | None = None) -> httpx.Response:
 
 def gateway_pids(host: ThrowawayHost) -> list[int]:
     """`llmgw gateway` processes (master and workers) of this host."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"gateway" in argv and str(host.state_dir).encode() in b" ".join(argv):
-            found.append(int(proc.name))
-    return found
+    return [pid for pid, argv in processes()
+            if b"gateway" in argv and str(host.state_dir).encode() in b" ".join(argv)]
 
 
 def test_the_gateway_answers_from_its_last_table_while_the_control_plane_is_down(host) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from llmgw.agent.replicas.process import pid_is_engine
 from tests.hosts import ThrowawayHost
+from tests.procs import processes
 
 pytestmark = pytest.mark.slow
 
@@ -70,11 +71,8 @@ def engine_pid(host: ThrowawayHost) -> int:
 
 
 def llama_servers() -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-            and (p / "cmdline").exists()
-            # Two words: the prebuilt engine is `python .../llama-server`.
-            and any(w.endswith(b"llama-server")
-                    for w in (p / "cmdline").read_bytes().split(b"\0")[:2])]
+    # Two words: the prebuilt engine is `python .../llama-server`.
+    return [pid for pid, argv in processes() if any(w.endswith(b"llama-server") for w in argv[:2])]
 
 
 def cmdline(pid: int) -> str:
@@ -129,10 +127,9 @@ def test_the_hub_token_reaches_the_mirror_through_its_0600_file_only(host) -> No
     assert HUB_ENV["HF_TOKEN"] in env_file.read_text()
     program = (host.state_dir / "supervisor.d" / "llmgw-mirror.conf").read_text()
     assert HUB_ENV["HF_TOKEN"] not in program and "--env-file" in program
-    [pid] = [p for p in Path("/proc").iterdir() if p.name.isdigit()
-             and b"mirror\0serve" in (p / "cmdline").read_bytes()
-             and str(host.state_dir).encode() in (p / "cmdline").read_bytes()]
-    environ = (pid / "environ").read_bytes().split(b"\0")
+    [pid] = [pid for pid, argv in processes() if b"mirror\0serve" in b"\0".join(argv)
+             and str(host.state_dir).encode() in b"\0".join(argv)]
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert f"HF_TOKEN={HUB_ENV['HF_TOKEN']}".encode() in environ
 
 
