@@ -1,6 +1,8 @@
 """The fleet page's sessions in the store, so that every control plane of a fleet honours
 them and signing out on one ends them on all (kept by the sha256 of the cookie, never the
-cookie); viewer keys may expire.
+cookie); viewer keys may expire; the shares of gateway keys' per-minute limits that each
+gateway took, so that a key's rpm and tpm hold across every gateway of a fleet
+(store/budgets.py; transient rows).
 
 Frozen, as every revision once released: a later change is a new revision.
 
@@ -31,3 +33,14 @@ def upgrade() -> None:
     op.create_index("sessions_by_credential", "sessions", ["credential", "created"])
     op.create_index("sessions_by_expiry", "sessions", ["expires"])
     op.add_column("viewers", sa.Column("expires", sa.Double))
+    op.create_table(
+        "key_budget",
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
+                  autoincrement=True),
+        sa.Column("key_id", sa.Text, nullable=False),
+        sa.Column("kind", sa.Text, nullable=False),
+        sa.Column("gateway", sa.Text, nullable=False),
+        sa.Column("at", sa.Double, nullable=False),
+        sa.Column("amount", sa.BigInteger, nullable=False))
+    op.create_index("key_budget_by_key", "key_budget", ["key_id", "kind", "at"])
+    op.create_index("key_budget_by_at", "key_budget", ["at"])
