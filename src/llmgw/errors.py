@@ -1,6 +1,7 @@
-"""The base error of llmgw: every exception class llmgw defines is below it, as this tree
-names it (tests/test_errors.py holds the two to each other). And shown_url, how a message,
-a log line or an answer shows a URL: without the credentials it may carry.
+"""The base error of llmgw: every exception class llmgw and its harness (llmgw_harness)
+define is below it, as this tree names it (tests/test_errors.py holds the two to each
+other). And shown_url, how a message, a log line or an answer shows a URL: without the
+credentials it may carry.
 
 Error
  ├── host.pki.PKIError
@@ -40,6 +41,9 @@ Error
  ├── mirror._transfer.Stopped (the mirror is shutting down)
  ├── mirror._transfer.Interrupted (the connection ended before the whole file came)
  ├── host.waiting.WaitTimeout (also an AssertionError)
+ ├── llmgw_harness._registry.RegistryError (the harness's steps contradict each other)
+ ├── llmgw_harness._throwaway.HostError (also an AssertionError: a throwaway host did not come up)
+ ├── llmgw_harness._promise.CannotFix (also an AssertionError: a fix cannot do its job)
  └── APIError (an llmgw API did not answer, or refused)
       ├── control.client.ControlPlaneError
       │    └── control.client.NotFound

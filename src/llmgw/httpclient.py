@@ -12,7 +12,7 @@ import os
 import ssl
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypedDict, Unpack
 
 import httpx
 
@@ -45,44 +45,35 @@ def tls(
     return ctx
 
 
-def _options(base_url: str, verify: Verify, timeout: Timeout,
-             headers: Mapping[str, str] | None, limits: httpx.Limits | None,
-             follow_redirects: bool) -> dict[str, Any]:
-    options: dict[str, Any] = {"base_url": base_url, "verify": verify, "timeout": timeout,
-                               "headers": headers, "follow_redirects": follow_redirects}
-    if limits is not None:
-        options["limits"] = limits
+class Options(TypedDict, total=False):
+    """What client() and async_client() take beside the base URL and the transport; one
+    left out is the default _options() gives."""
+
+    verify: Verify  # True
+    timeout: Timeout  # TIMEOUT_S
+    headers: Mapping[str, str] | None  # None
+    limits: httpx.Limits | None  # httpx's own
+    follow_redirects: bool  # False
+
+
+def _options(base_url: str, given: Options) -> dict[str, Any]:
+    options: dict[str, Any] = {"base_url": base_url, "verify": True, "timeout": TIMEOUT_S,
+                               "headers": None, "follow_redirects": False, **given}
+    if options.get("limits") is None:
+        options.pop("limits", None)
     return options
 
 
-def client(
-    base_url: str = "",
-    *,
-    verify: Verify = True,
-    timeout: Timeout = TIMEOUT_S,
-    headers: Mapping[str, str] | None = None,
-    limits: httpx.Limits | None = None,
-    follow_redirects: bool = False,
-    transport: httpx.BaseTransport | None = None,
-) -> httpx.Client:
+def client(base_url: str = "", *, transport: httpx.BaseTransport | None = None,
+           **options: Unpack[Options]) -> httpx.Client:
     """A sync client; transport replaces the network (tests: httpx.MockTransport)."""
-    return httpx.Client(transport=transport, **_options(base_url, verify, timeout, headers,
-                                                        limits, follow_redirects))
+    return httpx.Client(transport=transport, **_options(base_url, options))
 
 
-def async_client(
-    base_url: str = "",
-    *,
-    verify: Verify = True,
-    timeout: Timeout = TIMEOUT_S,
-    headers: Mapping[str, str] | None = None,
-    limits: httpx.Limits | None = None,
-    follow_redirects: bool = False,
-    transport: httpx.AsyncBaseTransport | None = None,
-) -> httpx.AsyncClient:
+def async_client(base_url: str = "", *, transport: httpx.AsyncBaseTransport | None = None,
+                 **options: Unpack[Options]) -> httpx.AsyncClient:
     """An async client, made as client() makes a sync one."""
-    return httpx.AsyncClient(transport=transport, **_options(
-        base_url, verify, timeout, headers, limits, follow_redirects))
+    return httpx.AsyncClient(transport=transport, **_options(base_url, options))
 
 
 def request(method: str, url: str, *, verify: Verify = True, timeout: Timeout = TIMEOUT_S,
