@@ -1,5 +1,5 @@
-"""Every class defined in llmgw's modules, found by importing each (what a structural test
-walks: records defined twice, error classes outside the tree)."""
+"""Every class defined in llmgw's modules (or the harness's), found by importing each (what
+a structural test walks: records defined twice, error classes outside the tree)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ import llmgw
 _NOT_IMPORTED = (".migrations.", ".__main__")
 
 
-def llmgw_modules() -> list[ModuleType]:
+def llmgw_modules(package: ModuleType = llmgw) -> list[ModuleType]:
+    """Every module of package (llmgw, or llmgw_harness), imported."""
     found = []
-    for info in pkgutil.walk_packages(llmgw.__path__, "llmgw."):
+    for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
         if not any(part in info.name + "." for part in _NOT_IMPORTED):
             found.append(importlib.import_module(info.name))
     return found

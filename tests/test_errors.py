@@ -1,6 +1,6 @@
-"""Every exception class llmgw defines is below llmgw.errors.Error, where errors.py's tree
-names it under its base: one place to read the whole hierarchy, and one `except Error` that
-catches whatever llmgw raises."""
+"""Every exception class llmgw and its harness define is below llmgw.errors.Error, where
+errors.py's tree names it under its base: one place to read the whole hierarchy, and one
+`except Error` that catches whatever llmgw raises."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import pytest
 
 import llmgw.errors
+import llmgw_harness
 from llmgw.errors import Error, shown_url
 from tests.sourceclasses import classes_of, llmgw_modules
 
@@ -36,11 +37,14 @@ def tree(doc: str) -> dict[str, str]:
 
 def resolve(name: str) -> type | None:
     """The class a tree entry names (`mirror.MirrorError` is llmgw.mirror's MirrorError;
-    a bare name is errors.py's own), None where there is none."""
+    `llmgw_harness._registry.RegistryError` the harness's; a bare name is errors.py's own),
+    None where there is none."""
     module, _, cls = f"errors.{name}".rpartition(".") if "." not in name \
         else name.rpartition(".")
+    if not module.startswith("llmgw_harness"):
+        module = f"llmgw.{module}"
     try:
-        found = getattr(importlib.import_module(f"llmgw.{module}"), cls, None)
+        found = getattr(importlib.import_module(module), cls, None)
     except ImportError:
         return None
     return found if isinstance(found, type) else None
@@ -71,6 +75,23 @@ def misplaced(classes: list[type], doc: str) -> list[str]:
 
 def test_every_exception_class_is_an_error_named_in_the_tree() -> None:
     assert misplaced(classes_of(llmgw_modules()), llmgw.errors.__doc__ or "") == []
+
+
+def test_every_harness_exception_class_is_an_error_named_in_the_tree() -> None:
+    """The harness's errors (a registry that contradicts itself, a host that did not come
+    up, a fix that cannot do its job) are in the same tree: one `except Error` for both."""
+    assert misplaced(classes_of(llmgw_modules(llmgw_harness)), llmgw.errors.__doc__ or "") == []
+
+
+def test_negative_control_the_walk_reports_a_stray_exception_in_the_harness(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Exception subclass a harness module defines outside Error is reported."""
+    from llmgw_harness import _registry
+
+    stray = type("StrayError", (Exception,), {"__module__": _registry.__name__})
+    monkeypatch.setattr(_registry, "StrayError", stray, raising=False)
+    assert misplaced(classes_of(llmgw_modules(llmgw_harness)), llmgw.errors.__doc__ or "") == [
+        "llmgw_harness._registry.StrayError is not an llmgw.errors.Error"]
 
 
 class Stray(Exception):

@@ -1,6 +1,7 @@
-"""The base error of llmgw: every exception class llmgw defines is below it, as this tree
-names it (tests/test_errors.py holds the two to each other). And shown_url, how a message,
-a log line or an answer shows a URL: without the credentials it may carry.
+"""The base error of llmgw: every exception class llmgw and its harness (llmgw_harness)
+define is below it, as this tree names it (tests/test_errors.py holds the two to each
+other). And shown_url, how a message, a log line or an answer shows a URL: without the
+credentials it may carry.
 
 Error
  ├── host.pki.PKIError
@@ -16,9 +17,6 @@ Error
  ├── agent.engines._toolchain.ToolchainError (no CUDA toolchain: CudaBuild makes it a BuildError)
  ├── agent.engines.cpu.EngineUnavailable
  ├── agent.sizing.DoesNotFit (a GPU replica's cards have no room for one slot now)
- ├── agent.client.AgentAPIError
- │    ├── agent.client.NodeRemoved (the control plane revoked this node's certificate)
- │    └── agent.client.Unreachable (no answer in time: another control plane may give one)
  ├── agent.join.JoinError
  ├── cli.control_plane_join.ControlPlaneJoinError (a bundle that does not open, a fleet on SQLite)
  ├── store.StoreError (a read or a write the store could not do: away, busy, broken)
@@ -33,14 +31,19 @@ Error
  ├── gateway._upstream.UpstreamError (a replica failed once the request was sent)
  │    └── gateway._upstream.ConnectFailed (it never reached the engine: try another)
  ├── gateway._replica_conn.TooLarge (a replica's answer over the cap gathered whole)
- ├── cli.commands._admin.Unreachable (no control plane answers the CLI)
  ├── mirror._sources.Changed (the source is no longer the file a partial came from)
  ├── mirror._sources.Gone (the source refused in a way a retry will not fix)
  ├── mirror._sources.Unavailable (the source is busy or failing for now)
  ├── mirror._transfer.Stopped (the mirror is shutting down)
  ├── mirror._transfer.Interrupted (the connection ended before the whole file came)
  ├── host.waiting.WaitTimeout (also an AssertionError)
+ ├── llmgw_harness._registry.RegistryError (the harness's steps contradict each other)
+ ├── llmgw_harness._throwaway.HostError (also an AssertionError: a throwaway host did not come up)
+ ├── llmgw_harness._promise.CannotFix (also an AssertionError: a fix cannot do its job)
  └── APIError (an llmgw API did not answer, or refused)
+      ├── Unreachable (no answer, or a 503: another control plane, or a later try, may answer)
+      ├── agent.client.AgentAPIError (the agent API refused this node, or answered wrongly)
+      │    └── agent.client.NodeRemoved (the control plane revoked this node's certificate)
       ├── control.client.ControlPlaneError
       │    └── control.client.NotFound
       └── mirror.MirrorError
@@ -74,6 +77,17 @@ class APIError(Error):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+    @property
+    def transient(self) -> bool:
+        """Whether asking again may get another answer: none came (a restart), or a 5xx."""
+        return self.status is None or self.status >= 500
+
+
+class Unreachable(APIError):
+    """No llmgw API answered: none is configured here, nothing answers at its address in
+    time, or it said it cannot serve now (503). Another control plane of the fleet, or a
+    later try, may answer; the CLI exits 3 on it."""
 
 
 def shown_url(url: str) -> str:

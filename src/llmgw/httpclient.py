@@ -12,7 +12,7 @@ import os
 import ssl
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, TypedDict, Unpack
 
 import httpx
 
@@ -45,44 +45,35 @@ def tls(
     return ctx
 
 
-def _options(base_url: str, verify: Verify, timeout: Timeout,
-             headers: Mapping[str, str] | None, limits: httpx.Limits | None,
-             follow_redirects: bool) -> dict[str, Any]:
-    options: dict[str, Any] = {"base_url": base_url, "verify": verify, "timeout": timeout,
-                               "headers": headers, "follow_redirects": follow_redirects}
-    if limits is not None:
-        options["limits"] = limits
+class Options(TypedDict, total=False):
+    """What client() and async_client() take beside the base URL and the transport; one
+    left out is the default _options() gives."""
+
+    verify: Verify  # True
+    timeout: Timeout  # TIMEOUT_S
+    headers: Mapping[str, str] | None  # None
+    limits: httpx.Limits | None  # httpx's own
+    follow_redirects: bool  # False
+
+
+def _options(base_url: str, given: Options) -> dict[str, Any]:
+    options: dict[str, Any] = {"base_url": base_url, "verify": True, "timeout": TIMEOUT_S,
+                               "headers": None, "follow_redirects": False, **given}
+    if options.get("limits") is None:
+        options.pop("limits", None)
     return options
 
 
-def client(
-    base_url: str = "",
-    *,
-    verify: Verify = True,
-    timeout: Timeout = TIMEOUT_S,
-    headers: Mapping[str, str] | None = None,
-    limits: httpx.Limits | None = None,
-    follow_redirects: bool = False,
-    transport: httpx.BaseTransport | None = None,
-) -> httpx.Client:
+def client(base_url: str = "", *, transport: httpx.BaseTransport | None = None,
+           **options: Unpack[Options]) -> httpx.Client:
     """A sync client; transport replaces the network (tests: httpx.MockTransport)."""
-    return httpx.Client(transport=transport, **_options(base_url, verify, timeout, headers,
-                                                        limits, follow_redirects))
+    return httpx.Client(transport=transport, **_options(base_url, options))
 
 
-def async_client(
-    base_url: str = "",
-    *,
-    verify: Verify = True,
-    timeout: Timeout = TIMEOUT_S,
-    headers: Mapping[str, str] | None = None,
-    limits: httpx.Limits | None = None,
-    follow_redirects: bool = False,
-    transport: httpx.AsyncBaseTransport | None = None,
-) -> httpx.AsyncClient:
+def async_client(base_url: str = "", *, transport: httpx.AsyncBaseTransport | None = None,
+                 **options: Unpack[Options]) -> httpx.AsyncClient:
     """An async client, made as client() makes a sync one."""
-    return httpx.AsyncClient(transport=transport, **_options(
-        base_url, verify, timeout, headers, limits, follow_redirects))
+    return httpx.AsyncClient(transport=transport, **_options(base_url, options))
 
 
 def request(method: str, url: str, *, verify: Verify = True, timeout: Timeout = TIMEOUT_S,
@@ -143,13 +134,14 @@ def answered(error: Callable[[str], BaseException], who: str, *, asked: str = ""
         raise error(no_answer(e, who, asked=asked, timeout=timeout) + then) from e
 
 
-# The JSON-over-HTTP client core both llmgw clients share (the admin API's and the mirror's),
-# on the clients above: typed errors, a detail line.
+# The JSON-over-HTTP client core every llmgw client shares (the admin API's, the mirror's and
+# the agent API's), on the clients above: typed errors, a detail line.
 class JSONClient:
     """An httpx client of one JSON API; subclasses name the API and their error types.
 
     Errors take (message, status): `not_found` for 404, `error` for everything else,
-    including no answer at all (status None).
+    including no answer at all (status None). A subclass with TLS or limits of its own
+    overrides _connect; one that words its errors otherwise, _unanswered and _answer.
     """
 
     what: ClassVar[str] = "the API"
@@ -167,9 +159,14 @@ class JSONClient:
         """token: the admin token (llmgw.host.admin_token.read_token), sent as a bearer token."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        headers = {"Authorization": f"Bearer {token}"} if token else None
-        self._http = client(self.base_url, timeout=timeout, transport=transport,
-                                        headers=headers)
+        self._transport = transport
+        self._headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._http = self._connect()
+
+    def _connect(self) -> httpx.Client:
+        """A new httpx client of base_url (made again when the URL or the TLS files change)."""
+        return client(self.base_url, timeout=self.timeout, transport=self._transport,
+                      headers=self._headers)
 
     def close(self) -> None:
         self._http.close()
@@ -181,10 +178,25 @@ class JSONClient:
         self.close()
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:
-        with answered(self.error, f"{self.what} at {shown_url(self.base_url)}",
-                                  asked=f"{method} {path}",
-                                  timeout=kw.get("timeout", self.timeout)):
-            response = self._http.request(method, path, **kw)
+        return self._answer(method, path, self._send(method, path, **kw))
+
+    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """The answer to one request, whatever its status; _unanswered's error when none came."""
+        try:
+            return self._request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise self._unanswered(e, f"{method} {path}", kw.get("timeout", self.timeout)) from e
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        return self._http.request(method, path, **kw)
+
+    def _unanswered(self, e: httpx.HTTPError, asked: str, timeout: Timeout) -> APIError:
+        """The error for a request that got no answer (status None)."""
+        return self.error(no_answer(e, f"{self.what} at {shown_url(self.base_url)}",
+                                    asked=asked, timeout=timeout))
+
+    def _answer(self, method: str, path: str, response: httpx.Response) -> Any:
+        """The answer's JSON (None when it has no body), or the error its status says."""
         if response.status_code == 404:
             raise self.not_found(f"{method} {path}: {detail(response)}", 404)
         if response.status_code >= 400:

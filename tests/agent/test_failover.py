@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from llmgw.agent.agent import Agent
-from llmgw.agent.client import AgentClient, NodeRemoved, Unreachable
+from llmgw.agent.client import AgentClient, NodeRemoved
 from llmgw.agent.control_planes import FILE, ControlPlanes, current_server
 from llmgw.agent.engines.common import engine_status
 from llmgw.agent.engines.cpu import LlamaCpp
@@ -26,6 +26,7 @@ from llmgw.config import AgentConfig, EngineConfig, TLSFiles
 from llmgw.contract import CPU_ENGINE, AgentPaths, EngineState, NodeState
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.control.nodes import node_view
+from llmgw.errors import Unreachable
 from llmgw.host import pki
 from llmgw.store import Store
 from tests.postgres import PostgresServer

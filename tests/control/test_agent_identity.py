@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.agent.client import AgentAPIError, AgentClient
+from llmgw.agent.client import AgentClient
 from llmgw.config import TLSFiles
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.errors import Unreachable
 from llmgw.host import pki
 from llmgw.store import Store
 
@@ -65,7 +66,7 @@ def test_node_with_a_cert_from_another_ca_is_refused(
     foreign = pki.create_ca("someone else's CA")
     tls = node_tls(tmp_path, foreign, "node-a", "foreign")
     client = AgentClient(f"https://127.0.0.1:{agent_api.port}", tls)
-    with pytest.raises(AgentAPIError, match="did not answer"):
+    with pytest.raises(Unreachable, match="did not answer"):
         client.heartbeat({"node_id": "node-a"})
     client.close()
     assert agent_api.store.nodes() == []  # type: ignore[attr-defined]
@@ -81,7 +82,7 @@ def test_agent_refuses_a_server_from_another_ca(
     pki.create_ca("elsewhere").write(other, "ca")
     client = AgentClient(f"https://127.0.0.1:{agent_api.port}",
                          TLSFiles(ca=str(other / "ca.pem"), cert=tls.cert, key=tls.key))
-    with pytest.raises(AgentAPIError):
+    with pytest.raises(Unreachable):
         client.heartbeat({})
     client.close()
 
@@ -153,7 +154,7 @@ def test_a_connection_that_waited_too_long_for_its_turn_is_closed_unanswered(
     client = AgentClient(f"https://127.0.0.1:{server.port}",
                          node_tls(tmp_path, cluster["ca"], "node-a", "node-a"))
     try:
-        with pytest.raises(AgentAPIError, match="did not answer"):
+        with pytest.raises(Unreachable, match="did not answer"):
             client.heartbeat({})
         assert server._server.shed >= 1 and store.nodes() == []
         monkeypatch.setattr(_tlsserver, "HANDSHAKE_QUEUE_S", 5.0)  # negative control

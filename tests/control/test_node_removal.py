@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from llmgw.agent.agent import Agent
-from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved
+from llmgw.agent.client import AgentClient, NodeRemoved
 from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.gpus import Discovery
 from llmgw.agent.workload import NoReplicas
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
+from llmgw.errors import Unreachable
 
 
 def _tls(cp, cn: str) -> TLSFiles:
@@ -100,7 +101,7 @@ def test_a_network_failure_is_not_taken_for_removal(tmp_path: Path, live_control
     """Negative control: a control plane that is away is no reason to stop engines."""
     cp = live_control_plane
     client = AgentClient("https://127.0.0.1:1", _tls(cp, "n2"), timeout=2)
-    with pytest.raises(AgentAPIError) as e:
+    with pytest.raises(Unreachable) as e:
         client.heartbeat({})
     assert not isinstance(e.value, NodeRemoved)
     client.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
-from llmgw.agent.client import AgentAPIError, AgentClient, NodeRemoved, Unreachable
+from llmgw.agent.client import AgentClient, NodeRemoved
 from llmgw.agent.control_planes import ControlPlanes
 from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.engines.cuda import CudaEngine
@@ -24,6 +24,7 @@ from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
 from llmgw.contract import CUDA_ENGINE, EngineState
 from llmgw.contract.records import Gpu, Heartbeat, HeartbeatAnswer
+from llmgw.errors import APIError, Unreachable
 
 log = logging.getLogger("llmgw.agent")
 
@@ -124,7 +125,7 @@ class Agent:
         key_pem, csr = renewal_request(self.config.node_id)
         try:
             self.client.renew(key_pem, csr)
-        except AgentAPIError as e:
+        except APIError as e:
             log.warning("renewing this node's certificate failed: %s; trying again in %.0fs",
                         e, RENEW_CHECK_S)
             return False
@@ -142,7 +143,7 @@ class Agent:
             log.error("%s; stopping this node's engines", e)
             self.workload.reconcile([])
             return self.config.heartbeat_s
-        except AgentAPIError as e:
+        except APIError as e:
             self.failures += 1
             if self.failures == 1:
                 log.warning("%s; retrying with backoff up to %.0fs", e,

@@ -15,22 +15,22 @@ from llmgw.agent.join import refusal
 from llmgw.config import TLSFiles
 from llmgw.contract import AgentPaths
 from llmgw.contract.records import DriftReport, Heartbeat, HeartbeatAnswer, HostDrift, NodeView
-from llmgw.errors import Error, shown_url
+from llmgw.errors import APIError, Unreachable, shown_url
 from llmgw.host import pki
 from llmgw.host.files import atomic_write
 
 
-class AgentAPIError(Error):
-    """The control plane's agent API could not be reached, refused us, or answered wrongly."""
+class AgentAPIError(APIError):
+    """The control plane's agent API refused this node, or answered wrongly; or the node's
+    TLS files do not load. No answer at all is Unreachable (llmgw.errors)."""
 
 
 class NodeRemoved(AgentAPIError):
     """The control plane revoked this node's certificate: it was removed from the cluster."""
 
-
-class Unreachable(AgentAPIError):
-    """No answer came: the connection was refused or failed, or the deadline (connecting
-    and reading) passed; another control plane of the fleet may answer."""
+    @property
+    def transient(self) -> bool:
+        return False  # asking again meets the same revocation list
 
 
 # Longer than any heartbeat interval: the connection is kept from beat to beat, not made
@@ -50,8 +50,13 @@ def client_context(tls: TLSFiles) -> ssl.SSLContext:
         ) from e
 
 
-class AgentClient:
-    """The agent API at server (https://HOST:PORT), as this node."""
+class AgentClient(httpclient.JSONClient):
+    """The agent API at server (https://HOST:PORT), as this node: mutual TLS with the node's
+    certificate; no answer is Unreachable, and the agent moves to another control plane."""
+
+    what = "the control plane"
+    error = AgentAPIError
+    not_found = AgentAPIError
 
     def __init__(
         self,
@@ -61,33 +66,32 @@ class AgentClient:
         timeout: float = httpclient.TIMEOUT_S,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.server = server.rstrip("/")
         self.tls = tls
-        self._timeout = timeout
-        self._transport = transport
-        self._http = self._client()
+        super().__init__(server, timeout=timeout, transport=transport)
 
-    def _client(self) -> httpx.Client:
+    def _connect(self) -> httpx.Client:
         verify: httpclient.Verify = (client_context(self.tls) if self._transport is None
                                       else True)
         limits = httpx.Limits(max_connections=4, keepalive_expiry=KEEPALIVE_S)
-        return httpclient.client(self.server, verify=verify, timeout=self._timeout,
+        return httpclient.client(self.base_url, verify=verify, timeout=self.timeout,
                                   transport=self._transport, limits=limits)
+
+    @property
+    def server(self) -> str:
+        """The control plane this client sends to (https://HOST:PORT)."""
+        return self.base_url
 
     @property
     def shown(self) -> str:
         """The control plane's URL as a message shows it (errors.shown_url)."""
-        return shown_url(self.server)
-
-    def close(self) -> None:
-        self._http.close()
+        return shown_url(self.base_url)
 
     def move_to(self, server: str) -> None:
         """Send to the control plane at server from now on: a new connection, whose TLS
         checks that server's certificate names server's host, signed by the same CA."""
         self._http.close()
-        self.server = server.rstrip("/")
-        self._http = self._client()
+        self.base_url = server.rstrip("/")
+        self._http = self._connect()
 
     def heartbeat(self, inventory: Heartbeat) -> HeartbeatAnswer:
         """Send the inventory; the answer holds node_id (from the certificate) and replicas."""
@@ -96,8 +100,9 @@ class AgentClient:
     def node(self) -> NodeView | None:
         """This node's record as the control plane sees it (GET /api/v1/agent/self); None
         until it has sent a heartbeat."""
-        response = self._send_or_raise("GET", AgentPaths.SELF)
-        return None if response.status_code == 404 else self._body(response)
+        response = self._send("GET", AgentPaths.SELF)
+        return None if response.status_code == 404 else self._answer(
+            "GET", AgentPaths.SELF, response)
 
     def report_drift(self, report: DriftReport) -> HostDrift:
         """This node's last round of `llmgw check --serve`; the control plane keeps it under
@@ -112,9 +117,9 @@ class AgentClient:
         atomic_write(self.tls.cert, answer["cert"], mode=0o644)
         Path(self.tls.key + ".new").replace(self.tls.key)
         self._http.close()
-        self._http = self._client()
+        self._http = self._connect()
 
-    def _send(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
             return self._http.request(method, path, **kw)
         except httpx.RemoteProtocolError:
@@ -122,14 +127,30 @@ class AgentClient:
             # this node): one fresh connection says which.
             return self._http.request(method, path, **kw)
 
+    def _unanswered(self, e: httpx.HTTPError, asked: str,
+                    timeout: httpclient.Timeout) -> APIError:
+        """NodeRemoved when the control plane refused this node's certificate as revoked,
+        else Unreachable: another control plane of the fleet may answer."""
+        # A revoked certificate is refused in the handshake, never left unanswered: no
+        # second wait for the revocation list of a control plane that does not answer.
+        if not isinstance(e, httpx.TimeoutException) and (
+                _REVOKED in str(e).upper().replace(" ", "_") or self._revoked()):
+            return NodeRemoved(
+                f"the control plane at {self.shown} refused this node's certificate as "
+                "revoked: the node was removed (llmgw node rm). Join it again with a new "
+                "token to serve"
+            )
+        return Unreachable(httpclient.no_answer(e, f"the control plane at {self.shown}",
+                                                timeout=self.timeout))
+
     def _revoked(self) -> bool:
         """Whether the control plane's revocation list, signed by the cluster CA, names
         this node's certificate; False when that cannot be told."""
         try:
             ctx = httpclient.tls(ca=self.tls.ca)
-            with httpclient.client(verify=ctx, timeout=self._timeout,
+            with httpclient.client(verify=ctx, timeout=self.timeout,
                                     transport=self._transport) as anonymous:
-                crl_pem = anonymous.get(f"{self.server}{AgentPaths.CRL}").json()["crl"]
+                crl_pem = anonymous.get(f"{self.base_url}{AgentPaths.CRL}").json()["crl"]
             crl = x509.load_pem_x509_crl(crl_pem.encode())
             ca, cert = pki.load_cert(self.tls.ca), pki.load_cert(self.tls.cert)
             public = ca.public_key()
@@ -140,37 +161,19 @@ class AgentClient:
         return signed and crl.get_revoked_certificate_by_serial_number(
             cert.serial_number) is not None
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
-        return self._body(self._send_or_raise(method, path, **kw))
-
-    def _send_or_raise(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            return self._send(method, path, **kw)
-        except httpx.HTTPError as e:
-            # A revoked certificate is refused in the handshake, never left unanswered: no
-            # second wait for the revocation list of a control plane that does not answer.
-            if not isinstance(e, httpx.TimeoutException) and (
-                    _REVOKED in str(e).upper().replace(" ", "_") or self._revoked()):
-                raise NodeRemoved(
-                    f"the control plane at {self.shown} refused this node's certificate as "
-                    "revoked: the node was removed (llmgw node rm). Join it again with a new "
-                    "token to serve"
-                ) from e
-            raise Unreachable(httpclient.no_answer(e, f"the control plane at {self.shown}",
-                                                    timeout=self._timeout)) from e
-
-    def _body(self, response: httpx.Response) -> Any:
-        """The answer's JSON object (the caller's annotation names its shape), or
-        AgentAPIError saying what came instead."""
-        if response.status_code == 503:  # it answers but cannot serve (its store is away)
+    def _answer(self, method: str, path: str, response: httpx.Response) -> Any:
+        """The answer's JSON object (the caller's annotation names its shape), or the error
+        saying what came instead: a 503 is Unreachable (it answers but cannot serve: its
+        store is away), any other status but 200 an AgentAPIError."""
+        status = response.status_code
+        if status == 503:
             raise Unreachable(f"the control plane at {self.shown} cannot serve now (503): "
-                              f"{refusal(response)}")
-        if response.status_code != 200:
+                              f"{refusal(response)}", 503)
+        if status != 200:
             raise AgentAPIError(
-                f"the control plane at {self.shown} answered {response.status_code}: "
-                f"{response.text[:300]}"
-            )
+                f"the control plane at {self.shown} answered {status}: {response.text[:300]}",
+                status)
         body = response.json()
         if not isinstance(body, dict):
-            raise AgentAPIError(f"the control plane at {self.shown} answered {body!r}")
+            raise AgentAPIError(f"the control plane at {self.shown} answered {body!r}", status)
         return body

@@ -10,9 +10,9 @@ import sys
 
 from llmgw import __version__
 from llmgw.cli.commands import add_day2
-from llmgw.cli.commands._admin import EXIT_UNREACHABLE, Unreachable
+from llmgw.cli.commands._admin import EXIT_UNREACHABLE
 from llmgw.config import MIRROR_API_LISTEN, MIRROR_LISTEN
-from llmgw.errors import Error
+from llmgw.errors import Error, Unreachable
 from llmgw.host.layout import MODES
 
 

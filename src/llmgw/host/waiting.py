@@ -60,14 +60,10 @@ def wait_until(
         ) from None
 
 
-def transient(e: APIError) -> bool:
-    """An API error worth waiting through: no answer (a restart) or a 5xx."""
-    return e.status is None or e.status >= 500
-
-
 def through_api_errors(probe: Callable[[], Probe]) -> Callable[[], Probe]:
-    """probe, with a transient API error taken as one more look that is not there yet,
-    showing the error as the state seen; any other error still ends the wait at once.
+    """probe, with a transient API error (APIError.transient: no answer, or a 5xx) taken
+    as one more look that is not there yet, showing the error as the state seen; any other
+    error still ends the wait at once.
 
     A long wait (a 30-minute download, a replica starting) must outlast a restart of
     the service it polls.
@@ -77,7 +73,7 @@ def through_api_errors(probe: Callable[[], Probe]) -> Callable[[], Probe]:
         try:
             return probe()
         except APIError as e:
-            if not transient(e):
+            if not e.transient:
                 raise
             return Probe(False, f"{e} (will ask again)")
 

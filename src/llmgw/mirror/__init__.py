@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
+from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT
+from llmgw.mirror._errors import MirrorError, MirrorNotFound
 from llmgw.mirror._sources import hub_endpoint
-from llmgw.mirror.client import (
-    DOWNLOADING,
-    FAILED,
-    PRESENT,
-    MirrorClient,
-    MirrorError,
-    MirrorNotFound,
-)
+from llmgw.mirror.client import MirrorClient
 
 __all__ = [
     "DOWNLOADING",

@@ -11,7 +11,7 @@ import httpx
 
 from llmgw.contract.records import MirrorVersion
 from llmgw.httpclient import JSONClient
-from llmgw.mirror._disk import DOWNLOADING, FAILED, PRESENT
+from llmgw.mirror._disk import DOWNLOADING, PRESENT
 from llmgw.mirror._errors import MirrorError, MirrorNotFound
 
 # An upload resumes after this many broken connections in a row before giving up.
@@ -19,16 +19,6 @@ UPLOAD_TRIES = 5
 # The mirror answers an upload only after it hashed the whole file: give it time.
 UPLOAD_READ_TIMEOUT_S = 600.0
 _CHUNK = 1 << 20
-
-__all__ = [
-    "DOWNLOADING",
-    "FAILED",
-    "PRESENT",
-    "MirrorClient",
-    "MirrorError",
-    "MirrorNotFound",
-]
-
 
 class MirrorClient(JSONClient):
     """The management API at base_url (http://127.0.0.1:8082 by default). A model version

@@ -10,7 +10,7 @@ from typing import TypeVar
 from llmgw.cli.clients import admin_client
 from llmgw.config import ConfigError, ServerConfig, load_server
 from llmgw.control.client import AdminClient
-from llmgw.errors import Error, shown_url
+from llmgw.errors import Error, Unreachable, shown_url
 from llmgw.host.layout import Layout
 
 T = TypeVar("T")
@@ -18,10 +18,6 @@ T = TypeVar("T")
 # Exit codes: 1 the control plane refused the request (an Error), 3 it cannot be reached or
 # found.
 EXIT_UNREACHABLE = 3
-
-
-class Unreachable(Error):
-    """No admin API to talk to: no server.yaml, or nothing answers at its address."""
 
 
 def add_host_options(parser: argparse.ArgumentParser) -> None:
