@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 from llmgw.host.changes import Mkdir, Run, WriteFile
+from llmgw.host.commands import CommandFailed, run_logged
 from llmgw.host.services import OPEN_FILES, Action, ServiceError, ServiceSpec, drift
 
 UNIT_DIR = Path("/etc/systemd/system")
@@ -66,14 +67,12 @@ class Systemd:
     def definition_path(self, name: str) -> Path:
         return self.unit_dir / f"{name}.service"
 
-    def _systemctl(self, *args: str) -> str:
-        proc = subprocess.run(["systemctl", *args], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ServiceError(
-                f"systemctl {' '.join(args)} failed ({proc.returncode}): "
-                f"{(proc.stderr or proc.stdout).strip()}; see `journalctl -u {args[-1]}`"
-            )
-        return proc.stdout
+    def _systemctl(self, *args: str) -> None:
+        try:  # systemd keeps the log: the journal
+            run_logged(["systemctl", *args], what=f"systemctl {' '.join(args)}",
+                       where=f"see `journalctl -u {args[-1]}`")
+        except CommandFailed as e:
+            raise ServiceError(str(e)) from None
 
     def socket_path(self, name: str) -> Path:
         return self.unit_dir / f"{name}.socket"
