@@ -1,3 +1,3 @@
-"""Registers the llmgw fixtures plugin: the one place it is loaded."""
+"""Registers the provisioning runner (provision/, checks/): its one place in a checkout."""
 
-pytest_plugins = ["llmgw_harness.plugin"]
+pytest_plugins = ["llmgw_harness.runner"]

@@ -1,7 +1,7 @@
 """`llmgw check`: the read-only promises of `pytest checks/`, from an installed llmgw.
 
 The harness is the package `llmgw_harness` (src/llmgw_harness), installed beside llmgw.
-It is loaded here, explicitly, and the checkout's conftest.py is not read, so the plugin is
+It is loaded here, explicitly, and the checkout's conftest.py is not read, so the runner is
 registered exactly once.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-import llmgw_harness.plugin
+import llmgw_harness.runner
 from llmgw.contract.records import CheckRecord
 
 __all__ = ["check"]
@@ -27,7 +27,7 @@ class _Records:
     verdicts, read from the harness at the session's end."""
 
     def __init__(self) -> None:
-        self.plugin = llmgw_harness.plugin
+        self.plugin = llmgw_harness.runner
         self.records: list[CheckRecord] = []
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -40,7 +40,7 @@ def check(state_dir: str | None, mode: str, as_json: bool, extra: list[str]) -> 
         ini = Path(tmp) / "pytest.ini"
         ini.write_text("[pytest]\njunit_family = xunit1\n")
         args = [
-            "--pyargs", "llmgw_harness.suite", "-p", "llmgw_harness.plugin", "-c", str(ini),
+            "--pyargs", "llmgw_harness.suite", "-p", "llmgw_harness.runner", "-c", str(ini),
             "--rootdir", tmp, "--noconftest", "-p", "no:cacheprovider", "-p", "no:randomly",
             f"--mode={mode}", "-rfs", *([f"--state-dir={state_dir}"] if state_dir else []),
             *extra,

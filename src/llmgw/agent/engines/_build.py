@@ -23,6 +23,8 @@ from llmgw.agent.engines import _cmake, _toolchain, cache
 from llmgw.agent.engines._cmake import MEMINFO, NICENESS
 from llmgw.agent.gpus import Discovery
 from llmgw.errors import Error
+from llmgw.host import commands
+from llmgw.host.commands import CommandFailed, run_logged
 
 SOURCE_PACKAGE = "llama-cpp-python"
 DOWNLOAD_TIMEOUT_S = 1800
@@ -74,7 +76,7 @@ def download_sdist(version: str, target: Path) -> Path:
         )
         got = sorted(tmp.glob("*.tar.gz"))
         if proc.returncode != 0 or not got:
-            tail = _tail((proc.stderr or proc.stdout).splitlines(), 3)
+            tail = commands.tail((proc.stderr or proc.stdout).splitlines())
             raise BuildError(
                 f"pip could not download the {SOURCE_PACKAGE} {version} source ({tail}); "
                 "check the package index this machine uses, or set engine.source in "
@@ -137,31 +139,24 @@ class Runner:
         self._stopped = False
 
     def run(self, cmd: list[str], on_line: Callable[[str], None] = lambda line: None) -> None:
-        with self.log.open("a") as log:
-            log.write(f"$ {' '.join(cmd)}\n")
-            log.flush()
-            with self._lock:
-                if self._stopped:
-                    raise BuildError("the agent is stopping; the build was not finished")
-                # A session of its own, so stop() ends the compilers too.
-                self._proc = subprocess.Popen(
-                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                    stdin=subprocess.DEVNULL, start_new_session=True, env=self.env,
-                )
-            lines: list[str] = []
-            assert self._proc.stdout is not None
-            for line in self._proc.stdout:
-                log.write(line)
-                lines.append(line.rstrip())
-                del lines[:-20]
-                on_line(line)
-            rc = self._proc.wait()
-        if rc != 0:
-            shown = cmd[3:] if cmd[1:3] == ["-n", str(NICENESS)] else cmd
-            raise BuildError(
-                f"`{' '.join(shown[:3])} ...` failed ({rc}): {_tail(lines, 3)}; the whole log "
-                f"is {self.log}"
-            )
+        with self._lock:
+            if self._stopped:
+                raise BuildError("the agent is stopping; the build was not finished")
+        shown = cmd[3:] if cmd[1:3] == ["-n", str(NICENESS)] else cmd
+        try:
+            run_logged(cmd, what=f"`{' '.join(shown[:3])} ...`", log=self.log, env=self.env,
+                       on_line=on_line, started=self._started)
+        except CommandFailed as e:
+            raise BuildError(str(e)) from None
+
+    def _started(self, proc: subprocess.Popen[str]) -> None:
+        # A session of its own (run_logged's), so stop() ends the compilers too; one that
+        # starts after stop() is ended at once.
+        with self._lock:
+            self._proc = proc
+            stopped = self._stopped
+        if stopped:
+            self.stop()
 
     def stop(self) -> None:
         with self._lock:
@@ -172,11 +167,6 @@ class Runner:
                 os.killpg(proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-
-
-def _tail(lines: list[str], n: int) -> str:
-    kept = [line.strip() for line in lines if line.strip()][-n:]
-    return " | ".join(kept) or "no output"
 
 
 class Driver:

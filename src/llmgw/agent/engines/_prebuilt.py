@@ -10,12 +10,12 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from llmgw.agent.engines import cache, prebuilt_server
 from llmgw.agent.engines._build import BuildError
+from llmgw.host.commands import CommandFailed, run_logged
 
 ENGINE = prebuilt_server.DIST
 VERSION = prebuilt_server.VERSION
@@ -80,19 +80,11 @@ def _base_python() -> str:
 
 
 def _run(cmd: list[str], log: Path, what: str) -> None:
-    with log.open("a") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
-        out.flush()
-        try:
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False,
-                                  stdin=subprocess.DEVNULL, timeout=INSTALL_TIMEOUT_S,
-                                  env={**os.environ, "PIP_NO_INPUT": "1"})
-        except subprocess.TimeoutExpired:
-            raise BuildError(f"{what} took over {INSTALL_TIMEOUT_S}s; see {log}") from None
-    if proc.returncode != 0:
-        tail = " | ".join(log.read_text().strip().splitlines()[-3:])
-        raise BuildError(
-            f"{what} failed ({proc.returncode}): {tail}; the whole log is {log}. Check the "
-            f"package index this machine uses (pip's config), or set engine.prebuilt: off "
-            "in agent.yaml to build the pinned source, then restart the agent"
-        )
+    try:
+        run_logged(cmd, what=what, log=log, timeout_s=INSTALL_TIMEOUT_S,
+                   env={**os.environ, "PIP_NO_INPUT": "1"})
+    except CommandFailed as e:
+        raise BuildError(e.told(
+            "Check the package index this machine uses (pip's config), or set "
+            "engine.prebuilt: off in agent.yaml to build the pinned source, then restart the "
+            "agent")) from None

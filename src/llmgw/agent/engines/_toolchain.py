@@ -42,6 +42,7 @@ from pathlib import Path
 from llmgw.agent.engines import cache
 from llmgw.agent.gpus import Discovery
 from llmgw.errors import Error
+from llmgw.host.commands import CommandFailed, run_logged
 
 PIP_TIMEOUT_S = 3600
 VERSION_TIMEOUT_S = 60
@@ -402,21 +403,16 @@ def pip_install(requirements: list[str], target: Path) -> None:
     log = target.parent / f"{target.name.lstrip('.').split('.tmp-')[0]}.log"
     cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
            "--only-binary", ":all:", "--target", str(target), *requirements]
-    with log.open("a") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
-        out.flush()
-        try:
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False,
-                                  stdin=subprocess.DEVNULL, timeout=PIP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise ToolchainError(f"pip installing {' '.join(requirements)} took over "
-                                 f"{PIP_TIMEOUT_S}s; see {log}") from None
-    if proc.returncode != 0:
-        tail = " | ".join(log.read_text().strip().splitlines()[-3:])
+    wanted = " ".join(requirements)
+    try:
+        run_logged(cmd, what=f"pip installing {wanted}", log=log, timeout_s=PIP_TIMEOUT_S)
+    except CommandFailed as e:
+        if e.returncode is None:  # ran past its time
+            raise ToolchainError(e.told()) from None
         raise ToolchainError(
-            f"pip could not install {' '.join(requirements)} ({proc.returncode}: {tail}); "
-            f"the whole log is {log}. Check the package index this machine uses (pip's "
-            "config), or install the CUDA toolkit, then restart the agent")
+            f"pip could not install {wanted} ({e.returncode}: {e.tail}); the whole log is "
+            f"{log}. Check the package index this machine uses (pip's config), or install the "
+            "CUDA toolkit, then restart the agent") from None
 
 
 def _unique(dirs: Iterable[Path | None]) -> tuple[Path, ...]:

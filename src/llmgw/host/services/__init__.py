@@ -66,6 +66,29 @@ class ServiceSpec:
 Action = WriteFile | Mkdir | Run
 
 
+class Planned:
+    """What both managers share: restart and reload do exactly what their plans list."""
+
+    def _do(self, action: Action) -> None:
+        raise NotImplementedError
+
+    def plan_restart(self, name: str) -> list[Action]:
+        raise NotImplementedError
+
+    def plan_reload(self, name: str) -> list[Action]:
+        raise NotImplementedError
+
+    def _do_all(self, actions: list[Action]) -> None:
+        for action in actions:
+            self._do(action)
+
+    def restart(self, name: str) -> None:
+        self._do_all(self.plan_restart(name))
+
+    def reload(self, name: str) -> None:
+        self._do_all(self.plan_reload(name))
+
+
 class ServiceManager(Protocol):
     def definition_path(self, name: str) -> Path:
         """Where the service's definition (unit or program section) lives."""

@@ -16,7 +16,7 @@ from supervisor.xmlrpc import SupervisorTransport
 from llmgw.host.changes import Mkdir, Run, WriteFile
 from llmgw.host.files import last_lines
 from llmgw.host.layout import Layout
-from llmgw.host.services import OPEN_FILES, Action, ServiceError, ServiceSpec, drift
+from llmgw.host.services import OPEN_FILES, Action, Planned, ServiceError, ServiceSpec, drift
 from llmgw.host.waiting import Probe, wait_until
 
 _START_TIMEOUT_S = 15.0
@@ -28,7 +28,7 @@ def _quote_env(env: dict[str, str]) -> str:
     return ",".join(f'{k}="{v}"' for k, v in sorted(env.items()))
 
 
-class Supervisor:
+class Supervisor(Planned):
     """Programs under one supervisord whose files all live in root."""
 
     def __init__(self, root: Path) -> None:
@@ -154,8 +154,7 @@ class Supervisor:
 
     def ensure_daemon(self) -> bool:
         actions = self._plan_daemon()
-        for action in actions:
-            self._do(action)
+        self._do_all(actions)
         return bool(actions)
 
     # --- programs ---
@@ -173,8 +172,7 @@ class Supervisor:
 
     def ensure(self, spec: ServiceSpec) -> bool:
         actions = self.plan_ensure(spec)
-        for action in actions:
-            self._do(action)
+        self._do_all(actions)
         self._wait_running(spec.name)
         return bool(actions)
 
@@ -240,14 +238,6 @@ class Supervisor:
         if not self.is_running(name):
             return self.plan_restart(name)
         return [self._ctl("signal", "HUP", name)]
-
-    def restart(self, name: str) -> None:
-        for action in self.plan_restart(name):
-            self._do(action)
-
-    def reload(self, name: str) -> None:
-        for action in self.plan_reload(name):
-            self._do(action)
 
     def _restart(self, name: str) -> None:
         rpc = self._rpc()

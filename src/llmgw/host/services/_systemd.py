@@ -7,7 +7,8 @@ import subprocess
 from pathlib import Path
 
 from llmgw.host.changes import Mkdir, Run, WriteFile
-from llmgw.host.services import OPEN_FILES, Action, ServiceError, ServiceSpec, drift
+from llmgw.host.commands import CommandFailed, run_logged
+from llmgw.host.services import OPEN_FILES, Action, Planned, ServiceError, ServiceSpec, drift
 
 UNIT_DIR = Path("/etc/systemd/system")
 
@@ -57,7 +58,7 @@ def render_socket(spec: ServiceSpec) -> str:
     ])
 
 
-class Systemd:
+class Systemd(Planned):
     """Services as systemd units in /etc/systemd/system."""
 
     def __init__(self, unit_dir: Path = UNIT_DIR) -> None:
@@ -66,14 +67,12 @@ class Systemd:
     def definition_path(self, name: str) -> Path:
         return self.unit_dir / f"{name}.service"
 
-    def _systemctl(self, *args: str) -> str:
-        proc = subprocess.run(["systemctl", *args], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise ServiceError(
-                f"systemctl {' '.join(args)} failed ({proc.returncode}): "
-                f"{(proc.stderr or proc.stdout).strip()}; see `journalctl -u {args[-1]}`"
-            )
-        return proc.stdout
+    def _systemctl(self, *args: str) -> None:
+        try:  # systemd keeps the log: the journal
+            run_logged(["systemctl", *args], what=f"systemctl {' '.join(args)}",
+                       where=f"see `journalctl -u {args[-1]}`")
+        except CommandFailed as e:
+            raise ServiceError(str(e)) from None
 
     def socket_path(self, name: str) -> Path:
         return self.unit_dir / f"{name}.socket"
@@ -130,8 +129,7 @@ class Systemd:
 
     def ensure(self, spec: ServiceSpec) -> bool:
         actions, running = self._plan_ensure(spec)
-        for action in actions:
-            self._do(action)
+        self._do_all(actions)
         return any(isinstance(a, WriteFile) for a in actions) or not running
 
     def plan_restart(self, name: str) -> list[Action]:
@@ -139,14 +137,6 @@ class Systemd:
 
     def plan_reload(self, name: str) -> list[Action]:
         return [_systemctl("restart", name)]
-
-    def restart(self, name: str) -> None:
-        for action in self.plan_restart(name):
-            self._do(action)
-
-    def reload(self, name: str) -> None:
-        for action in self.plan_reload(name):
-            self._do(action)
 
     def _do(self, action: Action) -> None:
         if isinstance(action, WriteFile | Mkdir):
