@@ -20,7 +20,7 @@ from typing import Any
 
 from llmgw.contract.secret import Secret, digest, matches
 from llmgw.errors import Error
-from llmgw.host.files import atomic_write
+from llmgw.host.files import atomic_write, file_mode
 
 TOKEN_FILE = "admin-token"
 HASH_FILE = "admin-token.sha256"
@@ -81,14 +81,6 @@ def read_token(token_path: Path) -> str:
         raise AdminTokenError(f"the admin token {token_path} is empty; delete it and run "
                               "`pytest provision/` to make a new one")
     return token
-
-
-def file_mode(path: Path) -> int | None:
-    """path's permission bits, None when it is missing."""
-    try:
-        return path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        return None
 
 
 def _text_or_none(path: Path) -> str | None:
