@@ -1,6 +1,6 @@
 """Gateway keys: their format (a Secret of kind sk-llmgw-, kept by its sha256), reading a
-presented key, their names and expiry, how the admin API shows one. Made by the control plane, read by the gateway (whose limit
-windows and usage are llmgw.gateway._limits')."""
+presented key, their names and expiry, how the admin API shows one. Made by the control
+plane, read by the gateway (whose limit windows and usage are llmgw.gateway._limits')."""
 
 from __future__ import annotations
 
