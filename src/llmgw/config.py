@@ -26,6 +26,7 @@ from pydantic import (
 
 from llmgw.contract.explain import problems
 from llmgw.errors import Error
+from llmgw.host.netaddr import join_host_port
 from llmgw.http1.limits import Limits
 
 M = TypeVar("M", bound=BaseModel)
@@ -264,7 +265,7 @@ def connect_host(addr: str) -> str:
     host, port = parse_listen(addr)
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return join_host_port(host, port)
 
 
 def parse(model: type[M], data: Any, where: str) -> M:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from llmgw.host import admin_token
 from llmgw.host.admin_token import AdminTokenError, RequireAdminToken
+from llmgw.host.files import file_mode
 from llmgw.host.layout import Layout
 
 
@@ -19,11 +21,12 @@ def test_ensure_makes_a_private_token_and_a_readable_hash_once(tmp_path: Path) -
     layout = Layout.for_mode("local", tmp_path)
     made = admin_token.ensure(layout.admin_token)
     assert len(made) == 2 and str(layout.admin_token) in made[0]
-    assert admin_token.file_mode(layout.admin_token) == 0o600
-    assert admin_token.file_mode(layout.admin_token_hash) == 0o644
+    assert file_mode(layout.admin_token) == 0o600
+    assert file_mode(layout.admin_token_hash) == 0o644
     token = admin_token.read_token(layout.admin_token)
     assert len(token) >= 40
-    assert layout.admin_token_hash.read_text().strip() == admin_token.hash_token(token)
+    # The hash file format that running services read: the sha256 of the token, in hex.
+    assert layout.admin_token_hash.read_text().strip() == hashlib.sha256(token.encode()).hexdigest()
     assert admin_token.ensure(layout.admin_token) == [], "a second run changes nothing"
     assert admin_token.read_token(layout.admin_token) == token, "never overwritten"
     assert admin_token.file_problem(layout.admin_token) == ""

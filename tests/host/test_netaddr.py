@@ -40,3 +40,12 @@ def test_the_range_is_read_from_the_kernel(tmp_path: Path) -> None:
     source.write_text("40000\t50000\n")
     assert ephemeral_ports(source) == range(40000, 50001)
     assert ephemeral_ports(tmp_path / "absent") == range(32768, 61000)
+
+
+@pytest.mark.parametrize(("host", "port", "joined"), [
+    ("127.0.0.1", 8080, "127.0.0.1:8080"), ("gpu-1.example", 443, "gpu-1.example:443"),
+    ("::1", 9000, "[::1]:9000"), ("fd00::5", "8443", "[fd00::5]:8443"), ("", 80, ":80"),
+])
+def test_host_and_port_join_with_an_ipv6_address_in_brackets(host: str, port: int | str,
+                                                             joined: str) -> None:
+    assert netaddr.join_host_port(host, port) == joined

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import stat
 
+from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from llmgw.host import pki
@@ -19,6 +20,25 @@ def test_server_cert_chains_names_and_matches_key() -> None:
     assert pki.key_matches(leaf.cert, leaf.key)
     assert pki.has_usage(leaf.cert, ExtendedKeyUsageOID.SERVER_AUTH)
     assert not pki.has_client_auth(leaf.cert)
+
+
+def test_the_ca_signs_certificates_and_crls_only_and_a_leaf_is_no_ca() -> None:
+    """The constraints and usages every certificate is made with: the CA may sign leaves
+    (path length 0) and CRLs, not agree keys; a leaf agrees keys and signs nothing."""
+    ca = pki.create_ca()
+    leaf = pki.issue_server(ca, ["a.example"])
+
+    def marks(cert: x509.Certificate) -> tuple[bool, int | None, bool, bool, bool, bool]:
+        basic = cert.extensions.get_extension_for_class(x509.BasicConstraints)
+        usage = cert.extensions.get_extension_for_class(x509.KeyUsage)
+        assert basic.critical and usage.critical
+        return (basic.value.ca, basic.value.path_length, usage.value.digital_signature,
+                usage.value.key_agreement, usage.value.key_cert_sign, usage.value.crl_sign)
+
+    assert marks(ca.cert) == (True, 0, True, False, True, True)
+    assert marks(leaf.cert) == (False, None, True, True, False, False)
+    assert ca.cert.issuer == ca.cert.subject and leaf.cert.issuer == ca.cert.subject
+    assert leaf.cert.issuer != leaf.cert.subject, "negative control: a leaf is not self-issued"
 
 
 def test_negative_controls_other_ca_other_key_missing_name() -> None:

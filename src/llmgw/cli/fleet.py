@@ -13,6 +13,7 @@ from llmgw.cli.clients import admin_client
 from llmgw.config import ConfigError, ServerConfig, load_server, parse_listen
 from llmgw.host import pki
 from llmgw.host.layout import Layout
+from llmgw.host.netaddr import join_host_port
 
 _TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -47,8 +48,7 @@ def agent_url(config: ServerConfig) -> str:
     advertised name (advertised_host), PORT agent_listen's."""
     host = advertised_host(config)
     _, port = parse_listen(config.agent_listen)
-    where = f"[{host}]" if ":" in host else host
-    return f"https://{where}:{port}"
+    return f"https://{join_host_port(host, port)}"
 
 
 def join_line(config: ServerConfig, token: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from llmgw.config import parse_listen
 from llmgw.contract.records import DriftFailure, DriftReport
+from llmgw.host.netaddr import join_host_port
 from llmgw.http1.asgi import Receive, Scope, Send
 from llmgw.http1.server import Http1Server
 
@@ -169,8 +170,7 @@ def serve(addr: str, watch: Watch, interval_s: float,
     of one to the start of the next) until stop is set."""
     host, port = parse_listen(addr)
     host = host or "127.0.0.1"
-    server = Http1Server(asgi_app(watch), f"[{host}]:{port}" if ":" in host else
-                         f"{host}:{port}", drain_s=1.0)
+    server = Http1Server(asgi_app(watch), join_host_port(host, port), drain_s=1.0)
     failed: list[BaseException] = []
 
     def run() -> None:

@@ -1,16 +1,14 @@
-"""Gateway keys: their format, hashing, reading a presented key, their names and expiry, how
-the admin API shows one. Made by the control plane, read by the gateway (whose limit
-windows and usage are llmgw.gateway._limits')."""
+"""Gateway keys: their format (a Secret of kind sk-llmgw-, kept by its sha256), reading a
+presented key, their names and expiry, how the admin API shows one. Made by the control
+plane, read by the gateway (whose limit windows and usage are llmgw.gateway._limits')."""
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import re
-import secrets
-from dataclasses import dataclass
 
 from llmgw.contract.records import KeyRecord, PublicKey
+from llmgw.contract.secret import Secret
 
 # sk-llmgw-<8 hex: the id, shown to people>-<43 characters: the secret part>
 PREFIX = "sk-llmgw-"
@@ -21,34 +19,10 @@ STATIC = "server.yaml"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 
 
-@dataclass(frozen=True)
-class NewKey:
-    """A key just made: the secret (shown once) and what the store keeps of it."""
-
-    id: str
-    secret: str
-
-    @property
-    def prefix(self) -> str:
-        return f"{PREFIX}{self.id}"
-
-    @property
-    def hash(self) -> str:
-        """What the store keeps: the sha256 of the whole key as a client sends it."""
-        return hash_key(render(self).encode())
-
-
-def new_key() -> NewKey:
-    """A fresh key: 8 hex of id, then 256 random bits (urlsafe base64, 43 characters)."""
-    return NewKey(secrets.token_hex(4), secrets.token_urlsafe(32))
-
-
-def render(key: NewKey) -> str:
-    return f"{key.prefix}-{key.secret}"
-
-
-def hash_key(presented: bytes) -> str:
-    return hashlib.sha256(presented).hexdigest()
+def new_key() -> Secret:
+    """A fresh key: 8 hex of id, then 256 random bits; the store keeps the sha256 of the
+    whole key as a client sends it."""
+    return Secret.new(PREFIX)
 
 
 def bearer(headers: list[tuple[bytes, bytes]]) -> bytes | None:

@@ -124,7 +124,7 @@ def create_key(store: Store, request: KeyRequest) -> NewKey:
                                 "first, or choose another name")
         if not clash:
             stored = next(k for k in store.keys() if k["id"] == made.id)
-            return {**keys.public(stored), "key": keys.render(made)}
+            return {**keys.public(stored), "key": made.text}
     raise HTTPException(500, "three new key ids in a row were taken; try again")
 
 
@@ -154,7 +154,7 @@ def create_viewer(store: Store, request: ViewerRequest) -> NewViewer:
                                 f"--viewer {name}` first, or choose another name")
         if not clash:
             stored = next(v for v in store.viewers() if v["id"] == made.id)
-            return {**viewers.public(stored), "key": made.key}
+            return {**viewers.public(stored), "key": made.text}
     raise HTTPException(500, "three new viewer key ids in a row were taken; try again")
 
 

@@ -9,7 +9,6 @@ A removed node's serial is on the revocation list the handshake checks.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import logging
 import ssl
 import tempfile
@@ -21,7 +20,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from pydantic import ValidationError
 
-from llmgw.contract import AgentPaths, ReplicaState
+from llmgw.contract import AgentPaths, ReplicaState, secret
 from llmgw.contract.records import (
     DRIFT_REPORT,
     REPORTS,
@@ -50,7 +49,7 @@ _ANONYMOUS_PATHS = {("GET", AgentPaths.JOIN_CA), ("POST", AgentPaths.JOIN),
 
 def token_hash(token: str) -> str:
     """How a join token is stored: never the token itself."""
-    return hashlib.sha256(token.encode()).hexdigest()
+    return secret.digest(token)
 
 
 def mtls_context(ca: str, cert: str, key: str, crl: str | None = None) -> ssl.SSLContext:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from llmgw.config import ServerConfig
-from llmgw.contract import keys
+from llmgw.contract import keys, secret
 from llmgw.contract.records import ModelSpec
 from llmgw.errors import Error
 from llmgw.gateway import _limits, _wire
@@ -195,10 +195,10 @@ class Gateway:
                             "made (`llmgw keys create`)")
 
     def _key_caller(self, given: bytes) -> Caller:
-        digest = keys.hash_key(given)
+        digest = secret.digest(given)
         key = self.router.key(digest)
         shown = given[:len(keys.PREFIX) + 8].decode()
-        if key is None or not secrets.compare_digest(key["hash"], digest):
+        if key is None or not secret.same_hash(key["hash"], digest):
             raise _unauthorized(f"the API key {shown}-... is not a key of this gateway: it "
                                 "was revoked or never made here; ask the owner for one "
                                 "(`llmgw keys create`)")

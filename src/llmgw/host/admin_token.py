@@ -11,18 +11,16 @@ is taken up without a restart.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
-import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llmgw.contract.secret import Secret, digest, matches
 from llmgw.errors import Error
-from llmgw.host.files import atomic_write
+from llmgw.host.files import atomic_write, file_mode
 
 TOKEN_FILE = "admin-token"
 HASH_FILE = "admin-token.sha256"
@@ -34,10 +32,6 @@ OPEN_PATHS = frozenset({"/health", "/healthz"})
 
 class AdminTokenError(Error):
     """The admin token or its hash is missing or cannot be read."""
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def hash_path_for(token_path: Path) -> Path:
@@ -56,10 +50,10 @@ def ensure(token_path: Path) -> list[str]:
     each (empty when both were already right)."""
     done = []
     if not token_path.exists():
-        atomic_write(token_path, secrets.token_urlsafe(32) + "\n", mode=TOKEN_MODE)
+        atomic_write(token_path, Secret.new().text + "\n", mode=TOKEN_MODE)
         done.append(f"admin token in {token_path} (mode 0600; clients send it as a bearer token)")
     hash_path = hash_path_for(token_path)
-    want = hash_token(read_token(token_path)) + "\n"
+    want = digest(read_token(token_path)) + "\n"
     if _text_or_none(hash_path) != want or file_mode(hash_path) != HASH_MODE:
         atomic_write(hash_path, want, mode=HASH_MODE)
         done.append(f"admin token hash in {hash_path}, for the services to check it")
@@ -87,14 +81,6 @@ def read_token(token_path: Path) -> str:
         raise AdminTokenError(f"the admin token {token_path} is empty; delete it and run "
                               "`pytest provision/` to make a new one")
     return token
-
-
-def file_mode(path: Path) -> int | None:
-    """path's permission bits, None when it is missing."""
-    try:
-        return path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        return None
 
 
 def _text_or_none(path: Path) -> str | None:
@@ -140,8 +126,7 @@ class Verifier:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return "no admin token was sent"
-        # Hashes of equal length compared in constant time: the timing says nothing.
-        if not hmac.compare_digest(hash_token(token.strip()), expected):
+        if not matches(token.strip(), expected):
             return "the admin token sent is not this host's"
         return ""
 
@@ -213,7 +198,7 @@ def token_finding(token_path: Path) -> TokenFinding | None:
                             "this machine can read it and manage the host",
                             f"run `chmod 600 {token_path}`")
     hash_path = hash_path_for(token_path)
-    if (_text_or_none(hash_path) or "").strip() != hash_token(read_token(token_path)):
+    if (_text_or_none(hash_path) or "").strip() != digest(read_token(token_path)):
         return TokenFinding(f"{hash_path} does not hold the sha256 of {token_path}, so the "
                             "services refuse that token",
                             "run `pytest provision/` to write it again")

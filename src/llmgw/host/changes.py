@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmgw.host import accounts
-from llmgw.host.files import atomic_write
+from llmgw.host.files import atomic_write, file_mode
 
 # The arguments accounts.ensure_user gives useradd (a test holds the two the same).
 USERADD_ARGS = ("--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent",
@@ -31,13 +31,6 @@ def _mode(mode: int) -> str:
 def _current(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _file_mode(path: Path) -> int | None:
-    try:
-        return path.stat().st_mode & 0o7777
     except FileNotFoundError:
         return None
 
@@ -67,7 +60,7 @@ class WriteFile:
         if old is None:
             return [f"create {self.path} ({self._size()}, mode {_mode(self.mode)})"]
         if old == self.data:
-            same = _file_mode(self.path) == self.mode
+            same = file_mode(self.path) == self.mode
             return [] if same else [f"chmod {self.mode:o} {self.path}"]
         if self.secret or self.what or not _is_text(old) or not _is_text(self.data):
             return [*kept, f"write {self.path} ({self._size()}, mode {_mode(self.mode)})"]
@@ -89,7 +82,7 @@ class WriteFile:
     def apply(self, h: object = None) -> None:
         old = _current(self.path)
         if self.backup and old is not None:
-            atomic_write(self.backup, old, mode=_file_mode(self.path) or self.mode)
+            atomic_write(self.backup, old, mode=file_mode(self.path) or self.mode)
         atomic_write(self.path, self.data, mode=self.mode)
 
 

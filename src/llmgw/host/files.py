@@ -1,10 +1,20 @@
-"""Atomic file writes: a crash never leaves half a file."""
+"""Files: atomic writes (a crash never leaves half a file), their modes, a log's last lines."""
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
+
+
+def file_mode(path: str | os.PathLike[str]) -> int | None:
+    """path's permission bits (setuid, setgid and sticky too: 0o7777), None when it is
+    missing."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return None
 
 
 def last_lines(path: str | os.PathLike[str], n: int) -> str:

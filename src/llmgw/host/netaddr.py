@@ -1,4 +1,4 @@
-"""This machine's network interfaces and addresses, read from the kernel."""
+"""This machine's network interfaces and addresses, read from the kernel; HOST:PORT joined."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ _IFA_ADDRESS, _IFA_LOCAL = 1, 2
 _NLMSGHDR = struct.Struct("=IHHII")   # length, type, flags, seq, pid
 _IFADDRMSG = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, interface index
 _RTATTR = struct.Struct("=HH")        # length, type
+
+
+def join_host_port(host: str, port: int | str) -> str:
+    """HOST:PORT as a listen address or a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _align(n: int) -> int:

@@ -69,26 +69,37 @@ def create_ca(common_name: str = "llmgw cluster CA") -> KeyPair:
     key = ec.generate_private_key(ec.SECP256R1())
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name))
-        .issuer_name(_name(common_name))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - _BACKDATE)
-        .not_valid_after(_now() + dt.timedelta(days=CA_DAYS))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                crl_sign=True, encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
+        _certificate(_name(common_name), _name(common_name), key.public_key(), CA_DAYS, ca=True)
         .add_extension(ski, critical=False)
         .sign(key, hashes.SHA256())
     )
     return KeyPair(cert, key)
+
+
+def _certificate(subject: x509.Name, issuer: x509.Name, public: ec.EllipticCurvePublicKey,
+                 days: int, *, ca: bool) -> x509.CertificateBuilder:
+    """What every certificate here has: its names and key, a random serial, days of
+    validity (backdated a little), and whether it is a CA, with the key usage that goes with
+    that (a CA signs certificates and CRLs; a leaf agrees keys)."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - _BACKDATE)
+        .not_valid_after(_now() + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None),
+                       critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=not ca, key_cert_sign=ca,
+                crl_sign=ca, encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+    )
 
 
 def _general_name(name: str) -> x509.GeneralName:
@@ -101,22 +112,7 @@ def _general_name(name: str) -> x509.GeneralName:
 def _builder(ca: KeyPair, cn: str, usage: x509.ObjectIdentifier,
              public: ec.EllipticCurvePublicKey, days: int) -> x509.CertificateBuilder:
     return (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(ca.cert.subject)
-        .public_key(public)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - _BACKDATE)
-        .not_valid_after(_now() + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=True, key_cert_sign=False,
-                crl_sign=False, encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )
+        _certificate(_name(cn), ca.cert.subject, public, days, ca=False)
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),

@@ -24,6 +24,7 @@ from http import HTTPStatus
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from llmgw.host.netaddr import join_host_port
 from llmgw.http1.asgi import Receive, Scope, Send
 from llmgw.http1.limits import Limits
 from llmgw.http1.server import Http1Server
@@ -137,7 +138,7 @@ class BytesServer:
 
     async def start(self, host: str, port: int) -> None:
         """Listen on host:port ("" for every interface); OSError when it cannot."""
-        self.http.listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.http.listen = join_host_port(host, port)
         self._serving = asyncio.get_running_loop().create_task(self.http.serve())
         while not self.http.started:
             if self._serving.done():

@@ -10,33 +10,20 @@ from sqlalchemy.engine import RowMapping
 
 from llmgw.contract.records import KeyRecord
 
-from ._db import Aggregate, StoreConflict
+from . import _credentials
+from ._db import Aggregate
 from ._schema import keys
 
 _GIVEN = ("id", "name", "prefix", "hash", "rpm", "tpm", "expires")
-_LIVE = keys.c.revoked.is_(None)
+_LIVE = _credentials.live(keys)
 
 
 class KeyStore(Aggregate):
     def add_key(self, key: Mapping[str, object]) -> str:
         """Store a gateway key (its hash, never the secret): '' when stored, else why not
         ('name', 'id': a live key has it)."""
-        try:
-            with self.db.tx() as conn:
-                if conn.execute(sa.select(keys.c.id).where(
-                        keys.c.name == key["name"], _LIVE)).first():
-                    return "name"
-                conn.execute(keys.insert().values(
-                    **{f: key[f] for f in _GIVEN if f in key},
-                    models=json.dumps(key.get("models", [])), created=self.clock()))
-        except StoreConflict:
-            # Another control plane's key of this name came first, or the id is taken.
-            if self.db.read(sa.select(keys.c.id).where(keys.c.name == key["name"], _LIVE)):
-                return "name"
-            if self.db.read(sa.select(keys.c.id).where(keys.c.id == key["id"])):
-                return "id"
-            raise
-        return ""
+        return _credentials.add(self, keys, {**{f: key[f] for f in _GIVEN if f in key},
+                                             "models": json.dumps(key.get("models", []))})
 
     def keys(self, revoked: bool = False) -> list[KeyRecord]:
         """Live gateway keys by creation (revoked ones too with revoked=True), with their
@@ -48,15 +35,8 @@ class KeyStore(Aggregate):
 
     def revoke_key(self, name_or_prefix: str) -> KeyRecord | None:
         """Revoke the live key of this name, prefix or id; the key as it was, or None."""
-        with self.db.tx() as conn:
-            row = conn.execute(sa.select(keys).where(_LIVE, sa.or_(
-                keys.c.name == name_or_prefix, keys.c.prefix == name_or_prefix,
-                keys.c.id == name_or_prefix)).with_for_update()).mappings().first()
-            if row is None:
-                return None
-            conn.execute(keys.update().where(keys.c.id == row["id"])
-                         .values(revoked=self.clock()))
-        return _key_record(row)
+        row = _credentials.revoke(self, keys, name_or_prefix)
+        return None if row is None else _key_record(row)
 
     def add_key_usage(self, usage: dict[str, tuple[int, int, int, float]]) -> None:
         """Add a batch of usage (key id -> requests, prompt and completion tokens, last

@@ -10,32 +10,20 @@ from sqlalchemy.engine import RowMapping
 
 from llmgw.contract.records import ViewerRecord
 
-from ._db import Aggregate, StoreConflict
+from . import _credentials
+from ._db import Aggregate
 from ._schema import viewers
 
-_LIVE = viewers.c.revoked.is_(None)
+_LIVE = _credentials.live(viewers)
 
 
 class ViewerStore(Aggregate):
     def add_viewer(self, viewer: Mapping[str, Any]) -> str:
         """Store a viewer key (id, name, prefix, hash, and expires if it does): '' when
         stored, else why not ('name', 'id': a live viewer key has it)."""
-        try:
-            with self.db.tx() as conn:
-                if conn.execute(sa.select(viewers.c.id).where(
-                        viewers.c.name == viewer["name"], _LIVE)).first():
-                    return "name"
-                conn.execute(viewers.insert().values(
-                    id=viewer["id"], name=viewer["name"], prefix=viewer["prefix"],
-                    hash=viewer["hash"], expires=viewer.get("expires"),
-                    created=self.clock()))
-        except StoreConflict:
-            # Another control plane's viewer key of this name came first, or the id is taken.
-            if self.db.read(sa.select(viewers.c.id).where(viewers.c.name == viewer["name"],
-                                                          _LIVE)):
-                return "name"
-            return "id"
-        return ""
+        return _credentials.add(self, viewers, {
+            "id": viewer["id"], "name": viewer["name"], "prefix": viewer["prefix"],
+            "hash": viewer["hash"], "expires": viewer.get("expires")})
 
     def viewers(self) -> list[ViewerRecord]:
         """Unrevoked viewer keys by creation (expired ones too: they show as such), with
@@ -51,15 +39,8 @@ class ViewerStore(Aggregate):
 
     def revoke_viewer(self, name_or_prefix: str) -> ViewerRecord | None:
         """Revoke the live viewer key of this name, prefix or id; it as it was, or None."""
-        with self.db.tx() as conn:
-            row = conn.execute(sa.select(viewers).where(_LIVE, sa.or_(
-                viewers.c.name == name_or_prefix, viewers.c.prefix == name_or_prefix,
-                viewers.c.id == name_or_prefix)).with_for_update()).mappings().first()
-            if row is None:
-                return None
-            conn.execute(viewers.update().where(viewers.c.id == row["id"])
-                         .values(revoked=self.clock()))
-        return _record(row)
+        row = _credentials.revoke(self, viewers, name_or_prefix)
+        return None if row is None else _record(row)
 
 
 def _record(row: RowMapping) -> ViewerRecord:

@@ -3,7 +3,6 @@ fleet-page session, reads only. The page's own files and its sign-in are open.""
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import anyio
 
+from llmgw.contract.secret import digest, same_hash
 from llmgw.control.ui.sessions import (
     LIFETIME_S,
     PER_CREDENTIAL,
@@ -19,8 +19,8 @@ from llmgw.control.ui.sessions import (
     Sessions,
     cookie_value,
 )
-from llmgw.control.viewers import hash_viewer_key, is_viewer_key
-from llmgw.host.admin_token import ASGIApp, RequireAdminToken, Verifier, _refuse, hash_token
+from llmgw.control.viewers import is_viewer_key
+from llmgw.host.admin_token import ASGIApp, RequireAdminToken, Verifier, _refuse
 from llmgw.store import Store, StoreError
 
 # Where the page, its files and its sign-in live: open, as a sign-in form must be.
@@ -56,9 +56,9 @@ class Credentials:
         presented = presented.strip()
         if not presented:
             return None, None, "no credential was sent"
+        hashed = digest(presented)
         if is_viewer_key(presented):
-            digest = hash_viewer_key(presented)
-            viewer = await anyio.to_thread.run_sync(self.store.viewer_by_hash, digest)
+            viewer = await anyio.to_thread.run_sync(self.store.viewer_by_hash, hashed)
             if viewer is None:
                 return None, None, ("the viewer key sent is not a live one here (revoked, or "
                                     "never made on this fleet); `llmgw keys ls --viewer` "
@@ -67,11 +67,10 @@ class Credentials:
             why = expired(viewer["name"], viewer["expires"], self.store.clock())
             if why:
                 return None, None, why
-            return Principal("viewer", viewer["name"], digest), viewer["expires"], ""
+            return Principal("viewer", viewer["name"], hashed), viewer["expires"], ""
         expected = self.verifier.current_hash()
-        digest = hash_token(presented)
-        if expected and hmac.compare_digest(digest, expected):
-            return Principal("admin", "admin", digest), None, ""
+        if expected and same_hash(hashed, expected):
+            return Principal("admin", "admin", hashed), None, ""
         return None, None, ("that is neither this host's admin token nor a live viewer key; "
                             "`llmgw keys create --viewer` makes a viewer key")
 

@@ -4,13 +4,12 @@ ends them on all; each process keeps what it read for a second."""
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llmgw.contract import secret
 from llmgw.store import Store
 
 COOKIE = "llmgw_session"
@@ -69,8 +68,8 @@ class Sessions:
 
     def open(self, principal: Principal, credential_expires: float | None = None) -> str:
         """A new session for principal: the cookie's value (the store keeps its hash)."""
-        token = secrets.token_urlsafe(32)
-        digest = _digest(token)
+        cookie = secret.Secret.new()
+        digest = cookie.hash
         expires = self.store.clock() + LIFETIME_S
         ended = self.store.add_session(
             {"hash": digest, "role": principal.role, "name": principal.name,
@@ -80,12 +79,12 @@ class Sessions:
             for gone in ended:
                 self._kept.pop(gone, None)
             self._keep(digest, Session(principal, expires, True, credential_expires))
-        return token
+        return cookie.text
 
     def cached(self, token: str) -> Session | None:
         """The session this process read within CACHE_S, or None (then ask find)."""
         with self._lock:
-            kept = self._kept.get(_digest(token))
+            kept = self._kept.get(secret.digest(token))
         if kept is None or self.monotonic() - kept[1] >= self.cache_s:
             return None
         return kept[0]
@@ -96,7 +95,7 @@ class Sessions:
         found = self.cached(token)
         if found is not None:
             return found
-        digest = _digest(token)
+        digest = secret.digest(token)
         row = self.store.session(digest)
         if row is None:
             with self._lock:
@@ -110,7 +109,7 @@ class Sessions:
 
     def forget(self, token: str) -> bool:
         """End a session, on every control plane; whether the store had it."""
-        digest = _digest(token)
+        digest = secret.digest(token)
         with self._lock:
             self._kept.pop(digest, None)
         return self.store.end_session(digest)
@@ -138,10 +137,6 @@ class Sessions:
             if len(self._kept) >= CACHE_MAX:
                 self._kept.clear()
         self._kept[digest] = (session, now)
-
-
-def _digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def cookie_value(headers: list[tuple[bytes, bytes]]) -> str:
