@@ -91,7 +91,8 @@ def two_more_databases(postgres_server) -> list[str]:
 
 def admitted(answers: list[httpx.Response]) -> int:
     refused = [a for a in answers if a.status_code != 200]
-    assert all(a.status_code == 429 for a in refused), [a.text for a in refused[:3]]
+    assert all(a.status_code == 429 for a in refused), (
+        [a.status_code for a in answers], [a.text for a in refused[:3]])
     return len(answers) - len(refused)
 
 
