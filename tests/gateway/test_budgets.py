@@ -182,7 +182,7 @@ def test_a_gateway_cut_off_from_the_store_keeps_only_its_fraction(
         # gateway hears its answer and stops judging by its fraction.
         until("the 10 spent away to reach the store, and the gateway to hear it answer",
               lambda: sum(store.key_budget(key_id, "requests").values()) >= 10
-              and app.budgets.away_since is None)
+              and app.budgets.away_since is None, timeout_s=120)
         assert admitted(send_alternately([url], cut_off)) == 10, \
             "back on the store: what was spent away counts against the minute"
     cable.cut()
