@@ -69,6 +69,7 @@ from llmgw.host.netaddr import free_port  # noqa: E402
 from llmgw.host.services._supervisor import Supervisor  # noqa: E402
 from tests.hosts import ThrowawayHost  # noqa: E402
 from tests.loadgen import one_request  # noqa: E402
+from tests.standin_cuda_server import H200, standin_cuda_server  # noqa: E402
 
 STANDIN = ROOT / "tests" / "standin_nvml"
 STANDIN_H200 = "NVIDIA H200:143771:9.0"
@@ -130,27 +131,9 @@ def seed_cache(cache: Path, tree: Path, cpu_engine: Path) -> None:
 
 
 def standin_gpu_engine(directory: Path, real: str) -> Path:
-    """llamacpp-cuda stood in for by the CPU llama-server (as tests/test_gpu_node_flow.py
-    does): --list-devices names the stand-in's H200; --device and --n-gpu-layers dropped."""
-    directory.mkdir(parents=True, exist_ok=True)
-    engine = directory / "llama-server"
-    engine.write_text(f"""#!{sys.executable}
-import os, sys
-argv = sys.argv[1:]
-if argv[:1] == ["--list-devices"]:
-    print("Available devices:")
-    print("  CUDA0: NVIDIA H200 (143771 MiB, 143000 MiB free)")
-    sys.exit(0)
-kept, words = [], iter(argv)
-for word in words:
-    if word in ("--device", "--n-gpu-layers"):
-        next(words)
-        continue
-    kept.append(word)
-os.execv({real!r}, [{real!r}, *kept])
-""")
-    engine.chmod(0o755)
-    return engine
+    """llamacpp-cuda stood in for by the CPU llama-server (tests/standin_cuda_server.py):
+    --list-devices names the stand-in's H200; --device and --n-gpu-layers dropped."""
+    return standin_cuda_server(directory, real=real, card=H200)[0]
 
 
 def engine_states(host: ThrowawayHost) -> dict[str, dict[str, str]]:

@@ -19,6 +19,7 @@ import yaml
 
 from llmgw.host.services._supervisor import Supervisor
 from tests.hosts import ThrowawayHost
+from tests.standin_cuda_server import standin_cuda_server
 
 pytestmark = pytest.mark.slow
 
@@ -90,27 +91,7 @@ def standin_gpu_engine(directory: Path, real: str) -> tuple[Path, Path]:
     stand-in NVML's card as CUDA0; a replica's command line and CUDA_VISIBLE_DEVICES are
     logged, then --device and --n-gpu-layers (which a CPU build cannot honour) dropped and
     the real engine run in its place. Returns the engine and its log."""
-    directory.mkdir(parents=True, exist_ok=True)
-    engine, calls = directory / "llama-server", directory / "calls.jsonl"
-    engine.write_text(f"""#!{sys.executable}
-import json, os, sys
-argv = sys.argv[1:]
-if argv[:1] == ["--list-devices"]:
-    print("Available devices:")
-    print("  CUDA0: NVIDIA H100 80GB HBM3 (81559 MiB, 80535 MiB free)")
-    sys.exit(0)
-with open({str(calls)!r}, "a") as log:
-    log.write(json.dumps({{"argv": argv, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\\n")
-kept, words = [], iter(argv)
-for word in words:
-    if word in ("--device", "--n-gpu-layers"):
-        next(words)
-        continue
-    kept.append(word)
-os.execv({real!r}, [{real!r}, *kept])
-""")
-    engine.chmod(0o755)
-    return engine, calls
+    return standin_cuda_server(directory, real=real)
 
 
 def _live(host: ThrowawayHost) -> list[dict]:

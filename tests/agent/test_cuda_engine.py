@@ -144,7 +144,10 @@ def test_a_configured_cuda_server_that_is_not_there_says_which_key(tmp_path: Pat
     e = cuda_engine(tmp_path, never, [H100], cuda_server=str(tmp_path / "nope"))
     status = e.provision()
     assert status["state"] == EngineState.FAILED
-    assert "engine.cuda_server" in status["detail"] and "nope" in status["detail"]
+    assert status["detail"] == (
+        f"engine.cuda_server in agent.yaml names {tmp_path / 'nope'}, which is not an "
+        "executable file; fix the path or remove the key to have one built; the node serves "
+        "on CPU meanwhile")
 
 
 def test_the_build_waits_for_the_cpu_engine(tmp_path: Path) -> None:

@@ -73,8 +73,10 @@ def test_configured_binary_that_is_missing_fails_with_the_fix(tmp_path: Path) ->
     e = engine(tmp_path, str(tmp_path / "empty"), llama_server=str(tmp_path / "nope"))
     status = e.provision()
     assert status["state"] == "failed"
-    assert "engine.llama_server in agent.yaml names" in status["detail"]
-    assert "restart the agent" in status["detail"]
+    assert status["detail"] == (
+        f"engine.llama_server in agent.yaml names {tmp_path / 'nope'}, which is not an "
+        "executable file; fix the path or remove the key to let the agent find or build "
+        "one, then restart the agent")
 
 
 def test_no_binary_and_no_tools_is_unsupported_said_plainly(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ the stopped replica's record, the node's record and `llmgw status`."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from llmgw.control.admin_api import public_replica
 from llmgw.control.nodes import node_view
 from tests.agent.gpu_node import cluster
 from tests.agent.test_engine_log import OOM_LOG
+from tests.standin_cuda_server import standin_cuda_server
 
 pytestmark = pytest.mark.slow
 
@@ -29,22 +29,7 @@ OOM = ("cudaMalloc failed: out of memory", "error loading model: unable to alloc
 def oom_engine(directory: Path) -> tuple[Path, Path]:
     """A GPU engine whose --list-devices names the stand-in's H100 as CUDA0, and which
     otherwise prints llama.cpp's out-of-memory lines and exits 1, counting its starts."""
-    directory.mkdir(parents=True, exist_ok=True)
-    engine, starts = directory / "llama-server", directory / "starts"
-    engine.write_text(f"""#!{sys.executable}
-import sys
-argv = sys.argv[1:]
-if argv[:1] == ["--list-devices"]:
-    print("Available devices:")
-    print("  CUDA0: NVIDIA H100 80GB HBM3 (81559 MiB, 80535 MiB free)")
-    sys.exit(0)
-with open({str(starts)!r}, "a") as f:
-    f.write("start\\n")
-sys.stderr.write({OOM_LOG!r})
-sys.exit(1)
-""")
-    engine.chmod(0o755)
-    return engine, starts
+    return standin_cuda_server(directory, fails_with=OOM_LOG)
 
 
 def test_an_engine_out_of_memory_on_its_gpu_is_given_up_and_the_model_serves_on_cpu(

@@ -6,13 +6,13 @@ from the second card (the real llama-server behind a stand-in that logs its plac
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from llmgw.contract import CUDA_ENGINE, EngineState
 from tests.agent.gpu_node import H100, cluster
+from tests.standin_cuda_server import standin_cuda_server
 
 pytestmark = pytest.mark.slow
 
@@ -26,28 +26,7 @@ def listing_engine(directory: Path, real: str, names: list[str]) -> tuple[Path, 
     CUDA_VISIBLE_DEVICES is one of names (for another card it lists none, as a card the
     driver cannot run does); a replica it starts is logged (argv, CUDA_VISIBLE_DEVICES)
     and run by the real CPU llama-server, without the GPU flags a CPU build cannot honour."""
-    directory.mkdir(parents=True, exist_ok=True)
-    engine, starts = directory / "llama-server", directory / "starts"
-    engine.write_text(f"""#!{sys.executable}
-import json, os, sys
-argv = sys.argv[1:]
-if argv[:1] == ["--list-devices"]:
-    print("Available devices:")
-    if os.environ.get("CUDA_VISIBLE_DEVICES") in {names!r}:
-        print("  CUDA0: NVIDIA H100 80GB HBM3 (81559 MiB, 80535 MiB free)")
-    sys.exit(0)
-with open({str(starts)!r}, "a") as log:
-    log.write(json.dumps({{"argv": argv, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\\n")
-kept, words = [], iter(argv)
-for word in words:
-    if word in ("--device", "--n-gpu-layers"):
-        next(words)
-        continue
-    kept.append(word)
-os.execv({real!r}, [{real!r}, *kept])
-""")
-    engine.chmod(0o755)
-    return engine, starts
+    return standin_cuda_server(directory, real=real, visible=names)
 
 
 def serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llama_server: str,

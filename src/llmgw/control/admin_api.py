@@ -107,15 +107,10 @@ def create_key(store: Store, request: KeyRequest) -> NewKey:
         raise HTTPException(422, f"{', '.join(unknown)} names no model in the catalog "
                             f"(it has {', '.join(sorted(names)) or 'none'}); GET "
                             "/api/v1/models lists them")
-    if request.expires is not None and request.expires <= store.clock():
-        raise HTTPException(422, "expires is in the past; give a later time (unix seconds)")
+    _check_expires(store, request.expires)
     for _ in range(3):  # a clash of two 32-bit ids: take another
         made = keys.new_key()
-        name = request.name or f"key-{made.id}"
-        try:
-            keys.check_name(name)
-        except ValueError as e:
-            raise HTTPException(422, str(e)) from None
+        name = _checked_name(request.name or f"key-{made.id}")
         record = {**request.model_dump(), "id": made.id, "name": name, "prefix": made.prefix,
                   "hash": made.hash}
         clash = store.add_key(record)
@@ -138,15 +133,10 @@ class ViewerRequest(BaseModel):
 
 def create_viewer(store: Store, request: ViewerRequest) -> NewViewer:
     """Make and store a viewer key (its hash only); the answer is the one place it shows."""
-    if request.expires is not None and request.expires <= store.clock():
-        raise HTTPException(422, "expires is in the past; give a later time (unix seconds)")
+    _check_expires(store, request.expires)
     for _ in range(3):  # a clash of two 32-bit ids: take another
         made = viewers.new_viewer_key()
-        name = request.name or f"viewer-{made.id}"
-        try:
-            keys.check_name(name)
-        except ValueError as e:
-            raise HTTPException(422, str(e)) from None
+        name = _checked_name(request.name or f"viewer-{made.id}")
         clash = store.add_viewer({"id": made.id, "name": name, "prefix": made.prefix,
                                   "hash": made.hash, "expires": request.expires})
         if clash == "name":
@@ -156,6 +146,21 @@ def create_viewer(store: Store, request: ViewerRequest) -> NewViewer:
             stored = next(v for v in store.viewers() if v["id"] == made.id)
             return {**viewers.public(stored), "key": made.text}
     raise HTTPException(500, "three new viewer key ids in a row were taken; try again")
+
+
+def _check_expires(store: Store, expires: float | None) -> None:
+    """A 422 when a new key's expiry is already past."""
+    if expires is not None and expires <= store.clock():
+        raise HTTPException(422, "expires is in the past; give a later time (unix seconds)")
+
+
+def _checked_name(name: str) -> str:
+    """name, or a 422 saying why a key (gateway or viewer) cannot be named so."""
+    try:
+        keys.check_name(name)
+    except ValueError as e:
+        raise HTTPException(422, str(e)) from None
+    return name
 
 
 def make_admin_app(

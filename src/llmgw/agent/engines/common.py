@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import threading
@@ -31,6 +32,18 @@ class EngineUnavailable(Error):
         super().__init__(detail)
         self.state = state
         self.detail = detail
+
+
+def configured_engine(configured: str, key: str, remedy: str) -> Path:
+    """The engine agent.yaml's engine.KEY names (~ expanded); EngineUnavailable (failed)
+    when it is no executable file, saying to fix it or remove the key to remedy."""
+    path = Path(configured).expanduser()
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise EngineUnavailable(
+            EngineState.FAILED,
+            f"engine.{key} in agent.yaml names {path}, which is not an executable file; fix "
+            f"the path or remove the key to {remedy}")
+    return path
 
 
 def engine_status(engine: str, version: str, state: str, detail: str = "", *,

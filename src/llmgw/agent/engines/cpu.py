@@ -28,6 +28,7 @@ from llmgw.agent.engines.common import (
     EngineUnavailable,
     Found,
     Reporting,
+    configured_engine,
     engine_status,
     one_line,
     record,
@@ -124,14 +125,8 @@ class LlamaCpp(Reporting):
         """An engine that needs no build: configured, on PATH, or cached; None when none."""
         configured = self.config.llama_server
         if configured:
-            path = Path(configured).expanduser()
-            if not (path.is_file() and os.access(path, os.X_OK)):
-                raise EngineUnavailable(
-                    EngineState.FAILED,
-                    f"engine.llama_server in agent.yaml names {path}, which is not an executable "
-                    "file; fix the path or remove the key to let the agent find or build one, "
-                    "then restart the agent",
-                )
+            path = configured_engine(configured, "llama_server", "let the agent find or "
+                                     "build one, then restart the agent")
             return Found(path, self._binary_version(path), "configured")
         on_path = shutil.which(BINARY, path=self.search_path)
         if on_path:

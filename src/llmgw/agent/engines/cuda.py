@@ -25,6 +25,7 @@ from llmgw.agent.engines.common import (
     EngineUnavailable,
     Found,
     Reporting,
+    configured_engine,
     engine_status,
     one_line,
     run_quietly,
@@ -144,12 +145,7 @@ class CudaEngine(Reporting):
     def _obtain(self) -> Found:
         configured = self.config.cuda_server
         if configured:
-            path = Path(configured).expanduser()
-            if not (path.is_file() and os.access(path, os.X_OK)):
-                raise EngineUnavailable(
-                    EngineState.FAILED,
-                    f"engine.cuda_server in agent.yaml names {path}, which is not an "
-                    "executable file; fix the path or remove the key to have one built")
+            path = configured_engine(configured, "cuda_server", "have one built")
             return Found(path, self.version, "configured")
         self._say(EngineState.BUILDING, "finding a CUDA toolchain")
         built = self.build_engine(lambda detail: self._say(EngineState.BUILDING, detail))
