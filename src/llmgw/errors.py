@@ -10,7 +10,7 @@ Error
  ├── contract.records.RecordError (also a ValueError: a record the store refuses)
  ├── host.admin_token.AdminTokenError
  ├── host.services.ServiceError
- ├── host.commands.CommandFailed (a logged command (pip, cmake, systemctl) failed: its last lines, its log)
+ ├── host.commands.CommandFailed (pip, cmake or systemctl failed: its last lines, its log)
  ├── http1.service.ListenError (a service cannot listen on its address)
  ├── host.install.InstallError
  ├── host.accounts.AccountError
