@@ -81,7 +81,7 @@ def test_a_listener_on_a_taken_address_says_where_and_for_what() -> None:
     async def attempt(listen: str) -> None:
         server = Http1Server(_app, listen)
         serving = await listening(server, "the test API")
-        assert server.started
+        assert server.started.is_set()
         server.should_exit = True
         await serving
 
