@@ -197,12 +197,12 @@ class Exchange:
             return
         try:  # _safely's, written out: this runs for every request
             # The whole answer as the client gets it: the model renamed, its usage noted.
-            status, headers = conn.status, conn.headers
+            status, headers, data = conn.status, conn.headers, conn.take()
             self.status = status
-            data, self.usage = whole_answer(status, headers, conn.take(), self.member)
+            data, self.usage = whole_answer(status, headers, data, self.member)
             kept_headers = kept(headers)
             self._end_call()
-            self.cycle.answer(self.status, kept_headers, data)
+            self.cycle.answer(status, kept_headers, data)
             self._finish()
         except Exception as e:
             self._failing(e)
