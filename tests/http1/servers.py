@@ -23,9 +23,8 @@ LoopKind = Literal["uvloop", "asyncio"]
 
 def _wait_started(server: Http1Server, thread: threading.Thread) -> None:
     deadline = time.monotonic() + 10
-    while not server.started:
+    while not server.started.wait(0.01):
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
 
 
 def run_in_thread(server: Http1Server, loop: LoopKind = "uvloop") -> threading.Thread:

@@ -81,7 +81,7 @@ def test_a_listener_on_a_taken_address_says_where_and_for_what() -> None:
     async def attempt(listen: str) -> None:
         server = Http1Server(_app, listen)
         serving = await listening(server, "the test API")
-        assert server.started
+        assert server.started.is_set()
         server.should_exit = True
         await serving
 
@@ -90,3 +90,24 @@ def test_a_listener_on_a_taken_address_says_where_and_for_what() -> None:
         with pytest.raises(ListenError, match=rf"cannot listen on {listen} for the test API: "):
             asyncio.run(attempt(listen))
     asyncio.run(attempt(f"127.0.0.1:{free_port()}"))
+
+
+def test_started_is_an_event_that_a_waiter_is_told_of_once_the_server_listens() -> None:
+    """A server's `started` is an event: unset before serve() (the negative control), set
+    once it listens, and a waiter in the serving loop (wait_started) is woken by it, with
+    no poll; start() returns the serving task then, and connections are taken."""
+    async def attempt() -> None:
+        port = free_port()
+        server = Http1Server(_app, f"127.0.0.1:{port}")
+        waiter = asyncio.create_task(server.wait_started())
+        await asyncio.sleep(0.05)
+        assert not server.started.is_set() and not waiter.done(), "set before it listens"
+        serving = await server.start()
+        await asyncio.wait_for(waiter, 1)
+        assert server.started.is_set()
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+        server.should_exit = True
+        await serving
+
+    asyncio.run(attempt())

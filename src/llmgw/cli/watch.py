@@ -181,13 +181,12 @@ def serve(addr: str, watch: Watch, interval_s: float,
 
     serving = threading.Thread(target=run, name="check-serve", daemon=True)
     serving.start()
-    while not server.started:
+    while not server.started.wait(0.01):
         if failed or not serving.is_alive():
             raise OSError(f"llmgw check --serve cannot listen on {addr}: "
                           f"{failed[0] if failed else 'its server stopped'}; pick another "
                           "address (--serve HOST:PORT; when provisioning, --check-serve "
                           "HOST:PORT, or --no-check-serve to run no checks)")
-        time.sleep(0.01)
     log.info("llmgw check --serve on %s: a round every %.0fs", addr, interval_s)
     stop = stop or threading.Event()
     try:

@@ -162,11 +162,7 @@ class TLSServer:
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         self._handshakes = asyncio.Semaphore(HANDSHAKES_AT_ONCE)
-        self._serving = loop.create_task(self.http.serve(sockets=[]))
-        while not self.http.started:
-            if self._serving.done():
-                await self._serving
-            await asyncio.sleep(0.005)
+        self._serving = await self.http.start(sockets=[])
         self._protocol = self.http.protocol_factory()
         self._accepting = loop.create_task(self._accept())
 

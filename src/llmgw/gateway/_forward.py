@@ -1,5 +1,5 @@
-"""The one driver of the gateway's forwarded requests: gateway.Exchange's steps, run from
-the event loop's callbacks.
+"""A forwarded request, one object from its body to its counting (`Exchange`), run from the
+event loop's callbacks.
 
 Awaited, a request costs a task, the ASGI messages and a future per wait. In front of a
 scripted replica (both measured side by side) the awaited path spent 0.06-0.08 ms of CPU a
@@ -16,14 +16,17 @@ as the client takes it (the replica's read pauses while it does not).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
 from collections.abc import Callable
 
+from llmgw.contract.records import ModelSpec
 from llmgw.gateway import _wire
-from llmgw.gateway._relay import kept
+from llmgw.gateway._relay import kept, whole_answer
 from llmgw.gateway._upstream import Call, ConnectFailed, UpstreamError
-from llmgw.gateway.app import FORWARDED, JSON_HEADERS, Exchange, Gateway, GatewayError
-from llmgw.gateway.balancer import Lease
+from llmgw.gateway.app import FORWARDED, JSON_HEADERS, NOBODY, Gateway, GatewayError
+from llmgw.gateway.balancer import Conversation, Lease, conversation
 from llmgw.http1.server import Cycle
 
 log = logging.getLogger("llmgw.gateway")
@@ -43,21 +46,33 @@ class Forwarder:
         if kind is None or scope["method"] != "POST":
             return False
         self.taken += 1
-        _Forward(self.gateway, cycle, kind).start()
+        Exchange(self.gateway, cycle, kind).start()
         return True
 
 
-class _Forward:
-    """One forwarded request, from its body to its counting (Exchange.done, once). Every
-    entry from a callback goes through _safely: nothing raises into the server's or the
-    replica connection's callbacks."""
+class Exchange:
+    """One forwarded request and the gateway's sequence for it, written once: authorise,
+    check the body (its model, the model's kind, the key's minute), lease a replica,
+    forward, relay the answer (the model renamed, its usage read), count (the key's usage,
+    the metrics), once, however it ended. Each step runs once, so a key's minute is spent
+    once and the request is counted once. Every entry from a callback goes through
+    _safely: nothing raises into the server's or the replica connection's callbacks."""
 
-    __slots__ = ("gw", "cycle", "ex", "tried", "refused", "lease", "call", "buffer",
-                 "streaming", "failure", "finished", "waiting")
+    __slots__ = ("gw", "cycle", "scope", "kind", "started", "caller", "raw", "requested",
+                 "stream", "name", "conv", "status", "usage", "body", "tried", "refused",
+                 "lease", "call", "buffer", "streaming", "failure", "finished", "waiting")
 
     def __init__(self, gw: Gateway, cycle: Cycle, kind: str) -> None:
-        self.gw, self.cycle = gw, cycle
-        self.ex = Exchange(gw, cycle.scope, kind)
+        self.gw, self.cycle, self.scope, self.kind = gw, cycle, cycle.scope, kind
+        self.started = time.perf_counter()
+        self.caller = NOBODY
+        self.raw: bytes | None = None  # set once checked
+        self.requested = self.name = ""  # counted under the catalog name, "" if none
+        self.stream = False
+        self.conv: Conversation | None = None
+        self.status = 500
+        self.usage: tuple[int, int] | None = None
+        self.body: dict[str, object] = {}
         self.tried: set[str] = set()
         self.refused = ""
         self.lease: Lease | None = None
@@ -67,12 +82,13 @@ class _Forward:
         self.failure: UpstreamError | None = None  # a stream's, told after what came
         self.finished = False
         self.waiting = False  # for the client to take what was written
+        if gw.metrics:
+            gw.metrics.in_flight += 1
 
     def start(self) -> None:
-        ex = self.ex
         try:  # _safely's, written out: this runs for every request
-            ex.authorize()
-            pending = ex.check(self.cycle.body_bytes())
+            self.caller = self.gw.authorize(self.scope)
+            pending = self._check(self.cycle.body_bytes())
             if pending is None:
                 self._lease()
             else:
@@ -80,13 +96,55 @@ class _Forward:
         except Exception as e:
             self._failing(e)
 
-    # --- the key's share of its minute, when it must come from the store first ---
+    # --- the body, and the key's minute ---
+
+    def _check(self, raw: bytes) -> asyncio.Future[None] | None:
+        """The body: under the limit, JSON naming a model this caller may use, of the
+        route's kind; then the key's minute is spent (a 429 when it is over). A future when
+        the key's share must come from the store first: once it is done, `_admitted()`."""
+        gw = self.gw
+        if len(raw) > gw.max_body_bytes:
+            raise _too_large(gw.max_body_bytes)
+        self.body, self.requested, self.stream = _parse(raw)
+        if "id_slot" in self.body:
+            raise GatewayError(400, "the request sets \"id_slot\": this gateway chooses each "
+                               "replica's slot itself (a conversation goes back to the slot "
+                               "that holds it); send the request without it",
+                               "invalid_request_error", "id_slot_not_allowed", "id_slot")
+        model = gw.router.resolve(self.requested)
+        if model is None or not self.caller.may_use(model, gw.router.names()):
+            raise GatewayError(404, f"The model '{self.requested}' does not exist; GET "
+                               "/v1/models lists what this gateway serves",
+                               "invalid_request_error", "model_not_found", "model")
+        self.name = model["name"]
+        _check_kind(model, self.kind, self.scope["path"])
+        self.raw = raw
+        return self._admitted()
+
+    def _admitted(self) -> asyncio.Future[None] | None:
+        """The key's minute spent (a 429 when it is over), then the conversation found; a
+        future while the store is asked for the key's share (then this again, within
+        claim_wait_s of the request's start)."""
+        gw = self.gw
+        pending = gw.admit(self.caller, self.started)
+        if pending is not None:
+            return pending
+        if gw.balancer.routing == "balanced":
+            gw.slots.ensure_running()
+            # With one replica there is no choice to make: its conversations need no keys.
+            # A body in another encoding than UTF-8 (JSON allows UTF-16 and 32) gets no
+            # id_slot (Lease.body), so it gets no conversation either.
+            raw = self.raw or b""
+            if len(gw.router.ready(self.name)) > 1 and raw.lstrip().startswith(b"{"):
+                self.conv = conversation(self.scope["headers"], raw, self.body)
+        self.body = {}
+        return None
 
     def _wait_for_share(self, pending: asyncio.Future[None]) -> None:
         pending.add_done_callback(lambda _: self._safely(self._shared))
 
     def _shared(self) -> None:
-        pending = self.ex.admitted()  # a 429 is answered by _safely
+        pending = self._admitted()  # a 429 is answered by _safely
         if pending is None:
             self._lease()
         else:
@@ -95,7 +153,9 @@ class _Forward:
     # --- a replica ---
 
     def _lease(self) -> None:
-        lease = self.ex.lease_now()
+        """A replica leased at once, or a wait (none free, or requests already queue)."""
+        gw = self.gw
+        lease = gw.balancer.try_now(self.name, gw.router.ready(self.name), self.conv)
         if lease is None:
             self._wait_for_lease()
         else:
@@ -104,25 +164,24 @@ class _Forward:
     def _wait_for_lease(self) -> None:
         """The balancer's queue (or a fresh read of the ready replicas): one task for that
         one wait, and on from its callback."""
-        ex = self.ex
-        waiting = asyncio.ensure_future(self.gw.lease(ex.name, ex.conv, self.tried))
+        waiting = asyncio.ensure_future(self.gw.lease(self.name, self.conv, self.tried))
         waiting.add_done_callback(lambda _: self._safely(self._leased, waiting))
 
     def _leased(self, waiting: asyncio.Future[Lease | None]) -> None:
         lease = waiting.result()  # a GatewayError (503) is answered by _safely
         if lease is None:
-            raise self.gw.no_replica(self.ex.name, self.refused)
+            raise self.gw.no_replica(self.name, self.refused)
         self._send(lease)
 
     def _send(self, lease: Lease) -> None:
         self.lease = lease
         replica = lease.replica
-        raw = self.ex.raw
-        assert raw is not None, "an exchange is sent once check() has taken its body"
+        raw = self.raw
+        assert raw is not None, "an exchange is sent once _check() has taken its body"
         # A request that is no stream gets its answer whole: only its end is told.
-        self.call = self.gw.upstream.call(self, replica["endpoint"], self.ex.scope["path"],
+        self.call = self.gw.upstream.call(self, replica["endpoint"], self.scope["path"],
                                           replica["api_key"], lease.body(raw),
-                                          whole=not self.ex.stream)
+                                          whole=not self.stream)
 
     # --- what the replica's Call tells (Reader) ---
 
@@ -137,9 +196,13 @@ class _Forward:
         if conn is None or not conn.complete:
             return
         try:  # _safely's, written out: this runs for every request
-            data, headers = self.ex.relayed(conn.status, conn.headers, conn.take())
+            # The whole answer as the client gets it: the model renamed, its usage noted.
+            status, headers, data = conn.status, conn.headers, conn.take()
+            self.status = status
+            data, self.usage = whole_answer(status, headers, data, self.member)
+            kept_headers = kept(headers)
             self._end_call()
-            self.cycle.answer(self.ex.status, headers, data)
+            self.cycle.answer(status, kept_headers, data)
             self._finish()
         except Exception as e:
             self._failing(e)
@@ -149,7 +212,7 @@ class _Forward:
 
     def _head(self, call: Call) -> None:
         """A stream's head (a request that is none is told only its end)."""
-        self.ex.status = call.status
+        self.status = call.status
         if call.status != 200:
             call.gather()
             return
@@ -162,7 +225,7 @@ class _Forward:
         if isinstance(error, ConnectFailed) and replica is not None:
             self._end_call()
             log.warning("replica %s of %s could not take the request, trying the next: %s",
-                        replica["id"], self.ex.name, error)
+                        replica["id"], self.name, error)
             self.tried.add(replica["id"])
             self.refused = f"; the last one tried: {error}"
             self._wait_for_lease()
@@ -172,14 +235,28 @@ class _Forward:
             self._relay()
             return
         self._end_call()
-        raise self.ex.broke(replica["id"] if replica else "", error)
+        raise self._broke(replica["id"] if replica else "", error)
+
+    def _broke(self, replica_id: str, why: object) -> GatewayError:
+        """The 502 for a replica that failed once the request was sent; its conversation
+        is no longer sent there."""
+        self.gw.balancer.forget(self.conv, replica_id)
+        log.warning("replica %s of %s failed after the request was sent: %s",
+                    replica_id, self.name, why)
+        self.status = 502
+        return replica_failed(replica_id, self.name, why)
+
+    @property
+    def member(self) -> bytes:
+        """The model as the client named it, as the answer's JSON member carries it."""
+        return _wire.model_value(self.requested)
 
     # --- a stream ---
 
     def _relay(self) -> None:
         """What came, event by event with the model renamed, as fast as the client takes
         it; what it does not take waits in the replica's connection, whose read pauses."""
-        call, cycle, member = self.call, self.cycle, self.ex.member
+        call, cycle, member = self.call, self.cycle, self.member
         if self.finished or call is None or self.waiting:
             return
         while not cycle.paused:
@@ -188,7 +265,7 @@ class _Forward:
                 break
             events, self.buffer = _wire.split_events(self.buffer + data)
             for event in events:
-                self.ex.usage = _wire.usage(event) or self.ex.usage
+                self.usage = _wire.usage(event) or self.usage
                 cycle.write(_wire.rename_model(event, member))
         if cycle.paused and not cycle.gone:
             self.waiting = True
@@ -196,7 +273,7 @@ class _Forward:
         elif self.failure is not None:
             # The status is sent: what is left to say is an event, after any whole one.
             replica = self.lease.replica["id"] if self.lease is not None else ""
-            self._end_stream(b"data: " + self.ex.broke(replica, self.failure).body() + b"\n\n")
+            self._end_stream(b"data: " + self._broke(replica, self.failure).body() + b"\n\n")
         elif call.complete:
             self._end_stream(self.buffer)
 
@@ -228,9 +305,16 @@ class _Forward:
             lease.release()
 
     def _finish(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.ex.done()
+        """Counted, once, however the request ended: the key's usage and the metrics."""
+        if self.finished:
+            return
+        self.finished = True
+        gw = self.gw
+        gw.count_usage(self.caller, self.status, self.usage)
+        if gw.metrics:
+            gw.metrics.in_flight -= 1
+            gw.metrics.observe(self.name, self.status, self.started, self.usage,
+                               self.caller.name)
 
     def _safely(self, step: Callable[..., None], *args: object) -> None:
         """Run a step; an error is answered in OpenAI's shape (or, once a stream's head is
@@ -244,8 +328,8 @@ class _Forward:
         if isinstance(e, GatewayError):
             self._answer(e)
             return
-        log.error("the gateway failed forwarding a request for %s", self.ex.name or
-                  self.ex.requested or self.ex.scope["path"], exc_info=e)
+        log.error("the gateway failed forwarding a request for %s", self.name or
+                  self.requested or self.scope["path"], exc_info=e)
         self._answer(GatewayError(500, "the gateway failed forwarding the request; see its "
                                   "log", "server_error", "gateway_error"))
 
@@ -253,9 +337,54 @@ class _Forward:
         if self.finished:
             return
         self._end_call()
-        self.ex.status = error.status
+        self.status = error.status
         if self.streaming:
             self.cycle.end(b"data: " + error.body() + b"\n\n")
         else:
             self.cycle.answer(error.status, [*JSON_HEADERS, *error.headers], error.body())
         self._finish()
+
+
+def replica_failed(replica_id: str, model: str, why: object) -> GatewayError:
+    """A 502 for a request a replica took and then failed: never resent elsewhere."""
+    return GatewayError(502, f"replica {replica_id} of {model} failed while answering: "
+                        f"{why}; the request was not retried, so it may have run once",
+                        "upstream_error", "replica_failed")
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"the request body is over {limit} bytes, the gateway's limit "
+                        "(gateway_max_body_bytes in server.yaml)", "invalid_request_error",
+                        "request_too_large")
+
+
+def _parse(raw: bytes) -> tuple[dict[str, object], str, bool]:
+    """The body parsed, its model and whether to stream; the body is forwarded as sent."""
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as e:
+        raise GatewayError(400, f"the request body is not valid JSON: {e}",
+                           "invalid_request_error", "invalid_json") from e
+    if not isinstance(body, dict):
+        raise GatewayError(422, f"the request body must be a JSON object, found "
+                           f"{type(body).__name__}", "invalid_request_error", "invalid_body")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError(422, "the request names no model: set \"model\" to a name from "
+                           "GET /v1/models", "invalid_request_error", "missing_model", "model")
+    return body, model, bool(body.get("stream"))
+
+
+def serves(model: ModelSpec, kind: str) -> bool:
+    """Whether the model serves requests of this kind (chat or embedding)."""
+    return (model["routing_profile"] == "embedding") == (kind == "embedding")
+
+
+def _check_kind(model: ModelSpec, kind: str, path: str) -> None:
+    profile = model["routing_profile"]
+    if not serves(model, kind):
+        routes = "/v1/embeddings" if profile == "embedding" else \
+            "/v1/chat/completions and /v1/completions"
+        raise GatewayError(400, f"{model['name']} is an {profile} model (routing_profile "
+                           f"{profile!r}); it serves {routes}, not {path}",
+                           "invalid_request_error", "wrong_model_kind", "model")

@@ -3,8 +3,8 @@
 A plain ASGI app, not FastAPI, for everything but forwarding: the hot path (read the body,
 pick a replica, relay the answer's bytes) is most of what the gateway costs, and a router
 plus a JSON round trip per request cost as much as the engine's own answer to a short
-prompt (profiled). The forwarded POSTs are driven from the server's callbacks, by
-`_forward.Forwarder` (the server's one fast handler), through this module's `Exchange`.
+prompt (profiled). The forwarded POSTs are the server's fast handler's
+(`_forward.Forwarder`): each is one `_forward.Exchange`, driven from the server's callbacks.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from llmgw.config import ServerConfig
 from llmgw.contract import keys, secret
 from llmgw.contract.records import ModelSpec
 from llmgw.errors import Error
-from llmgw.gateway import _limits, _wire
+from llmgw.gateway import _limits
 from llmgw.gateway._budgets import CLAIM_WAIT_S, Budgets
-from llmgw.gateway._relay import kept, respond, whole_answer
+from llmgw.gateway._relay import respond
 from llmgw.gateway._router import Router
 from llmgw.gateway._shares import KeyShares
 from llmgw.gateway._slots import SlotPoller
@@ -33,7 +33,6 @@ from llmgw.gateway.balancer import (
     Conversation,
     Lease,
     Saturated,
-    conversation,
 )
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.http1.asgi import Receive, Scope, Send
@@ -286,116 +285,6 @@ class Gateway:
                             f"{self.router.states(model)}{refused}; try again shortly",
                             "service_unavailable", "no_ready_replica")
 
-    def _too_large(self) -> GatewayError:
-        return GatewayError(413, f"the request body is over {self.max_body_bytes} bytes, the "
-                            "gateway's limit (gateway_max_body_bytes in server.yaml)",
-                            "invalid_request_error", "request_too_large")
-
-
-class Exchange:
-    """One forwarded request and the gateway's sequence for it, written once: authorise,
-    check the body (its model, the model's kind, the key's minute), lease a replica,
-    forward, relay the answer (the model renamed, its usage read), count (the key's usage,
-    the metrics). One driver runs them (`_forward`), from the event loop's callbacks: each
-    step runs once, so a key's minute is spent once and the request is counted once."""
-
-    __slots__ = ("gw", "scope", "kind", "started", "caller", "raw", "requested", "stream",
-                 "name", "conv", "status", "usage", "body")
-
-    def __init__(self, gw: Gateway, scope: Scope, kind: str) -> None:
-        self.gw, self.scope, self.kind = gw, scope, kind
-        self.started = time.perf_counter()
-        self.caller = NOBODY
-        self.raw: bytes | None = None  # set once checked
-        self.requested = self.name = ""  # counted under the catalog name, "" if none
-        self.stream = False
-        self.conv: Conversation | None = None
-        self.status = 500
-        self.usage: tuple[int, int] | None = None
-        self.body: dict[str, object] = {}
-        if gw.metrics:
-            gw.metrics.in_flight += 1
-
-    def authorize(self) -> None:
-        self.caller = self.gw.authorize(self.scope)
-
-    def check(self, raw: bytes) -> asyncio.Future[None] | None:
-        """The body: under the limit, JSON naming a model this caller may use, of the
-        route's kind; then the key's minute is spent (a 429 when it is over). A future when
-        the key's share must come from the store first: once it is done, `admitted()`."""
-        gw = self.gw
-        if len(raw) > gw.max_body_bytes:
-            raise gw._too_large()
-        self.body, self.requested, self.stream = _parse(raw)
-        if "id_slot" in self.body:
-            raise GatewayError(400, "the request sets \"id_slot\": this gateway chooses each "
-                               "replica's slot itself (a conversation goes back to the slot "
-                               "that holds it); send the request without it",
-                               "invalid_request_error", "id_slot_not_allowed", "id_slot")
-        model = gw.router.resolve(self.requested)
-        if model is None or not self.caller.may_use(model, gw.router.names()):
-            raise GatewayError(404, f"The model '{self.requested}' does not exist; GET "
-                               "/v1/models lists what this gateway serves",
-                               "invalid_request_error", "model_not_found", "model")
-        self.name = model["name"]
-        _check_kind(model, self.kind, self.scope["path"])
-        self.raw = raw
-        return self.admitted()
-
-    def admitted(self) -> asyncio.Future[None] | None:
-        """The key's minute spent (a 429 when it is over), then the conversation found; a
-        future while the store is asked for the key's share (then this again, within
-        claim_wait_s of the request's start)."""
-        gw = self.gw
-        pending = gw.admit(self.caller, self.started)
-        if pending is not None:
-            return pending
-        if gw.balancer.routing == "balanced":
-            gw.slots.ensure_running()
-            # With one replica there is no choice to make: its conversations need no keys.
-            # A body in another encoding than UTF-8 (JSON allows UTF-16 and 32) gets no
-            # id_slot (Lease.body), so it gets no conversation either.
-            raw = self.raw or b""
-            if len(gw.router.ready(self.name)) > 1 and raw.lstrip().startswith(b"{"):
-                self.conv = conversation(self.scope["headers"], raw, self.body)
-        self.body = {}
-        return None
-
-    def lease_now(self) -> Lease | None:
-        """A replica leased at once, or None (none free, or requests already queue)."""
-        gw = self.gw
-        return gw.balancer.try_now(self.name, gw.router.ready(self.name), self.conv)
-
-    @property
-    def member(self) -> bytes:
-        """The model as the client named it, as the answer's JSON member carries it."""
-        return _wire.model_value(self.requested)
-
-    def relayed(self, status: int, headers: dict[bytes, bytes], data: bytes
-                ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-        """A replica's whole answer as the client gets it (body, headers); usage noted."""
-        self.status = status
-        data, self.usage = whole_answer(status, headers, data, self.member)
-        return data, kept(headers)
-
-    def broke(self, replica_id: str, why: object) -> GatewayError:
-        """The 502 for a replica that failed once the request was sent; its conversation
-        is no longer sent there."""
-        self.gw.balancer.forget(self.conv, replica_id)
-        log.warning("replica %s of %s failed after the request was sent: %s",
-                    replica_id, self.name, why)
-        self.status = 502
-        return replica_failed(replica_id, self.name, why)
-
-    def done(self) -> None:
-        """Counted, once, however the request ended: the key's usage and the metrics."""
-        gw = self.gw
-        gw.count_usage(self.caller, self.status, self.usage)
-        if gw.metrics:
-            gw.metrics.in_flight -= 1
-            gw.metrics.observe(self.name, self.status, self.started, self.usage,
-                               self.caller.name)
-
 
 def make_gateway_app(store: Store, settings: ServerConfig | None = None, *,
                      upstream: Upstream | None = None, metrics: GatewayMetrics | None = None,
@@ -417,13 +306,6 @@ def make_gateway_app(store: Store, settings: ServerConfig | None = None, *,
                                      queue_wait_s=settings.gateway_queue_wait_s))
 
 
-def replica_failed(replica_id: str, model: str, why: object) -> GatewayError:
-    """A 502 for a request a replica took and then failed: never resent elsewhere."""
-    return GatewayError(502, f"replica {replica_id} of {model} failed while answering: "
-                        f"{why}; the request was not retried, so it may have run once",
-                        "upstream_error", "replica_failed")
-
-
 def _unauthorized(message: str) -> GatewayError:
     return GatewayError(401, message, "invalid_request_error", "invalid_api_key",
                         headers=[(b"www-authenticate", b'Bearer realm="llmgw gateway"')])
@@ -431,38 +313,6 @@ def _unauthorized(message: str) -> GatewayError:
 
 def _utc(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
-
-
-def _parse(raw: bytes) -> tuple[dict[str, object], str, bool]:
-    """The body parsed, its model and whether to stream; the body is forwarded as sent."""
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError as e:
-        raise GatewayError(400, f"the request body is not valid JSON: {e}",
-                           "invalid_request_error", "invalid_json") from e
-    if not isinstance(body, dict):
-        raise GatewayError(422, f"the request body must be a JSON object, found "
-                           f"{type(body).__name__}", "invalid_request_error", "invalid_body")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise GatewayError(422, "the request names no model: set \"model\" to a name from "
-                           "GET /v1/models", "invalid_request_error", "missing_model", "model")
-    return body, model, bool(body.get("stream"))
-
-
-def serves(model: ModelSpec, kind: str) -> bool:
-    """Whether the model serves requests of this kind (chat or embedding)."""
-    return (model["routing_profile"] == "embedding") == (kind == "embedding")
-
-
-def _check_kind(model: ModelSpec, kind: str, path: str) -> None:
-    profile = model["routing_profile"]
-    if not serves(model, kind):
-        routes = "/v1/embeddings" if profile == "embedding" else \
-            "/v1/chat/completions and /v1/completions"
-        raise GatewayError(400, f"{model['name']} is an {profile} model (routing_profile "
-                           f"{profile!r}); it serves {routes}, not {path}",
-                           "invalid_request_error", "wrong_model_kind", "model")
 
 
 def _not_allowed(method: str, path: str, allowed: str) -> GatewayError:

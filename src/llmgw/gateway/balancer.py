@@ -445,7 +445,7 @@ def _handed(future: asyncio.Future[Lease]) -> bool:
 
 
 def with_slot(raw: bytes, slot: int) -> bytes:
-    """A JSON object's bytes (UTF-8, with a member: Exchange.check saw its "model") with
+    """A JSON object's bytes (UTF-8, with a member: Exchange._check saw its "model") with
     `"id_slot": slot` as its first member; the rest byte for byte."""
     at = raw.index(b"{")
     return b"%s{\"id_slot\":%d,%s" % (raw[:at], slot, raw[at + 1:])

@@ -244,8 +244,7 @@ def worker_fds() -> tuple[socket.socket, socket.socket, int]:
 
 
 async def _say_ready(servers: list[Any], ready_fd: int) -> None:
-    while not all(s.started for s in servers):
-        await asyncio.sleep(0.02)
+    await asyncio.gather(*(s.wait_started() for s in servers))
     os.write(ready_fd, b"r")
     os.close(ready_fd)
 

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,8 @@ BACKLOG = 4096
 
 class Http1Server:
     """Serves app on listen (HOST:PORT) or on sockets handed to serve(); HTTPS with
-    certfile (the chain, leaf first) and keyfile. `started` once it listens,
+    certfile (the chain, leaf first) and keyfile. `started`, an event, is set once it
+    listens (a thread waits on it; the serving loop awaits `start()` or `wait_started()`),
     `should_exit = True` to stop (a service's signal handler sets it: `service`).
 
     On stop: no new connections; requests under way (streams too) get drain_s to finish,
@@ -85,7 +87,10 @@ class Http1Server:
         if certfile:
             self.ssl = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             self.ssl.load_cert_chain(certfile, keyfile or None)
-        self.started = False
+        # Set once it listens: a threading.Event for the threads that wait on it (tests, a
+        # check's server), an asyncio.Event for the serving loop (bound on its first wait).
+        self.started = threading.Event()
+        self._listening = asyncio.Event()
         self._should_exit = False
         self._exiting: asyncio.Event | None = None
         self.draining = False
@@ -109,6 +114,24 @@ class Http1Server:
 
     def run(self) -> None:
         run_service(self.serve())
+
+    async def start(self, sockets: list[Any] | None = None) -> asyncio.Task[None]:
+        """serve(sockets) in a task, returned once it listens; what serve() raised (an
+        OSError when it cannot listen) when it stopped before."""
+        serving = asyncio.get_running_loop().create_task(self.serve(sockets))
+        listening = asyncio.ensure_future(self._listening.wait())
+        try:
+            await asyncio.wait((serving, listening), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            listening.cancel()
+        if not self._listening.is_set():
+            await serving  # it raised, or it stopped before it listened
+            raise RuntimeError(f"the server stopped before it listened on {self.listen}")
+        return serving
+
+    async def wait_started(self) -> None:
+        """Return once it listens (call it in the serving loop)."""
+        await self._listening.wait()
 
     def protocol_factory(self) -> Callable[[], asyncio.Protocol]:
         """What makes a connection of this server, for a caller that accepts sockets
@@ -152,7 +175,8 @@ class Http1Server:
                     lambda: _Connection(self), host, port, ssl=self.ssl, backlog=BACKLOG,
                     ssl_handshake_timeout=self._handshake_timeout(),
                     reuse_address=True))
-            self.started = True
+            self._listening.set()
+            self.started.set()
             await self._exiting.wait()
         finally:
             for server in servers:

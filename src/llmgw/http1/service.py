@@ -18,10 +18,9 @@ class ListenError(Error):
 class Listener(Protocol):
     """A server that listens once serve() runs (`server.Http1Server`)."""
 
-    started: bool
     listen: str
 
-    async def serve(self) -> None: ...
+    async def start(self) -> asyncio.Task[None]: ...
 
 
 def on_stop_signals(log: logging.Logger, stop: Callable[[], None]) -> None:
@@ -43,17 +42,13 @@ def on_stop_signals(log: logging.Logger, stop: Callable[[], None]) -> None:
 async def listening(server: Listener, what: str) -> asyncio.Task[None]:
     """server.serve() in a task, once it listens; ListenError (naming what it serves) when
     it cannot."""
-    serving = asyncio.get_running_loop().create_task(server.serve())
-    while not server.started:
-        if serving.done():
-            try:
-                await serving
-            except OSError as e:
-                raise ListenError(f"cannot listen on {server.listen} for {what}: {e}; is "
-                                  "another program using it? (`ss -ltnp` names it)") from e
-            raise ListenError(f"{what} stopped before it listened on {server.listen}")
-        await asyncio.sleep(0.01)
-    return serving
+    try:
+        return await server.start()
+    except OSError as e:
+        raise ListenError(f"cannot listen on {server.listen} for {what}: {e}; is "
+                          "another program using it? (`ss -ltnp` names it)") from e
+    except RuntimeError as e:
+        raise ListenError(f"{what} stopped before it listened on {server.listen}") from e
 
 
 def run_service(main: Coroutine[Any, Any, None]) -> None:

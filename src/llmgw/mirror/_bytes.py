@@ -139,11 +139,7 @@ class BytesServer:
     async def start(self, host: str, port: int) -> None:
         """Listen on host:port ("" for every interface); OSError when it cannot."""
         self.http.listen = join_host_port(host, port)
-        self._serving = asyncio.get_running_loop().create_task(self.http.serve())
-        while not self.http.started:
-            if self._serving.done():
-                await self._serving  # it failed to start: raise why
-            await asyncio.sleep(0.01)
+        self._serving = await self.http.start()  # an OSError when it cannot listen
 
     async def close(self) -> None:
         """Stop listening; answers under way get DRAIN_S, then are cut."""
