@@ -34,10 +34,13 @@ KEPT = ("/etc/llmgw/pki/ca.pem", "/etc/llmgw/pki/ca-key.pem", "/etc/llmgw/agent.
 
 def previous_release() -> str:
     """The last commit before llmgw installed itself into /opt/llmgw (the parent of the
-    commit that added src/llmgw/host/install.py); '' when history does not reach it."""
+    commit that first added its install module, src/llmgw/install.py, which issue 41 moved to
+    src/llmgw/host/install.py: a log of the new path alone finds the move); '' when history
+    does not reach it."""
     added = subprocess.run(
         ["git", "-C", str(ROOT), "log", "--diff-filter=A", "--format=%H", "--",
-         "src/llmgw/host/install.py"], capture_output=True, text=True, check=False,
+         "src/llmgw/install.py", "src/llmgw/host/install.py"],
+        capture_output=True, text=True, check=False,
     ).stdout.split()
     return f"{added[-1]}^" if added else ""
 

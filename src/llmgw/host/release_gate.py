@@ -11,7 +11,7 @@ from pathlib import Path
 
 from llmgw.host import install
 
-CHECKOUT = Path(__file__).resolve().parents[2]
+CHECKOUT = Path(__file__).resolve().parents[3]  # src/llmgw/host/release_gate.py
 
 
 def running_units() -> tuple[str, ...]:
