@@ -49,3 +49,15 @@ def test_the_checks_get_the_options_of_scripts_up_but_not_its_steps_file() -> No
     argv = ["--advertise", "127.0.0.1", "--steps-json=/root/up.json", "--steps-json", "/x",
             "--no-starter"]
     assert release_gate.checks_args(argv) == ["--advertise", "127.0.0.1", "--no-starter"]
+
+
+def test_the_gate_runs_the_checks_of_the_checkout_it_was_installed_from() -> None:
+    """The gate runs `pytest checks/` of the checkout scripts/up ran from: CHECKOUT is that
+    checkout's root, whatever folder of src/ the gate's module sits in (the move of issue 41
+    left it pointing at src/, so every upgrade ran no test and was rolled back)."""
+    root = Path(__file__).resolve().parents[2]
+    assert release_gate.CHECKOUT == root
+    assert (release_gate.CHECKOUT / "checks" / "conftest.py").is_file()
+    # Its control: one folder short of the root is where the moved module pointed, and no
+    # checks/ stands there.
+    assert not (release_gate.CHECKOUT / "src" / "checks").exists()
