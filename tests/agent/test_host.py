@@ -3,11 +3,8 @@ from, on this machine's real interfaces and inside network namespaces."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +12,7 @@ import pytest
 
 from llmgw.agent import host
 from llmgw.host import netaddr
+from tests.agent.netns import namespace
 
 
 def test_loopback_control_plane_is_reached_over_lo() -> None:
@@ -45,35 +43,12 @@ def test_memory_and_cpus_are_read() -> None:
     assert host.memory_mb() > 0
 
 
-def _can_make_netns() -> bool:
-    return os.geteuid() == 0 and shutil.which("ip") is not None
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture
 def netns() -> Iterator[str]:
-    """Function: a network namespace with veth pairs mgmt0/peer0 (10.203.0.2/24) and
-    data0/peer1 (10.204.0.2/24), and no eth0 at all; removed afterwards."""
-    if not _can_make_netns():
-        pytest.skip("network namespaces need root and the ip command")
-    name = f"llmgw-test-{uuid.uuid4().hex[:8]}"
-    try:
-        _ip("netns", "add", name)
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"cannot create a network namespace here: {e.stderr.decode().strip()}")
-    try:
-        _ip("-n", name, "link", "add", "mgmt0", "type", "veth", "peer", "name", "peer0")
-        _ip("-n", name, "link", "add", "data0", "type", "veth", "peer", "name", "peer1")
-        _ip("-n", name, "addr", "add", "10.203.0.2/24", "dev", "mgmt0")
-        _ip("-n", name, "addr", "add", "10.204.0.2/24", "dev", "data0")
-        for link in ("lo", "mgmt0", "peer0", "data0", "peer1"):
-            _ip("-n", name, "link", "set", link, "up")
+    """Function: a network namespace with mgmt0 on 10.203.0.2/24 and data0 on 10.204.0.2/24,
+    and no eth0 at all (tests/agent/netns.py)."""
+    with namespace(("10.203.0.2/24",), "10.204.0.2/24") as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
 
 
 def _interface_in(ns: str, server: str) -> str:

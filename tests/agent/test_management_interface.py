@@ -8,17 +8,17 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
-import shutil
 import socket
 import struct
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.agent.netns import ip, namespace
 
 ROOT = Path(__file__).resolve().parents[2]
 # mgmt0 holds two IPv4 addresses: the first (primary) one on 10.203.0.0/24, and the one the
@@ -27,33 +27,12 @@ FIRST, SECOND, OTHER = "10.203.0.2", "10.205.0.2", "10.204.0.2"
 CONTROL_PLANE = "https://10.205.0.1:7443"
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture
 def netns() -> Iterator[str]:
-    """Function: a network namespace with veth pairs mgmt0/peer0 (10.203.0.2/24 and
-    10.205.0.2/24, in that order) and data0/peer1 (10.204.0.2/24), and no eth0; removed
-    afterwards, whatever the test did."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and the ip command (iproute2)")
-    name = f"llmgw-if-{uuid.uuid4().hex[:8]}"
-    try:
-        _ip("netns", "add", name)
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"cannot create a network namespace here: {e.stderr.decode().strip()}")
-    try:
-        _ip("-n", name, "link", "add", "mgmt0", "type", "veth", "peer", "name", "peer0")
-        _ip("-n", name, "link", "add", "data0", "type", "veth", "peer", "name", "peer1")
-        _ip("-n", name, "addr", "add", f"{FIRST}/24", "dev", "mgmt0")
-        _ip("-n", name, "addr", "add", f"{SECOND}/24", "dev", "mgmt0")
-        _ip("-n", name, "addr", "add", f"{OTHER}/24", "dev", "data0")
-        for link in ("lo", "mgmt0", "peer0", "data0", "peer1"):
-            _ip("-n", name, "link", "set", link, "up")
+    """Function: a network namespace with mgmt0 holding 10.203.0.2/24 and 10.205.0.2/24, in
+    that order, and data0 10.204.0.2/24 (tests/agent/netns.py)."""
+    with namespace((f"{FIRST}/24", f"{SECOND}/24"), f"{OTHER}/24") as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
 
 
 def run_in(ns: str, code: str, env: dict[str, str] | None = None) -> str:
@@ -96,7 +75,7 @@ def test_an_interface_reached_through_its_second_address_is_the_management_one(
 def test_a_point_to_point_address_is_this_end_not_the_peer(netns: str) -> None:
     """On a peer address (`ip addr add A peer B`), the interface holds A (IFA_LOCAL), not
     its peer B (IFA_ADDRESS there); the control: the peer is routed over that interface."""
-    _ip("-n", netns, "addr", "add", "10.206.0.2", "peer", "10.206.0.1/32", "dev", "data0")
+    ip("-n", netns, "addr", "add", "10.206.0.2", "peer", "10.206.0.1/32", "dev", "data0")
     found = run_in(netns, """
         from llmgw.host import netaddr
         print(*netaddr.interface_addresses()["data0"])
