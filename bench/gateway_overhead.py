@@ -291,7 +291,7 @@ def start_own(work: Path, width: int, engine_args: list[str]
                     "api_key": key},
         "key": {"id": made.id, "name": "bench-limited", "prefix": made.prefix,
                 "hash": made.hash, "rpm": LIMITED_RPM, "tpm": LIMITED_TPM}}))
-    (work / "limited-key").write_text(keys.render(made))
+    (work / "limited-key").write_text(made.text)
     wait_ok(f"http://127.0.0.1:{engine_port}/health")
     gateway, via = start_gateway(work)
     return ([gateway, engine],
