@@ -3,9 +3,6 @@
 Each table and index is created only when missing, so a store from before revisions (its
 columns completed by Database._migrate) is stamped here without being rebuilt. Frozen: a
 later change to the schema is a new revision, never an edit of this one.
-
-Revision ID: 0001
-Revises:
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from alembic import op
 
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

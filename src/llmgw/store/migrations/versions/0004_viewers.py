@@ -2,9 +2,6 @@
 create --viewer`), kept as hashes.
 
 Frozen, as every revision once released: a later change is a new revision.
-
-Revision ID: 0004
-Revises: 0003
 """
 
 from __future__ import annotations
@@ -14,8 +11,6 @@ from alembic import op
 
 revision = "0004"
 down_revision = "0003"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

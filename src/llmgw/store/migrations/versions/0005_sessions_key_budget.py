@@ -5,9 +5,6 @@ gateway took, so that a key's rpm and tpm hold across every gateway of a fleet
 (store/budgets.py; transient rows).
 
 Frozen, as every revision once released: a later change is a new revision.
-
-Revision ID: 0005
-Revises: 0004
 """
 
 from __future__ import annotations
@@ -17,8 +14,6 @@ from alembic import op
 
 revision = "0005"
 down_revision = "0004"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
