@@ -10,6 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from llmgw.store.migrations.credentials import create_live_name_index, credential_columns
+
 revision = "0001"
 down_revision = None
 
@@ -64,10 +66,7 @@ def upgrade() -> None:
         if_not_exists=True)
     op.create_table(
         "keys",
-        sa.Column("id", sa.Text, primary_key=True),
-        sa.Column("name", sa.Text, nullable=False),
-        sa.Column("prefix", sa.Text, nullable=False),
-        sa.Column("hash", sa.Text, nullable=False, unique=True),
+        *credential_columns(),
         sa.Column("models", sa.Text, nullable=False, server_default="[]"),
         sa.Column("rpm", sa.Integer, nullable=False, server_default="0"),
         sa.Column("tpm", sa.Integer, nullable=False, server_default="0"),
@@ -79,6 +78,4 @@ def upgrade() -> None:
         sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
         sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
         if_not_exists=True)
-    op.create_index("keys_live_name", "keys", ["name"], unique=True, if_not_exists=True,
-                    sqlite_where=sa.text("revoked IS NULL"),
-                    postgresql_where=sa.text("revoked IS NULL"))
+    create_live_name_index("keys", if_not_exists=True)
