@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from llmgw import __version__
 from llmgw.cli.commands import add_day2
@@ -146,20 +147,25 @@ def _host_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None, help="local mode's state dir")
 
 
+def _process(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str,
+             config: str, run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """The verb of a long-running process: its config file, and what runs it."""
+    parser = sub.add_parser(name, help=help)
+    parser.add_argument("--config", required=True, help=f"path to {config}")
+    parser.set_defaults(run=run)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmgw", description=__doc__)
     parser.add_argument("--version", action="version", version=f"llmgw {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    server = sub.add_parser("server", help="run the control plane")
-    server.add_argument("--config", required=True, help="path to server.yaml")
-    server.set_defaults(run=_server)
+    _process(sub, "server", "run the control plane", "server.yaml", _server)
 
-    gateway = sub.add_parser("gateway", help="run the OpenAI-compatible gateway (SIGHUP: a "
-                             "new worker takes over the socket, the old one drains)")
-    gateway.add_argument("--config", required=True, help="path to server.yaml")
+    gateway = _process(sub, "gateway", "run the OpenAI-compatible gateway (SIGHUP: a new worker "
+                       "takes over the socket, the old one drains)", "server.yaml", _gateway)
     gateway.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    gateway.set_defaults(run=_gateway)
 
     mirror = sub.add_parser("mirror", help="the model mirror")
     mirror_sub = mirror.add_subparsers(dest="mirror_command", required=True)
@@ -196,9 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "~/.local/state/llmgw when not root)")
     mimport.set_defaults(run=_mirror_import)
 
-    agent = sub.add_parser("agent", help="run the node agent")
-    agent.add_argument("--config", required=True, help="path to agent.yaml")
-    agent.set_defaults(run=_agent)
+    _process(sub, "agent", "run the node agent", "agent.yaml", _agent)
 
     check = sub.add_parser("check", help="verify this host, read only (the promises of "
                                          "`pytest checks/`, without the checkout)")

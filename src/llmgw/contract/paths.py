@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class AgentPaths:
     """The agent API's paths; only the join paths serve a client without a
@@ -22,6 +24,11 @@ class AgentPaths:
     HEALTH = "/healthz"
 
 
+def _item(collection: str) -> Callable[[str], str]:
+    """The path of one item of collection, by its name or id."""
+    return lambda name: f"{collection}/{name}"
+
+
 class AdminPaths:
     """The admin API's paths; every one but HEALTH needs the admin token (a viewer key,
     or a fleet-page session, may GET)."""
@@ -40,25 +47,12 @@ class AdminPaths:
     VIEWERS = "/api/v1/viewers"
     TRAFFIC = "/api/v1/traffic"
 
-    @staticmethod
-    def node(node_id: str) -> str:
-        return f"{AdminPaths.NODES}/{node_id}"
-
-    @staticmethod
-    def model(name: str) -> str:
-        return f"{AdminPaths.MODELS}/{name}"
-
-    @staticmethod
-    def drift(host: str) -> str:
-        return f"{AdminPaths.DRIFT}/{host}"
-
-    @staticmethod
-    def key(name: str) -> str:
-        return f"{AdminPaths.KEYS}/{name}"
-
-    @staticmethod
-    def viewer(name: str) -> str:
-        return f"{AdminPaths.VIEWERS}/{name}"
+    # One item's path: its collection's, then /NAME.
+    node = staticmethod(_item(NODES))
+    model = staticmethod(_item(MODELS))
+    drift = staticmethod(_item(DRIFT))
+    key = staticmethod(_item(KEYS))
+    viewer = staticmethod(_item(VIEWERS))
 
     @staticmethod
     def replica_logs(replica_id: str) -> str:

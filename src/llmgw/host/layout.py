@@ -29,6 +29,22 @@ def resolve_mode(mode: str) -> str:
     return "system" if os.geteuid() == 0 and systemd_is_init() else "local"
 
 
+class _LocalFile:
+    """A file of local mode's state dir, read as a Layout's attribute: system mode has no
+    such file, and reading it there is an Error."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, layout: Layout | None, owner: type[Layout]) -> Path:
+        if layout is None:
+            raise AttributeError(f"{self.name} is a host's file: read it on a Layout")
+        if layout.root is None:
+            raise Error(f"{self.name} exists only in local mode; this host is in "
+                        f"{layout.mode} mode")
+        return layout.root / self.name
+
+
 @dataclass(frozen=True)
 class Layout:
     """The paths of one host."""
@@ -108,26 +124,11 @@ class Layout:
         nowhere else), under a dot-name, which the mirror never serves."""
         return self.models / ".llmgw-probe" / "probe.bin"
 
-    def _local(self, name: str) -> Path:
-        if self.root is None:
-            raise Error(f"{name} exists only in local mode; this host is in {self.mode} mode")
-        return self.root / name
-
-    @property
-    def supervisord_conf(self) -> Path:
-        return self._local("supervisord.conf")
-
-    @property
-    def supervisor_programs(self) -> Path:
-        return self._local("supervisor.d")
-
-    @property
-    def supervisor_socket(self) -> Path:
-        return self._local("supervisor.sock")
-
-    @property
-    def supervisord_pid(self) -> Path:
-        return self._local("supervisord.pid")
+    # supervisord's files, in local mode only.
+    supervisord_conf = _LocalFile("supervisord.conf")
+    supervisor_programs = _LocalFile("supervisor.d")
+    supervisor_socket = _LocalFile("supervisor.sock")
+    supervisord_pid = _LocalFile("supervisord.pid")
 
     @property
     def logs(self) -> Path:

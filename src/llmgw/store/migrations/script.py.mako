@@ -1,8 +1,6 @@
 """${message}
 
-Revision ID: ${up_revision}
-Revises: ${down_revision | comma,n}
-Created: ${create_date}
+Frozen, as every revision once released: a later change is a new revision.
 """
 
 from __future__ import annotations
@@ -12,8 +10,6 @@ from alembic import op
 
 revision = ${repr(up_revision)}
 down_revision = ${repr(down_revision)}
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -3,9 +3,6 @@
 Each table and index is created only when missing, so a store from before revisions (its
 columns completed by Database._migrate) is stamped here without being rebuilt. Frozen: a
 later change to the schema is a new revision, never an edit of this one.
-
-Revision ID: 0001
-Revises:
 """
 
 from __future__ import annotations
@@ -13,10 +10,10 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from llmgw.store.migrations.credentials import create_live_name_index, credential_columns
+
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
@@ -69,10 +66,7 @@ def upgrade() -> None:
         if_not_exists=True)
     op.create_table(
         "keys",
-        sa.Column("id", sa.Text, primary_key=True),
-        sa.Column("name", sa.Text, nullable=False),
-        sa.Column("prefix", sa.Text, nullable=False),
-        sa.Column("hash", sa.Text, nullable=False, unique=True),
+        *credential_columns(),
         sa.Column("models", sa.Text, nullable=False, server_default="[]"),
         sa.Column("rpm", sa.Integer, nullable=False, server_default="0"),
         sa.Column("tpm", sa.Integer, nullable=False, server_default="0"),
@@ -84,6 +78,4 @@ def upgrade() -> None:
         sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
         sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
         if_not_exists=True)
-    op.create_index("keys_live_name", "keys", ["name"], unique=True, if_not_exists=True,
-                    sqlite_where=sa.text("revoked IS NULL"),
-                    postgresql_where=sa.text("revoked IS NULL"))
+    create_live_name_index("keys", if_not_exists=True)

@@ -2,9 +2,6 @@
 schedules (with the epoch every placement write checks).
 
 Frozen, as every revision once released: a later change is a new revision.
-
-Revision ID: 0002
-Revises: 0001
 """
 
 from __future__ import annotations
@@ -14,8 +11,6 @@ from alembic import op
 
 revision = "0002"
 down_revision = "0001"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

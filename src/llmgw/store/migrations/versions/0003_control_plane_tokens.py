@@ -3,9 +3,6 @@ CA, the admin credential, the store's address), sealed with a certificate key th
 never sees (`llmgw token create --control-plane`).
 
 Frozen, as every revision once released: a later change is a new revision.
-
-Revision ID: 0003
-Revises: 0002
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from alembic import op
 
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -2,9 +2,6 @@
 create --viewer`), kept as hashes.
 
 Frozen, as every revision once released: a later change is a new revision.
-
-Revision ID: 0004
-Revises: 0003
 """
 
 from __future__ import annotations
@@ -12,21 +9,16 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from llmgw.store.migrations.credentials import create_live_name_index, credential_columns
+
 revision = "0004"
 down_revision = "0003"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
     op.create_table(
         "viewers",
-        sa.Column("id", sa.Text, primary_key=True),
-        sa.Column("name", sa.Text, nullable=False),
-        sa.Column("prefix", sa.Text, nullable=False),
-        sa.Column("hash", sa.Text, nullable=False, unique=True),
+        *credential_columns(),
         sa.Column("created", sa.Double, nullable=False),
         sa.Column("revoked", sa.Double))
-    op.create_index("viewers_live_name", "viewers", ["name"], unique=True,
-                    sqlite_where=sa.text("revoked IS NULL"),
-                    postgresql_where=sa.text("revoked IS NULL"))
+    create_live_name_index("viewers")

@@ -1,13 +1,10 @@
-"""The fleet page's sessions in the store, so that every control plane of a fleet honours
-them and signing out on one ends them on all (kept by the sha256 of the cookie, never the
-cookie); viewer keys may expire; the shares of gateway keys' per-minute limits that each
-gateway took, so that a key's rpm and tpm hold across every gateway of a fleet
-(store/budgets.py; transient rows).
+"""Viewer keys may expire (completing 0004's table); the fleet page's sessions in the store,
+so that every control plane of a fleet honours them and signing out on one ends them on all
+(kept by the sha256 of the cookie, never the cookie); the shares of gateway keys' per-minute
+limits that each gateway took, so that a key's rpm and tpm hold across every gateway of a
+fleet (store/budgets.py; transient rows).
 
 Frozen, as every revision once released: a later change is a new revision.
-
-Revision ID: 0005
-Revises: 0004
 """
 
 from __future__ import annotations
@@ -17,11 +14,10 @@ from alembic import op
 
 revision = "0005"
 down_revision = "0004"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
+    op.add_column("viewers", sa.Column("expires", sa.Double))
     op.create_table(
         "sessions",
         sa.Column("hash", sa.Text, primary_key=True),
@@ -32,7 +28,6 @@ def upgrade() -> None:
         sa.Column("expires", sa.Double, nullable=False))
     op.create_index("sessions_by_credential", "sessions", ["credential", "created"])
     op.create_index("sessions_by_expiry", "sessions", ["expires"])
-    op.add_column("viewers", sa.Column("expires", sa.Double))
     op.create_table(
         "key_budget",
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
