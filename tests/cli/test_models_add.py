@@ -68,6 +68,8 @@ class Fleet:
               ) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "HF_ENDPOINT": hub or self.hub.url, "TMPDIR": str(self.tmp)}
         env.pop("HF_TOKEN", None)
+        if hub == "":  # none in this shell: the host's mirror.env says
+            env.pop("HF_ENDPOINT")
         if trust:
             env["SSL_CERT_FILE"] = str(self.ca)
         else:
@@ -89,7 +91,7 @@ def fleet(tmp_path_factory, tiny_gguf) -> Iterator[Fleet]:
     """Module: a state dir whose server.yaml names a live admin API (a store with node-a:
     CPU and an h100-80gb card, no GPU engine) and a live `llmgw mirror serve` (its models dir
     under etc/, beside the admin token both check), and an HTTPS hub with a test CA serving
-    the tiny GGUF as hf:org/repo/tiny.gguf."""
+    the tiny GGUF as hf:org/repo/tiny.gguf, named by the host's etc/mirror.env too."""
     root = tmp_path_factory.mktemp("add")
     state = root / "state"
     store = Store(root / "control.db")
@@ -108,6 +110,7 @@ def fleet(tmp_path_factory, tiny_gguf) -> Iterator[Fleet]:
         server_yaml.write_text(server_yaml.read_text() + f"mirror:\n  api: {mirror.api_url}\n"
                                f"  url: {mirror.base}\n")
         hub.url = hub_url
+        (state / "etc" / "mirror.env").write_text(f'HF_ENDPOINT="{hub_url}"\n')
         try:
             yield Fleet(state, store, mirror, hub, ca_path, root / "tmp")
         finally:
@@ -194,6 +197,17 @@ def test_a_file_that_is_not_gguf_is_refused_and_nothing_is_added(fleet, tiny_ggu
     accepted = fleet.llmgw("hf:org/repo/page.gguf", "--name", "page")
     assert accepted.returncode == 0, accepted.stderr
     assert "page" in [m["name"] for m in fleet.store.models()]
+
+
+def test_the_hub_is_the_one_the_hosts_mirror_was_given_unless_the_shell_names_one(
+        fleet) -> None:
+    """With no HF_ENDPOINT in the shell, etc/mirror.env's is used (the live hub); the
+    shell's own wins over it (the control: test_an_unreachable_hub_…, whose dead hub is
+    the shell's while mirror.env names the live one)."""
+    seen = len(fleet.hub.seen)
+    done = fleet.llmgw("hf:org/repo/tiny.gguf", "--name", "tiny-env", hub="")
+    assert done.returncode == 0, done.stderr
+    assert fleet.hub.seen[seen:] == ["/org/repo/resolve/main/tiny.gguf"]
 
 
 def test_an_unreachable_hub_is_one_line_and_nothing_is_added(fleet) -> None:

@@ -5,6 +5,7 @@ before the mirror or the catalog changes."""
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,10 @@ from llmgw.contract.records import NodeView, PublicReplica, ReplicaRecord
 from llmgw.control.scheduler import place
 from llmgw.errors import Error, shown_url
 from llmgw.host.layout import Layout
+from llmgw.host.services import read_environment_file
 from llmgw.mirror import MirrorClient
 from llmgw.mirror._disk import is_name
-from llmgw.mirror._sources import Source
+from llmgw.mirror._sources import HUB_ENV, Source
 from llmgw.model.ggufmeta import catalog_name
 
 # The options that shape a model added from a file (a YAML spec says them itself).
@@ -60,6 +62,7 @@ def default_profiles(gpu_classes: list[str]) -> list[dict[str, Any]]:
 
 
 def add_file(args: argparse.Namespace) -> int:
+    _hub_settings(Layout.for_mode(args.mode, args.state_dir))
     found = resolve(args.file)  # a wrong source is refused here, before any network
     with _admin.admin(args) as admin:
         nodes = _admin.call(admin, admin.nodes)
@@ -80,10 +83,23 @@ def add_file(args: argparse.Namespace) -> int:
             added = _admin.call(admin, lambda: admin.add_model(spec))
         except Error as e:
             raise type(e)(f"{e} (the file stays in the mirror as {spec['name']}/{version}: "
-                          "the same command again adds it without fetching it again)") from None
+                          "the same command again adds it, and does not upload it again)") from None
     for line in _said(added, file, f"{spec['name']}/{version}", nodes, replicas, catalog):
         print(line)
     return 0
+
+
+def _hub_settings(layout: Layout) -> None:
+    """The hub's variables (HF_ENDPOINT, HF_TOKEN, proxies) the host's mirror was given
+    (etc/mirror.env), for those this shell does not set: the command fetches from the hub
+    the mirror would. An unreadable file (another user's, 0600) gives none."""
+    try:
+        held = read_environment_file(layout.etc / "mirror.env")
+    except (OSError, Error):
+        return
+    for key in HUB_ENV:
+        if held.get(key):
+            os.environ.setdefault(key, held[key])
 
 
 def _mirror(args: argparse.Namespace) -> MirrorClient:
