@@ -41,10 +41,6 @@ _CHUNK = 1 << 20
 Progress = Callable[[int], None]
 
 
-class NotGGUF(Error):
-    """The file is not a GGUF model file."""
-
-
 @dataclass(frozen=True)
 class ModelFile:
     """A GGUF model file on this machine, and what its header and bytes say."""
@@ -93,7 +89,7 @@ def resolve(spec: str) -> Source | Path:
 
 
 def read_local(path: Path, shown: str = "") -> ModelFile:
-    """The file's digest, size and header; NotGGUF (one line) when it is not a GGUF model."""
+    """The file's digest, size and header; GGUFError (one line) when it is not a GGUF model."""
     shown = shown or str(path)
     try:
         size = path.stat().st_size
@@ -105,7 +101,7 @@ def read_local(path: Path, shown: str = "") -> ModelFile:
     except OSError as e:
         raise Error(f"cannot read {path}: {e.strerror}; check its permissions") from None
     except GGUFError as e:
-        raise NotGGUF(f"{shown} is not a GGUF model file ({e}); llama.cpp serves GGUF only: "
+        raise GGUFError(f"{shown} is not a GGUF model file ({e}); llama.cpp serves GGUF only: "
                       "convert it, or pick the repo's .gguf file") from None
     return ModelFile(path, shown, _sha256(path), size, name, found)
 
@@ -158,7 +154,7 @@ def _write(source: Source, chunks: Iterator[bytes], path: Path, say: Progress,
                 if len(head) < len(MAGIC):
                     head += chunk[: len(MAGIC) - len(head)]
                     if len(head) == len(MAGIC) and head != MAGIC:
-                        raise NotGGUF(f"{shown} is not a GGUF model file: it starts with "
+                        raise GGUFError(f"{shown} is not a GGUF model file: it starts with "
                                       f"{head!r}, not {MAGIC!r}; pick the repo's .gguf file")
                 out.write(chunk)
                 h.update(chunk)
@@ -168,7 +164,7 @@ def _write(source: Source, chunks: Iterator[bytes], path: Path, say: Progress,
         raise Error(f"the download of {shown} broke at byte {got} ({_one_line(e)}); run the "
                     "command again") from None
     if head != MAGIC:
-        raise NotGGUF(f"{shown} is not a GGUF model file: it holds {got} bytes, too few for "
+        raise GGUFError(f"{shown} is not a GGUF model file: it holds {got} bytes, too few for "
                       "a header; pick the repo's .gguf file")
     if total is not None and got != total:
         raise Error(f"the download of {shown} stopped at byte {got} of {total}; run the "
