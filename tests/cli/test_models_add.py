@@ -225,6 +225,7 @@ def test_an_unreachable_hub_is_one_line_and_nothing_is_added(fleet) -> None:
     ("hf:org/repo/README.md", "not a .gguf file"),
     ("s3://bucket/tiny.gguf", "a scheme llmgw does not fetch"),
     ("file://host/tiny.gguf", "file:///ABSOLUTE/PATH"),
+    ("/nonexistent/tiny.gguf", "does not exist"),
 ])
 def test_a_wrong_source_is_refused_before_any_network(fleet, tmp_path, source, says) -> None:
     """Refused in one line (exit 1) with no request to the hub, and even with a control

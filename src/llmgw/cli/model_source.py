@@ -88,22 +88,35 @@ def resolve(spec: str) -> Source | Path:
     return Path(spec)
 
 
-def read_local(path: Path, shown: str = "") -> ModelFile:
-    """The file's digest, size and header; GGUFError (one line) when it is not a GGUF model."""
+def read_header(path: Path, shown: str = "") -> tuple[int, str, Geometry]:
+    """(size, general.name, KV geometry) of a local file, without reading it all; Error (one
+    line) when it is missing or unreadable, GGUFError when it is not a GGUF model."""
     shown = shown or str(path)
     try:
         size = path.stat().st_size
         if not path.is_file():
             raise Error(f"{path} is not a file; give a .gguf model file")
-        name, found = general_name(path), geometry(path)
+        with path.open("rb") as f:
+            head = f.read(len(MAGIC))
+        if head != MAGIC:
+            raise GGUFError(f"{shown} is not a GGUF model file: it starts with {head!r}, not "
+                            f"{MAGIC!r}; llama.cpp serves GGUF only: convert it, or pick the "
+                            "repo's .gguf file")
+        return size, general_name(path), geometry(path)
     except FileNotFoundError:
         raise Error(f"{path} does not exist; give the path of a .gguf model file") from None
     except OSError as e:
         raise Error(f"cannot read {path}: {e.strerror}; check its permissions") from None
     except GGUFError as e:
-        raise GGUFError(f"{shown} is not a GGUF model file ({e}); llama.cpp serves GGUF only: "
-                      "convert it, or pick the repo's .gguf file") from None
-    return ModelFile(path, shown, _sha256(path), size, name, found)
+        if str(e).startswith(shown):
+            raise
+        raise GGUFError(f"{shown} is not a GGUF file llmgw can read: {e}") from None
+
+
+def read_local(path: Path, shown: str = "") -> ModelFile:
+    """read_header's facts and the file's sha256."""
+    size, name, found = read_header(path, shown)
+    return ModelFile(path, shown or str(path), _sha256(path), size, name, found)
 
 
 def download(source: Source, into: Path, progress: Callable[[int | None], Progress], *,

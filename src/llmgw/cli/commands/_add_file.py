@@ -14,7 +14,14 @@ from pydantic import ValidationError
 
 from llmgw.cli.clients import mirror_client
 from llmgw.cli.commands import _admin
-from llmgw.cli.model_source import ModelFile, download, progress_lines, read_local, resolve
+from llmgw.cli.model_source import (
+    ModelFile,
+    download,
+    progress_lines,
+    read_header,
+    read_local,
+    resolve,
+)
 from llmgw.contract.catalog import CATALOG_MODEL, ModelSpec, names
 from llmgw.contract.explain import problems
 from llmgw.contract.records import NodeView, PublicReplica, ReplicaRecord
@@ -64,6 +71,8 @@ def default_profiles(gpu_classes: list[str]) -> list[dict[str, Any]]:
 def add_file(args: argparse.Namespace) -> int:
     _hub_settings(Layout.for_mode(args.mode, args.state_dir))
     found = resolve(args.file)  # a wrong source is refused here, before any network
+    if isinstance(found, Path):
+        read_header(found)  # and a local file that is not GGUF
     with _admin.admin(args) as admin:
         nodes = _admin.call(admin, admin.nodes)
         catalog = _admin.call(admin, admin.models)
