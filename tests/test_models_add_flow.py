@@ -1,6 +1,6 @@
 """Adding a model is one command: on a host `pytest provision/ --no-starter` made (mirror,
 control plane, gateway, a node with the real llama.cpp engine, no model), `llmgw models
-add FILE.gguf` puts the file in the mirror and the catalog, and the model answers its first
+add URL` puts the file in the mirror and the catalog, and the model answers its first
 request through the gateway; a bad source is refused in one line and changes nothing."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from llmgw_harness.starter import ask
@@ -37,17 +38,16 @@ def held(host: ThrowawayHost) -> tuple[list, list]:
     """The catalog's names and the mirror's model versions."""
     with host.admin() as admin:
         names = [m["name"] for m in admin.models()]
-    import httpx
-
     mirror = httpx.get(f"{host.mirror_api_url}/api/v1/models", headers=host.auth, timeout=10)
     return names, mirror.json()
 
 
-def test_one_command_adds_a_gguf_file_and_it_answers_its_first_request(host, tiny_gguf,
-                                                                       tmp_path) -> None:
+def test_one_command_adds_a_gguf_url_and_it_answers_its_first_request(host, served_gguf,
+                                                                      tmp_path) -> None:
     """A bad source first (a file that is not GGUF): one line, catalog and mirror as they
-    were. Then the file: added, and its first chat completion through the gateway is 200.
-    (Default min 1: loading a model at min 0 on its first request is not on this branch.)"""
+    were. Then the tiny GGUF's URL (loopback http): added, and its first chat completion
+    through the gateway is 200. (Default min 1: loading a model at min 0 on its first
+    request is not on this branch.)"""
     before = held(host)
     bad = tmp_path / "notes.gguf"
     bad.write_text("these are not weights\n")
@@ -56,7 +56,7 @@ def test_one_command_adds_a_gguf_file_and_it_answers_its_first_request(host, tin
     assert "is not a GGUF model file" in refused.stderr
     assert held(host) == before and before[0] == []
 
-    done = llmgw(host, "models", "add", str(tiny_gguf[0]), "--name", "added",
+    done = llmgw(host, "models", "add", served_gguf[0], "--name", "added",
                  "--alias", "added-chat")
     assert done.returncode == 0, done.stderr
     assert "runs on " in done.stdout and "profile cpu" in done.stdout, done.stdout
@@ -71,4 +71,6 @@ def test_one_command_adds_a_gguf_file_and_it_answers_its_first_request(host, tin
         assert time.monotonic() < deadline, f"added-chat never answered; last: {last}"
         time.sleep(1)
     assert answer
-    assert held(host)[0] == ["added"]
+    names, mirror = held(host)
+    assert names == ["added"]
+    assert [v["status"]["sha256"] for v in mirror if v["model"] == "added"] == [served_gguf[1]]

@@ -268,3 +268,27 @@ def test_a_yaml_spec_still_adds_as_before_and_takes_no_file_options(fleet, tmp_p
     done = fleet.llmgw(str(spec))
     assert done.returncode == 0 and done.stdout == \
         "added from-yaml; `llmgw status` shows its replicas come up\n", done
+
+
+def test_a_mirror_that_does_not_answer_is_said_before_anything_is_fetched(
+        fleet, tmp_path) -> None:
+    """The same host's admin API and token, its mirror.api a dead port: one line naming the
+    mirror, no request to the hub, the catalog as it was. Control: the fleet's own state
+    dir, whose mirror answers, adds (test_a_hub_file_…)."""
+    state = tmp_path / "state"
+    (state / "etc").mkdir(parents=True)
+    server_yaml = (fleet.state / "etc" / "server.yaml").read_text()
+    dead = f"http://127.0.0.1:{free_port()}"
+    (state / "etc" / "server.yaml").write_text(server_yaml.replace(fleet.mirror.api_url, dead))
+    for name in (admin_token.TOKEN_FILE, "mirror.env"):
+        (state / "etc" / name).write_bytes((fleet.state / "etc" / name).read_bytes())
+    (state / "etc" / admin_token.TOKEN_FILE).chmod(0o600)
+    before, seen = fleet.store.models(), len(fleet.hub.seen)
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw", "models", "add", "hf:org/repo/tiny.gguf", "--name",
+         "no-mirror", "--mode=local", f"--state-dir={state}"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "SSL_CERT_FILE": str(fleet.ca), "TMPDIR": str(fleet.tmp)})
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert f"the mirror does not answer at {dead}" in done.stderr
+    assert fleet.store.models() == before and len(fleet.hub.seen) == seen

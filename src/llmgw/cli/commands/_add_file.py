@@ -26,7 +26,7 @@ from llmgw.contract.catalog import CATALOG_MODEL, ModelSpec, names
 from llmgw.contract.explain import problems
 from llmgw.contract.records import NodeView, PublicReplica, ReplicaRecord
 from llmgw.control.scheduler import place
-from llmgw.errors import Error, shown_url
+from llmgw.errors import Error, Unreachable, shown_url
 from llmgw.host.layout import Layout
 from llmgw.host.services import read_environment_file
 from llmgw.mirror import MirrorClient
@@ -91,8 +91,9 @@ def add_file(args: argparse.Namespace) -> int:
         try:
             added = _admin.call(admin, lambda: admin.add_model(spec))
         except Error as e:
-            raise type(e)(f"{e} (the file stays in the mirror as {spec['name']}/{version}: "
-                          "the same command again adds it, and does not upload it again)") from None
+            kind = Unreachable if isinstance(e, Unreachable) else Error
+            raise kind(f"{e} (the file stays in the mirror as {spec['name']}/{version}: the "
+                       "same command again adds it, and does not upload it again)") from None
     for line in _said(added, file, f"{spec['name']}/{version}", nodes, replicas, catalog):
         print(line)
     return 0
@@ -112,7 +113,8 @@ def _hub_settings(layout: Layout) -> None:
 
 
 def _mirror(args: argparse.Namespace) -> MirrorClient:
-    """This host's mirror, answering; Unreachable (exit 3) before anything is fetched."""
+    """This host's mirror, answering: one that does not is said before anything is
+    fetched."""
     mirror = mirror_client(Layout.for_mode(args.mode, args.state_dir), timeout=30.0)
     try:
         mirror.health()
