@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -47,11 +47,13 @@ class MirrorClient(JSONClient):
 
 
     def upload(
-        self, path: Path, *, model: str, version: str, sha256: str | None = None
+        self, path: Path, *, model: str, version: str, sha256: str | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> MirrorVersion:
         """Send a local file into the mirror as model/version, streamed; the mirror checks its
         sha256 (computed here unless given) before serving it. An interrupted upload goes on
-        from the bytes the mirror kept. Returns the model version once present."""
+        from the bytes the mirror kept. Returns the model version once present. progress,
+        when given, is called with the bytes of the file sent so far after each chunk."""
         path = Path(path)
         digest = (sha256 or file_sha256(path)).lower()
         size = path.stat().st_size
@@ -60,7 +62,7 @@ class MirrorClient(JSONClient):
             if offset is None:
                 return self.status(model, version)
             try:
-                done = self._put(path, model, version, size, digest, offset)
+                done = self._put(path, model, version, size, digest, offset, progress=progress)
             except MirrorError as e:
                 if e.status is not None:
                     raise
@@ -100,10 +102,10 @@ class MirrorClient(JSONClient):
 
     def _put(
         self, path: Path, model: str, version: str, size: int, digest: str, offset: int,
-        *, empty: bool = False,
+        *, empty: bool = False, progress: Callable[[int], None] | None = None,
     ) -> MirrorVersion:
         params = {"size": size, "sha256": digest, "offset": offset}
-        body = b"" if empty else _chunks(path, offset)
+        body = b"" if empty else _chunks(path, offset, progress)
         timeout = httpx.Timeout(self.timeout, read=max(self.timeout, UPLOAD_READ_TIMEOUT_S))
         return self._call("PUT", f"/api/v1/import/{model}/{version}/{path.name}",
                           params=params, content=body, timeout=timeout)
@@ -117,8 +119,11 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _chunks(path: Path, offset: int) -> Iterator[bytes]:
+def _chunks(path: Path, offset: int,
+            progress: Callable[[int], None] | None = None) -> Iterator[bytes]:
     with path.open("rb") as f:
         f.seek(offset)
         while chunk := f.read(_CHUNK):
             yield chunk
+            if progress is not None:
+                progress(f.tell())
