@@ -22,7 +22,7 @@ from llmgw.cli.model_source import (
     read_local,
     resolve,
 )
-from llmgw.contract.catalog import CATALOG_MODEL, ModelSpec, names
+from llmgw.contract.catalog import CATALOG_MODEL, ModelSpec, default_profiles, names
 from llmgw.contract.explain import problems
 from llmgw.contract.records import NodeView, PublicReplica, ReplicaRecord
 from llmgw.control.scheduler import place
@@ -53,19 +53,6 @@ def add_file_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle", type=int, default=None, metavar="SECONDS",
                    help="scaling.idle_s: how long a replica above --min may go without a "
                         "request before it is removed (sent only when given)")
-
-
-def default_profiles(gpu_classes: list[str]) -> list[dict[str, Any]]:
-    """The starter's profiles, without its pin to the control plane's machine: one per GPU
-    class, then CPU."""
-    profiles = [
-        {"name": f"gpu-{c}", "engine": "llamacpp", "gpu_class": c, "priority": 200,
-         "min_memory_gb": 2, "args": ["--ctx-size", "32768"]}
-        for c in gpu_classes
-    ]
-    profiles.append({"name": "cpu", "engine": "llamacpp", "priority": 100, "min_memory_gb": 2,
-                     "args": ["--ctx-size", "16384"]})
-    return profiles
 
 
 def add_file(args: argparse.Namespace) -> int:
