@@ -95,4 +95,5 @@ def _split_args(given: list[str], weights: Path, uuids: Sequence[str],
     layers = "/".join(str(s.layers) for s in split.shares)
     return Sized(split.args(given),
                  f"split over {len(uuids)} GPUs ({layers} layers, the output on the last), "
-                 f"{split.slots} slots of {split.ctx_per_slot} tokens")
+                 f"{split.slots} slot{'s' if split.slots != 1 else ''} of "
+                 f"{split.ctx_per_slot} tokens")
