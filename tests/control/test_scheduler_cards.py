@@ -232,3 +232,16 @@ def test_a_row_stored_before_profiles_said_gpus_takes_one_card() -> None:
     del m["profiles"][0]["gpus"]
     assert gpus_of(m, four()) == []
     assert GIB == kv_sizing.GIB
+
+
+def test_a_profiles_own_tensor_split_takes_as_many_cards_as_it_names() -> None:
+    """A 10 GB model one card holds, with gpus: 2 and --tensor-split 1,1: two cards (the
+    flag would mean nothing on one). Control: without the flag, one card."""
+    own = split_model(10 * GB, gpus=2, args=["--tensor-split", "1,1"])
+    assert gpus_of(own, four()) == ["GPU-0", "GPU-1"]
+    assert gpus_of(split_model(10 * GB, gpus=2), four()) == ["GPU-0"]
+    # With one free card only, it waits, saying why.
+    taken = [replica(f"r-{i}", "a", model="o", profile=f"gpu-{CLASS}", gpus=[f"GPU-{i}"])
+             for i in range(3)]
+    where = place(own, [node("a", gpus=four())], taken, {"big": own, "o": split_model(1)})
+    assert where.gpus == [] and "has 1 free rtx-4090-24gb GPU(s)" in where.why, where.why

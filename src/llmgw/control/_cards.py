@@ -46,14 +46,17 @@ def roomiest(cards: list[Gpu], k: int) -> list[Gpu]:
 
 def fit(model: ModelSpec, profile: ProfileSpec, node_id: str, cards: list[Gpu],
         others: list[str]) -> tuple[list[str], str]:
-    """(the UUIDs, in the node's order, of the fewest free cards from two up to the
-    profile's gpus that one replica fits over, the roomiest preferred, ''), or ([], why:
+    """(the UUIDs, in the node's order, of the fewest free cards from two (or as many as
+    the profile's own --tensor-split names) up to the profile's gpus that one replica fits
+    over, the roomiest preferred, ''), or ([], why:
     each of the roomiest cards' free memory against its share, and the cards not free).
     One card is the scheduler's to try first: a split is only for what no card holds."""
     most = min(cards_wanted(profile), len(cards))
     if most < 2:
         return [], ""
-    for k in range(2, most + 1):
+    # A profile's own --tensor-split names one proportion a card: that many, no fewer.
+    least = max(2, len(kv_sizing.tensor_split(profile["args"])))
+    for k in range(least, most + 1):
         chosen = roomiest(cards, k)
         sizing = split(model, profile, [free_bytes(g) for g in chosen])
         if sizing is None or sizing.fits():

@@ -165,12 +165,15 @@ def _gpus_for(model: ModelSpec, profile: ProfileSpec, node: NodeView,
     """(the UUIDs of the free cards the model fits on, '') or ([], why none): one card
     when one holds it, else the fewest the profile's gpus allows (control._cards)."""
     gpus, why = _one_card(model, profile, node, used)
-    if gpus or cards_wanted(profile) < 2:
+    # A profile's own --tensor-split names one proportion a card: it takes that many.
+    own = len(kv_sizing.tensor_split(profile["args"]))
+    if (gpus and own < 2) or cards_wanted(profile) < 2:
         return gpus, why
     free = _free_cards(profile, node, used)
     cards = [g for g in free if g.get("memory_mb", 0) >= profile["min_memory_gb"] * 1024]
-    if len(cards) < 2:
-        return gpus, why
+    if len(cards) < max(own, 2):
+        return [], why or (f"{node['id']} has {len(cards)} free {profile['gpu_class']} "
+                           f"GPU(s), and {profile['name']}'s --tensor-split names {own}")
     others = [_card_state(g, used) for g in node["gpus"] if g.get("class") ==
               profile["gpu_class"] and not any(g is c for c in free)]
     split, too_small = _cards.fit(model, profile, node["id"], cards, others)
