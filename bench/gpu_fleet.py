@@ -27,8 +27,8 @@ In one call of at most ten minutes, on a machine that reaches no network:
    same file comes back as `split-check`, its GPU profile with `gpus: 2` and
    `--tensor-split 1,1` (which takes two cards even where one holds it); once ready, its
    engine's command line and CUDA_VISIBLE_DEVICES (/proc) must name the replica's two
-   cards with --split-mode layer, and on a GPU its loader's lines a model buffer on each
-   CUDA device (goal: all of it); its tokens/s at 1 stream, as information.
+   cards with --split-mode layer, and on a GPU NVML must show it holding memory on each
+   of them (goal: all of it); its tokens/s at 1 stream, as information.
 
 Each step is written to OUT/fleet.json as it ends (a run cut off still says how far it
 got); the last line printed is the whole result, also OUT/gpu-check.json. OUT gets at
@@ -356,8 +356,8 @@ def split_spec(starter: dict[str, Any]) -> dict[str, Any]:
                           "args": [*profile.get("args", []), "--tensor-split", "1,1"]}]}
 
 
-def split_over_two(host: ThrowawayHost, gpu_check: ModuleType, dry_run: bool,
-                   limit_s: float, seconds: float) -> dict[str, Any]:
+def split_over_two(host: ThrowawayHost, dry_run: bool, limit_s: float,
+                   seconds: float) -> dict[str, Any]:
     """Step 7: the starter's file split over two cards; what its engine was given and
     what its loader says it put where (module docstring)."""
     admin, auth = f"{host.admin_url}/api/v1", host.auth
@@ -377,14 +377,11 @@ def split_over_two(host: ThrowawayHost, gpu_check: ModuleType, dry_run: bool,
     replica = ready_replica(host, SPLIT_MODEL)
     gpus = json.loads(replica["gpus"] or "[]")
     pid, argv = engine_argv(int(replica["endpoint"].rsplit(":", 1)[1]))
-    logged = httpx.get(f"{admin}/replicas/{replica['id']}/logs", params={"n": 400},
-                       headers=auth, timeout=10).json()
-    loaded = gpu_check.offload("\n".join(logged.get("lines", [])))
     found = {"gpus": gpus, "cuda_visible_devices": engine_env(pid, "CUDA_VISIBLE_DEVICES"),
              "split_mode": flag(argv, "--split-mode", "-sm"),
              "tensor_split": flag(argv, "--tensor-split", "-ts"),
-             "device_flag": flag(argv, "--device", "-dev"), **loaded,
-             "gpu_memory_mib": gpu_memory_mib([pid])}
+             "device_flag": flag(argv, "--device", "-dev"),
+             "held_mib_by_card": gpu_memory_by_card(pid)}
     side = Side("split", replica["endpoint"], replica["api_key"])
     found["tokens_per_s_1"] = throughput(side, body(SPLIT_MODEL), 1, seconds).get(
         "tokens_per_s")
@@ -393,11 +390,11 @@ def split_over_two(host: ThrowawayHost, gpu_check: ModuleType, dry_run: bool,
 
 
 def split_ok(found: dict[str, Any], dry_run: bool) -> bool:
-    """The engine on the replica's two cards, split layer-wise 1:1; on a GPU, a model
-    buffer on each CUDA device (a CPU build, in the rehearsal, prints none)."""
+    """The engine on the replica's two cards, split layer-wise 1:1; on a GPU, NVML has it
+    holding memory on each of the two (the rehearsal's CPU engine holds none)."""
     gpus = found.get("gpus") or []
-    on_both = {"cuda0", "cuda1"} <= {d for per in (found.get("buffers_mib") or {}).values()
-                                     for d in per}
+    held = found.get("held_mib_by_card") or {}
+    on_both = len(gpus) == 2 and all(held.get(u, 0) > 0 for u in gpus)
     return len(gpus) == 2 and found.get("cuda_visible_devices") == ",".join(gpus) \
         and found.get("split_mode") == "layer" and found.get("tensor_split") == "1,1" \
         and (dry_run or on_both)
@@ -446,6 +443,29 @@ def gpu_memory_mib(pids: list[int]) -> dict[str, int] | None:
                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
                     if p.pid in pids and p.usedGpuMemory is not None:
                         held[str(p.pid)] = int(p.usedGpuMemory) >> 20
+            return held
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - the stand-in and old drivers have no process list
+        return None
+
+
+def gpu_memory_by_card(pid: int) -> dict[str, int] | None:
+    """The GPU memory NVML says pid holds on each card, by UUID (None where NVML cannot
+    say)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            held: dict[str, int] = {}
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                uuid = pynvml.nvmlDeviceGetUUID(h)
+                uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                    if p.pid == pid and p.usedGpuMemory is not None:
+                        held[uuid] = int(p.usedGpuMemory) >> 20
             return held
         finally:
             pynvml.nvmlShutdown()
@@ -606,7 +626,7 @@ def run(args: argparse.Namespace, report: Report, host: ThrowawayHost, model: Pa
             proc.kill()
     if len(report.data.get("nvml", {}).get("gpus", [])) >= 2 \
             and report.left_s(args.budget_s) > 90:
-        report.step("split", split_over_two(host, gpu_check, bool(args.dry_run),
+        report.step("split", split_over_two(host, bool(args.dry_run),
                                             min(120.0, report.left_s(args.budget_s) - 40),
                                             args.seconds))
     return finish(report, 0)
