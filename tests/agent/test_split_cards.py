@@ -125,3 +125,39 @@ def test_all_cards_together_too_small_is_said_card_by_card(
             and r["state"] != "stopped"), 30)
         placed = [r for r in c.store.replicas() if r["node"]]
         assert placed[-1]["gpus"] == [CARD.format(0), CARD.format(1)]
+
+
+@pytest.mark.parametrize("filled", [True, False], ids=["card 0 filled", "control: not filled"])
+def test_a_split_whose_card_fills_at_run_time_moves_to_cards_that_fit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llama_server: str,
+        served_gguf: tuple[str, str], filled: bool) -> None:
+    """The replica runs on cards 0 and 1; its engine dies, and meanwhile another process
+    fills card 0 (500 MiB left, less than its share's margin). Each start is refused for
+    want of memory, naming each card; after GPU_START_ATTEMPTS the node gives the
+    placement up and the model is placed again on cards 2 and 3, where it becomes ready.
+    Control: card 0 left as it was, the engine is started again on cards 0 and 1."""
+    state = tmp_path / "nvml.json"
+    monkeypatch.setenv("LLMGW_STANDIN_NVML_STATE", str(state))
+    engine, starts = standin_cuda_server(tmp_path / "cuda", real=llama_server, card=RTX_4090)
+    spec = split_spec(*served_gguf, gb=40, gpus="auto", cpu=False)
+    with cluster(tmp_path, monkeypatch, llama_server, served_gguf, cuda_server=engine,
+                 starts=starts, cards=FOUR_24GB, spec=spec) as c:
+        c.until("the split replica to be ready", lambda: c.live() == [("gpu", "ready")], 90)
+        (first,) = c.store.replicas()
+        assert first["gpus"] == [CARD.format(0), CARD.format(1)]
+        if filled:
+            state.write_text(json.dumps({"used_mib": {"0": 24_064}}))
+        c.supervisor.replicas[first["id"]].proc.kill()  # type: ignore[union-attr]
+        c.until("a split replica ready after the engine died", lambda: len(launched(starts))
+                > 1 and [s for _, s in c.live()] == ["ready"], 120)
+        (now,) = [r for r in c.store.replicas() if r["state"] != "stopped"]
+        last = launched(starts)[-1]
+        if not filled:
+            assert now["id"] == first["id"] and last["cuda"] == ",".join(first["gpus"])
+            return
+        (gone,) = [r for r in c.store.replicas() if r["state"] == "stopped"]
+        assert gone["id"] == first["id"] and "after 3 failed starts" in gone["err"]
+        assert f"{CARD.format(0)} has 0.5 GiB free; its share (" in gone["err"], gone["err"]
+        assert now["gpus"] == [CARD.format(2), CARD.format(3)]
+        assert last["cuda"] == f"{CARD.format(2)},{CARD.format(3)}"
+        assert len(launched(starts)) == 2, "refused starts never launched the engine"
