@@ -332,35 +332,52 @@ def size_split(geometry: Geometry, weights: int, frees: list[int],
     proportions: tuple[int | float, ...] = tuple(tensor_split(args)[:len(frees)])
     if len(proportions) != len(frees) or not any(proportions):
         proportions = tuple(room(geometry, f, args) for f in frees)
-    units = layer_units([float(p) for p in proportions], layers + 1)
+    cut = _Cut(geometry, weights, frees, args,
+               layer_units([float(p) for p in proportions], layers + 1), per_token / layers)
     if not sized(args):
-        ctx = max((_positive(arg_value(args, CTX_FLAGS)) or geometry.get("context_length", 0)
-                   or DEFAULT_CTX_PER_SLOT) // (_positive(arg_value(args, PARALLEL_FLAGS)) or 1), 1)
         slots = _positive(arg_value(args, PARALLEL_FLAGS)) or 1
-        shares = _shares(geometry, weights, frees, args, units, per_token / layers, ctx, slots)
+        total = _positive(arg_value(args, CTX_FLAGS)) or geometry.get("context_length", 0) \
+            or DEFAULT_CTX_PER_SLOT
+        ctx = max(total // slots, 1)
+        shares = cut.shares(ctx, slots)
         fits = all(s.total <= s.free for s in shares)
         return Split(slots if fits else 0, ctx, slots * ctx, shares, proportions, sized=False)
     ctx = ctx_wanted(geometry, args)
-    one = _shares(geometry, weights, frees, args, units, per_token / layers, ctx, 1)
-    slots = MAX_SLOTS
-    for share in one:
-        left = share.free - share.weights - share.compute - share.margin
-        slots = min(slots, int(left // share.kv) if share.kv else (MAX_SLOTS if left >= 0 else 0))
-    slots = max(slots, 0)
-    shares = one if slots <= 1 else _shares(geometry, weights, frees, args, units,
-                                            per_token / layers, ctx, slots)
-    return Split(slots, ctx, max(slots, 1) * ctx, shares, proportions)
+    one = cut.shares(ctx, 1)
+    slots = max(0, min(_slots_held(share) for share in one))
+    return Split(slots, ctx, max(slots, 1) * ctx,
+                 one if slots <= 1 else cut.shares(ctx, slots), proportions)
 
 
-def _shares(geometry: Geometry, weights: int, frees: list[int], args: list[str],
-            units: list[int], per_layer_token: float, ctx: int, slots: int) -> tuple[Share, ...]:
-    """Each card's share for units (the last card with any holds the output layer)."""
-    total_units = sum(units)
-    last = max(i for i, n in enumerate(units) if n) if total_units else -1
-    compute = compute_bytes(geometry, ctx, args)
-    shares = []
-    for i, (free, n) in enumerate(zip(frees, units, strict=True)):
-        repeating = n - (1 if i == last else 0)
-        shares.append(Share(free, repeating, i == last, weights * n // max(total_units, 1),
-                            int(per_layer_token * repeating * ctx * slots), compute))
-    return tuple(shares)
+def _slots_held(share: Share) -> int:
+    """How many slots (at most MAX_SLOTS) a card holds its share of; share is for one."""
+    left = share.free - share.weights - share.compute - share.margin
+    if not share.kv:
+        return MAX_SLOTS if left >= 0 else 0
+    return min(MAX_SLOTS, int(left // share.kv))
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A model cut over cards: their free bytes and the units (layer_units) each holds."""
+
+    geometry: Geometry
+    weights: int
+    frees: list[int]
+    args: list[str]
+    units: list[int]
+    per_layer_token: float
+
+    def shares(self, ctx: int, slots: int) -> tuple[Share, ...]:
+        """Each card's share with slots of ctx tokens (the last card with any units holds
+        the output layer, which has no KV cache)."""
+        total_units = sum(self.units)
+        last = max((i for i, n in enumerate(self.units) if n), default=-1)
+        compute = compute_bytes(self.geometry, ctx, self.args)
+        shares = []
+        for i, (free, n) in enumerate(zip(self.frees, self.units, strict=True)):
+            repeating = n - 1 if i == last else n
+            shares.append(Share(free, repeating, i == last,
+                                self.weights * n // max(total_units, 1),
+                                int(self.per_layer_token * repeating * ctx * slots), compute))
+        return tuple(shares)
