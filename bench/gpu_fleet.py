@@ -23,6 +23,12 @@ In one call of at most ten minutes, on a machine that reaches no network:
    against llama-server's default slots (the same command line without --parallel, on
    the same card, at --log-verbosity 4 so its loader says what it offloaded), 32 streams
    each in alternating rounds (goal >= 3x).
+7. Where NVML lists two GPUs or more: the split. The starter leaves the catalog and the
+   same file comes back as `split-check`, its GPU profile with `gpus: 2` and
+   `--tensor-split 1,1` (which takes two cards even where one holds it); once ready, its
+   engine's command line and CUDA_VISIBLE_DEVICES (/proc) must name the replica's two
+   cards with --split-mode layer, and on a GPU NVML must show it holding memory on each
+   of them (goal: all of it); its tokens/s at 1 stream, as information.
 
 Each step is written to OUT/fleet.json as it ends (a run cut off still says how far it
 got); the last line printed is the whole result, also OUT/gpu-check.json. OUT gets at
@@ -30,7 +36,7 @@ most 8 files: fleet.json, gpu-check.json, provision.log, agent.log, cuda-build.l
 default-slots.log, nvml.json.
 
 --dry-run ENGINE rehearses all of it on a machine without a GPU: the stand-in NVML
-(tests/standin_nvml, one H200 on a CUDA 13.0 driver), provision with --engine-cuda off,
+(tests/standin_nvml, two H200s on a CUDA 13.0 driver), provision with --engine-cuda off,
 then engine.cuda_server set to a wrapper of the CPU llama-server ENGINE (it drops the GPU
 flags) and the agent restarted: the same move, load and measurements, on CPU.
 """
@@ -72,7 +78,9 @@ from tests.loadgen import one_request  # noqa: E402
 from tests.standin_cuda_server import H200, standin_cuda_server  # noqa: E402
 
 STANDIN = ROOT / "tests" / "standin_nvml"
-STANDIN_H200 = "NVIDIA H200:143771:9.0"
+# Two cards, so the rehearsal takes the split step too.
+STANDIN_H200 = "NVIDIA H200:143771:9.0;NVIDIA H200:143771:9.0"
+SPLIT_MODEL = "split-check"
 MOVE_CLIENTS = 8
 AFTER_MOVE = 5
 # The engine states after the build, when the clients start: streams beside the build
@@ -300,15 +308,17 @@ def move_under_load(host: ThrowawayHost, model: str, limit_s: float) -> dict[str
 
 # --- the replica and its engine ---
 
-def ready_replica(host: ThrowawayHost) -> dict[str, Any]:
-    """The ready GPU replica's row (endpoint, its own key), read-only from the store."""
+def ready_replica(host: ThrowawayHost, model: str = "") -> dict[str, Any]:
+    """The ready GPU replica's row (of model, where given: endpoint, its own key, its
+    GPUs), read-only from the store."""
     config = load_server(Layout.for_mode("local", host.state_dir).server_yaml)
     db_path = Path(config.state_dir) / "control.db"
     with sqlite3.connect(f"file:{db_path}?mode=ro", uri=True) as db:
         db.row_factory = sqlite3.Row
         rows = [dict(r) for r in db.execute(
-            "SELECT id, model, profile, endpoint, api_key FROM replicas WHERE state = 'ready'")]
-    gpu = [r for r in rows if r["profile"].startswith("gpu")]
+            "SELECT id, model, profile, endpoint, api_key, gpus FROM replicas "
+            "WHERE state = 'ready'")]
+    gpu = [r for r in rows if r["profile"].startswith("gpu") and model in ("", r["model"])]
     if not gpu:
         raise RuntimeError(f"no ready GPU replica in the store: {rows}")
     return gpu[0]
@@ -327,6 +337,67 @@ def engine_argv(port: int) -> tuple[int, list[str]]:
         if argv and Path(argv[0]).name == "llama-server" and flag(argv, "--port") == str(port):
             return int(proc.name), argv
     raise RuntimeError(f"no llama-server with --port {port} among this machine's processes")
+
+
+def engine_env(pid: int, name: str) -> str | None:
+    """One variable of a process's environment (/proc/PID/environ), None where unset."""
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        key, _, value = entry.decode(errors="replace").partition("=")
+        if key == name:
+            return value
+    return None
+
+
+def split_spec(starter: dict[str, Any]) -> dict[str, Any]:
+    """The starter's file as SPLIT_MODEL: its GPU profile alone, on two cards, 1:1."""
+    profile = next(p for p in starter["profiles"] if p.get("gpu_class"))
+    return {"name": SPLIT_MODEL, "source": starter["source"], "sha256": starter["sha256"],
+            "profiles": [{**profile, "name": "gpu-split", "gpus": 2,
+                          "args": [*profile.get("args", []), "--tensor-split", "1,1"]}]}
+
+
+def split_over_two(host: ThrowawayHost, dry_run: bool, limit_s: float,
+                   seconds: float) -> dict[str, Any]:
+    """Step 7: the starter's file split over two cards; what its engine was given and
+    what its loader says it put where (module docstring)."""
+    admin, auth = f"{host.admin_url}/api/v1", host.auth
+    starter = httpx.get(f"{admin}/models", headers=auth, timeout=10).json()[0]
+    httpx.delete(f"{admin}/models/{starter['name']}", headers=auth, timeout=10)
+    added = httpx.post(f"{admin}/models", headers=auth, json=split_spec(starter), timeout=30)
+    if added.status_code != 201:
+        return {"ok": False, "why": f"adding {SPLIT_MODEL}: {added.status_code} {added.text}"}
+    deadline, mine = time.monotonic() + limit_s, []
+    while time.monotonic() < deadline:
+        mine = [r for r in live_replicas(host) if r["model"] == SPLIT_MODEL]
+        if any(r["state"] == "ready" for r in mine):
+            break
+        time.sleep(0.5)
+    else:
+        return {"ok": False, "why": f"{SPLIT_MODEL} not ready within {limit_s:.0f} s: {mine}"}
+    replica = ready_replica(host, SPLIT_MODEL)
+    gpus = json.loads(replica["gpus"] or "[]")
+    pid, argv = engine_argv(int(replica["endpoint"].rsplit(":", 1)[1]))
+    found = {"gpus": gpus, "cuda_visible_devices": engine_env(pid, "CUDA_VISIBLE_DEVICES"),
+             "split_mode": flag(argv, "--split-mode", "-sm"),
+             "tensor_split": flag(argv, "--tensor-split", "-ts"),
+             "device_flag": flag(argv, "--device", "-dev"),
+             "held_mib_by_card": gpu_memory_by_card(pid)}
+    side = Side("split", replica["endpoint"], replica["api_key"])
+    found["tokens_per_s_1"] = throughput(side, body(SPLIT_MODEL), 1, seconds).get(
+        "tokens_per_s")
+    found["ok"] = split_ok(found, dry_run)
+    return found
+
+
+def split_ok(found: dict[str, Any], dry_run: bool) -> bool:
+    """The engine on the replica's two cards, split layer-wise 1:1; on a GPU, NVML has it
+    holding memory on each of the two (the rehearsal's CPU engine holds none)."""
+    gpus = found.get("gpus") or []
+    held = found.get("held_mib_by_card") or {}
+    on_both = len(gpus) == 2 and all(held.get(u, 0) > 0 for u in gpus)
+    return len(gpus) == 2 and found.get("cuda_visible_devices") == ",".join(gpus) \
+        and found.get("split_mode") == "layer" and found.get("tensor_split") == "1,1" \
+        and (dry_run or on_both)
 
 
 def props(side: Side) -> dict[str, Any]:
@@ -372,6 +443,29 @@ def gpu_memory_mib(pids: list[int]) -> dict[str, int] | None:
                 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
                     if p.pid in pids and p.usedGpuMemory is not None:
                         held[str(p.pid)] = int(p.usedGpuMemory) >> 20
+            return held
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - the stand-in and old drivers have no process list
+        return None
+
+
+def gpu_memory_by_card(pid: int) -> dict[str, int] | None:
+    """The GPU memory NVML says pid holds on each card, by UUID (None where NVML cannot
+    say)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            held: dict[str, int] = {}
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                uuid = pynvml.nvmlDeviceGetUUID(h)
+                uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                    if p.pid == pid and p.usedGpuMemory is not None:
+                        held[uuid] = int(p.usedGpuMemory) >> 20
             return held
         finally:
             pynvml.nvmlShutdown()
@@ -530,6 +624,11 @@ def run(args: argparse.Namespace, report: Report, host: ThrowawayHost, model: Pa
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+    if len(report.data.get("nvml", {}).get("gpus", [])) >= 2 \
+            and report.left_s(args.budget_s) > 90:
+        report.step("split", split_over_two(host, bool(args.dry_run),
+                                            min(120.0, report.left_s(args.budget_s) - 40),
+                                            args.seconds))
     return finish(report, 0)
 
 
@@ -556,11 +655,14 @@ def finish(report: Report, rc: int) -> int:
         "sized_tokens_per_s_32": slots.get("sized_tokens_per_s"),
         "layers_offloaded": d.get("default", {}).get("layers_offloaded"),
         "moved_under_load": move.get("under_load"),
+        "split_gpus": d.get("split", {}).get("gpus"),
+        "split_tokens_per_s_1": d.get("split", {}).get("tokens_per_s_1"),
         "goals": {"no_failed_request": move.get("failed") == 0 and bool(move.get("moved"))
                   and bool(move.get("under_load")),
                   "gateway_ge_0.95": all(r is not None and r >= 0.95
                                          for r in (one.get("ratio"), wide.get("ratio"))),
-                  "sized_ge_3x": (slots.get("ratio") or 0) >= 3},
+                  "sized_ge_3x": (slots.get("ratio") or 0) >= 3,
+                  **({"split_on_2_gpus": bool(d["split"].get("ok"))} if "split" in d else {})},
         "elapsed_s": d.get("elapsed_s"), "rc": rc,
     }
     (report.out / "gpu-check.json").write_text(json.dumps(line) + "\n")

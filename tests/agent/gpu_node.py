@@ -91,18 +91,19 @@ class Cluster:
 @contextlib.contextmanager
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, llama_server: str,
             served_gguf: tuple[str, str], *, cuda_server: Path, starts: Path,
-            cards: str = H100, gpu_start_attempts: int = GPU_START_ATTEMPTS
-            ) -> Iterator[Cluster]:
+            cards: str = H100, gpu_start_attempts: int = GPU_START_ATTEMPTS,
+            spec: dict[str, Any] | None = None) -> Iterator[Cluster]:
     """A control plane on loopback and a GPU node's agent: the stand-in NVML's cards, the
     real llama-server as its CPU engine, cuda_server as its GPU engine (provisioned: its
-    check run), and the model `tiny` (GPU profile first, then CPU) in the catalog. starts:
-    the file where cuda_server writes a line per replica it starts."""
+    check run), and the model `tiny` (GPU profile first, then CPU; spec in its place
+    where given) in the catalog. starts: the file where cuda_server writes a line per
+    replica it starts."""
     ca = pki.create_ca()
     ca.write(tmp_path, "ca")
     pki.issue_server(ca, ["127.0.0.1"]).write(tmp_path, "server")
     cert, key = pki.issue_client(ca, "gpu-node").write(tmp_path, "agent")
     store = Store(tmp_path / "control.db")
-    store.add_model(model_spec(*served_gguf))  # type: ignore[arg-type]
+    store.add_model(spec or model_spec(*served_gguf))  # type: ignore[arg-type]
     server = AgentAPIServer("127.0.0.1", 0, mtls_context(
         str(tmp_path / "ca.pem"), str(tmp_path / "server.pem"),
         str(tmp_path / "server-key.pem")), AgentAPI(store))

@@ -92,3 +92,46 @@ def test_the_supervisor_starts_a_gpu_replica_sized_and_a_cpu_one_with_default_sl
     # Negative control: the CPU profile's replica is not sized (llama-server's 4 slots).
     on_cpu = _started(tmp_path / "cpu", tiny, [], 80_535)
     assert "--parallel" not in on_cpu and on_cpu[on_cpu.index("--ctx-size") + 1] == "1024"
+
+
+# --- a replica over several cards ---
+
+CARD_B = {**CARD, "index": 1, "uuid": "GPU-b", "memory_free_mb": 70_535, "memory_used_mb": 11_024}
+
+
+def test_a_replica_on_two_cards_splits_layers_by_what_each_gives_in_the_uuids_order(
+        tiny: Path) -> None:
+    """Numbered as CUDA_VISIBLE_DEVICES names them (GPU-b first here): --split-mode layer,
+    a --tensor-split of each card's room (10,000 MiB apart, as their free memory is),
+    the slots every card holds its share of."""
+    sized = gpu_args(["--ctx-size", "512"], tiny, ["GPU-b", "GPU-a"], [CARD, CARD_B])
+    args = sized.args
+    assert args[args.index("--split-mode") + 1] == "layer"
+    b, a = (int(v) for v in args[args.index("--tensor-split") + 1].split(","))
+    assert a - b == 10_000 and a < 80_535 - 1024
+    assert args[args.index("--parallel") + 1] == "64" and "-c" not in args
+    assert sized.note.startswith("split over 2 GPUs (")
+    # Negative control: one card is not split.
+    assert "--split-mode" not in gpu_args(["--ctx-size", "512"], tiny, ["GPU-a"], [CARD]).args
+
+
+def test_a_profiles_own_split_flags_win_and_an_unread_card_leaves_llama_cpp_to_split(
+        tiny: Path) -> None:
+    own = ["--tensor-split", "1,3", "--split-mode", "layer", "-c", "512"]
+    args = gpu_args(own, tiny, ["GPU-a", "GPU-b"], [CARD, CARD_B]).args
+    assert args.count("--tensor-split") == 1 and args[args.index("--tensor-split") + 1] == "1,3"
+    assert args.count("--split-mode") == 1
+    lost = {**CARD_B, "error": "GPU is lost", "memory_free_mb": 0}
+    plain = gpu_args(["-c", "512"], tiny, ["GPU-a", "GPU-b"], [CARD, lost])
+    assert plain.args == ["-c", "512", "--split-mode", "layer"]
+    assert "llama.cpp splits them by their free memory" in plain.note
+
+
+def test_a_split_whose_card_filled_since_the_placement_fails_naming_each_card(
+        tiny: Path) -> None:
+    full = {**CARD_B, "memory_free_mb": 600}
+    with pytest.raises(DoesNotFit) as refused:
+        gpu_args([], tiny, ["GPU-a", "GPU-b"], [CARD, full])
+    said = str(refused.value)
+    assert "GPU-a, GPU-b together have 81135 MiB free now" in said
+    assert "GPU-b has 0.6 GiB free; its share (" in said and "GPU-a has 78.6 GiB free" in said

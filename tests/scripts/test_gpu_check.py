@@ -265,3 +265,45 @@ def test_the_fleets_line_holds_each_goal_to_its_figure(tmp_path: Path) -> None:
     line = json.loads((tmp_path / "gpu-check.json").read_text())
     assert line["goals"] == {"no_failed_request": False, "gateway_ge_0.95": False,
                              "sized_ge_3x": False}
+
+
+def test_the_split_step_holds_the_engine_to_the_replicas_two_cards() -> None:
+    """What the split step found passes only with the engine on the replica's two cards
+    (CUDA_VISIBLE_DEVICES in their order), --split-mode layer, --tensor-split 1,1 and, on
+    a GPU, memory held on each of them by NVML's count. Each broken in turn fails it."""
+    f = fleet()
+    found = {"gpus": ["GPU-a", "GPU-b"], "cuda_visible_devices": "GPU-a,GPU-b",
+             "split_mode": "layer", "tensor_split": "1,1",
+             "held_mib_by_card": {"GPU-a": 900, "GPU-b": 880}}
+    assert f.split_ok(found, dry_run=False)
+    for key, broken in (("cuda_visible_devices", "GPU-a"), ("split_mode", None),
+                        ("tensor_split", "3,1"), ("gpus", ["GPU-a"]),
+                        ("held_mib_by_card", {"GPU-a": 1780}), ("held_mib_by_card", None)):
+        assert not f.split_ok({**found, key: broken}, dry_run=False), key
+    # The rehearsal's CPU engine holds no GPU memory: not asked of it.
+    assert f.split_ok({**found, "held_mib_by_card": None}, dry_run=True)
+
+
+def test_the_split_models_spec_is_one_the_catalog_takes() -> None:
+    from llmgw.contract.catalog import CATALOG_MODEL
+
+    f = fleet()
+    starter = {"name": "qwen", "source": "https://mirror/q.gguf", "sha256": "",
+               "profiles": [{"name": "gpu-h200", "engine": "llamacpp", "gpu_class": "h200",
+                             "priority": 200, "args": ["--ctx-size", "4096"]},
+                            {"name": "cpu", "engine": "llamacpp"}]}
+    spec = CATALOG_MODEL.validate_python(f.split_spec(starter))
+    (profile,) = spec["profiles"]
+    assert (profile["gpus"], profile["args"]) == (2, ["--ctx-size", "4096", "--tensor-split",
+                                                      "1,1"])
+
+
+def test_the_fleets_line_has_a_split_goal_only_where_the_split_ran(tmp_path: Path) -> None:
+    f = fleet()
+    report = f.Report(tmp_path)
+    f.finish(report, 0)
+    assert "split_on_2_gpus" not in json.loads((tmp_path / "gpu-check.json").read_text())["goals"]
+    report.data["split"] = {"ok": True, "gpus": ["GPU-a", "GPU-b"], "tokens_per_s_1": 90.0}
+    f.finish(report, 0)
+    line = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert line["goals"]["split_on_2_gpus"] is True and line["split_gpus"] == ["GPU-a", "GPU-b"]

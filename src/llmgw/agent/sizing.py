@@ -36,6 +36,8 @@ def gpu_args(args: Sequence[str], weights: Path, uuids: Sequence[str],
     geometry cannot be read, a card NVML does not answer for); DoesNotFit where one slot
     does not fit."""
     given = list(args)
+    if len(uuids) > 1:
+        return _split_args(given, weights, uuids, cards)
     if not kv_sizing.sized(given):
         return Sized(given, "the profile names --parallel")
     mine = [c for c in cards if c.get("uuid") in uuids]
@@ -59,3 +61,39 @@ def gpu_args(args: Sequence[str], weights: Path, uuids: Sequence[str],
     return Sized(kv_sizing.engine_args(given, sizing),
                  f"{sizing.slots} slots of {sizing.ctx_per_slot} tokens for {free_mb} MiB "
                  f"free ({sizing.explain()})")
+
+
+def _split_args(given: list[str], weights: Path, uuids: Sequence[str],
+                cards: Sequence[Gpu]) -> Sized:
+    """args for a replica split over several cards, numbered in the order of uuids:
+    --split-mode layer and a --tensor-split of what each card gives now (its free memory
+    less llama.cpp's margin and a compute buffer), with the slots every card holds its
+    share of (kv_sizing.size_split); a profile's own split flags and --parallel win.
+    Where there is nothing to size by, --split-mode layer alone: llama.cpp then splits
+    by each card's free memory itself."""
+    by_uuid = {c.get("uuid"): c for c in cards}
+    mine = [by_uuid.get(u) for u in uuids]
+    plain = [*given, *([] if any(a in kv_sizing.SPLIT_MODE_FLAGS for a in given)
+                       else ["--split-mode", "layer"])]
+    if any(c is None or c.get("error") for c in mine):
+        return Sized(plain, "NVML does not answer for its GPUs now, so llama.cpp splits "
+                            "them by their free memory")
+    frees = [int(c.get("memory_free_mb", 0)) * MIB for c in mine if c is not None]
+    try:
+        shape = geometry(weights)
+        size = weights.stat().st_size
+    except (OSError, GGUFError) as e:
+        return Sized(plain, f"its file's geometry cannot be read ({e})")
+    split = kv_sizing.size_split(shape, size, frees, given)
+    if split is None:
+        return Sized(plain, "its file does not say its KV geometry")
+    if not split.fits():
+        raise DoesNotFit(f"{', '.join(uuids)} together have {sum(frees) // MIB} MiB free "
+                         f"now, too little for one slot of {split.ctx_per_slot} tokens "
+                         f"split layer by layer: {split.explain(list(uuids))}; another "
+                         "process took memory since this replica was placed")
+    layers = "/".join(str(s.layers) for s in split.shares)
+    return Sized(split.args(given),
+                 f"split over {len(uuids)} GPUs ({layers} layers, the output on the last), "
+                 f"{split.slots} slot{'s' if split.slots != 1 else ''} of "
+                 f"{split.ctx_per_slot} tokens")

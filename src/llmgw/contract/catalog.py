@@ -10,17 +10,20 @@ them beside the other records."""
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any, Literal, get_type_hints
 
-from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, with_config
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field, TypeAdapter, with_config
 from pydantic.fields import FieldInfo
 from typing_extensions import TypedDict
 
 from llmgw.contract.states import CPU_ENGINE
 from llmgw.model.engine_args import check_engine_args
+from llmgw.model.kv_sizing import SPLIT_MODE_FLAGS, TENSOR_SPLIT_FLAGS, arg_value, tensor_split
 
 # A profile names the engine family; a GPU profile runs on its CUDA build (llamacpp-cuda).
 ENGINES = (CPU_ENGINE,)
+# llama.cpp's most devices (LLAMA_MAX_DEVICES): one replica is split over at most this many.
+MAX_CARDS = 16
 # No file://: the agent runs as root and would read any file the catalog named.
 SOURCE_SCHEMES = ("hf:", "https://", "http://")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
@@ -96,6 +99,13 @@ def _min_le_max(v: ScalingSpec) -> ScalingSpec:
     return v
 
 
+def _card_count(v: object) -> object:
+    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_CARDS):
+        return v
+    raise ValueError(f"gpus must be a number of cards from 1 to {MAX_CARDS} (at most that "
+                     "many, the fewest that fit) or auto (as few as fit of all the node's)")
+
+
 @with_config(_STRICT)
 class ProfileSpec(TypedDict):
     """One way to serve the model: on which engine, what hardware, with which arguments."""
@@ -107,6 +117,35 @@ class ProfileSpec(TypedDict):
     min_memory_gb: Annotated[float, Field(default=0, ge=0)]
     node_selector: Annotated[dict[str, str], Field(default_factory=dict)]
     args: Annotated[list[str], AfterValidator(_allowed_args), Field(default_factory=list)]
+    # How many of a node's cards one replica may take: at most N (the fewest that fit), or
+    # "auto": as many as the node has. More than one splits it layer-wise (control._cards).
+    gpus: Annotated[int | Literal["auto"], BeforeValidator(_card_count), Field(default=1)]
+
+
+def cards_wanted(profile: ProfileSpec) -> int:
+    """The most cards one replica of profile takes (MAX_CARDS for "auto"); 1 for a row
+    stored before profiles said."""
+    wanted = profile.get("gpus", 1)
+    return MAX_CARDS if wanted == "auto" else int(wanted)
+
+
+def _split_rules(v: ProfileSpec) -> ProfileSpec:
+    wanted, name = v.get("gpus", 1), v["name"]
+    if wanted != 1 and not v["gpu_class"]:
+        raise ValueError(f"profile {name!r} asks gpus: {wanted} but names no gpu_class; a "
+                         "CPU profile runs on the node's CPU: set gpu_class or drop gpus")
+    mode = arg_value(v["args"], SPLIT_MODE_FLAGS)
+    if wanted != 1 and mode and mode != "layer":
+        raise ValueError(f"profile {name!r} asks gpus: {wanted} with --split-mode {mode}; "
+                         "llmgw fits and runs a split layer by layer: drop --split-mode or "
+                         "write --split-mode layer")
+    given = tensor_split(v["args"])
+    if arg_value(v["args"], TENSOR_SPLIT_FLAGS) and (wanted == "auto" or len(given) != wanted):
+        raise ValueError(f"profile {name!r} has a --tensor-split of {len(given)} values and "
+                         f"gpus: {wanted}; a profile's own split names one proportion a "
+                         f"card: write gpus: {len(given) or 'N'} beside it, or drop "
+                         "--tensor-split and llmgw splits by each card's free memory")
+    return v
 
 
 _GEOMETRY_KEY = Annotated[int, Field(default=0, ge=0)]
@@ -146,7 +185,8 @@ class ModelSpec(TypedDict):
     max_output: Annotated[int, Field(default=1024, ge=1)]
     scaling: Annotated[ScalingSpec, AfterValidator(_min_le_max),
                        Field(default_factory=lambda: defaults(ScalingSpec))]
-    profiles: Annotated[list[ProfileSpec], Field(min_length=1)]
+    profiles: Annotated[list[Annotated[ProfileSpec, AfterValidator(_split_rules)]],
+                        Field(min_length=1)]
     # The file's size and KV geometry: read from its GGUF header when the model is added
     # (the admin API fills them in), 0 where it could not be read (and in rows stored
     # before): what the scheduler checks a GPU's memory by.

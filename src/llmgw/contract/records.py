@@ -141,7 +141,9 @@ class ReplicaRecord(TypedDict):
     err: NotRequired[str]
     endpoint: NotRequired[str]
     api_key: NotRequired[str]
-    # The NVML UUIDs (GPUs or MIG instances, in order) the scheduler gave a GPU profile.
+    # The NVML UUIDs (GPUs or MIG instances, in order) the scheduler gave a GPU profile:
+    # one card, or the cards one replica is split over (its profile's `gpus`), in the
+    # order the engine numbers them. A live replica holds every card listed here.
     gpus: NotRequired[list[str]]
     updated: NotRequired[float]
 
@@ -234,7 +236,8 @@ class Assignment(TypedDict):
     source: str
     sha256: str
     args: list[str]
-    # The GPUs to run on (NVML UUIDs, in order): empty or absent for a CPU profile.
+    # The GPUs to run on (NVML UUIDs, in order): empty or absent for a CPU profile; more
+    # than one: one engine split layer by layer over them.
     gpus: NotRequired[list[str]]
 
 

@@ -23,6 +23,7 @@ from llmgw.contract import (
     NodeState,
     ReplicaState,
 )
+from llmgw.contract.catalog import cards_wanted
 from llmgw.contract.records import (
     GivenUp,
     Gpu,
@@ -31,6 +32,9 @@ from llmgw.contract.records import (
     ProfileSpec,
     ReplicaRecord,
 )
+from llmgw.control import _cards
+from llmgw.control._cards import card_name as _card_name
+from llmgw.control._cards import free_bytes as _free_bytes
 from llmgw.control.nodes import gpu_engine_switched_off, node_view
 from llmgw.model import kv_sizing
 from llmgw.store import Lease, Store
@@ -90,19 +94,6 @@ def need(model: ModelSpec, profile: ProfileSpec, free: int) -> kv_sizing.Sizing 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
-
-
-def _free_bytes(gpu: Gpu) -> int:
-    """What NVML reported free on the card at the node's last heartbeat (its total where
-    NVML could not say, or from an agent that does not report free memory)."""
-    free_mb = gpu.get("memory_free_mb")
-    if free_mb is None or "memory_free_mb" in (gpu.get("unknown") or []):
-        free_mb = gpu.get("memory_mb", 0)
-    return int(free_mb * MIB)
-
-
-def _card_name(gpu: Gpu) -> str:
-    return str(gpu.get("uuid") or gpu.get("index", "?"))
 
 
 # --- where a profile can run ---
@@ -170,6 +161,26 @@ def _card_state(card: Gpu, used: _Used) -> str:
 
 
 def _gpus_for(model: ModelSpec, profile: ProfileSpec, node: NodeView,
+              used: _Used) -> tuple[list[str], str]:
+    """(the UUIDs of the free cards the model fits on, '') or ([], why none): one card
+    when one holds it, else the fewest the profile's gpus allows (control._cards)."""
+    gpus, why = _one_card(model, profile, node, used)
+    # A profile's own --tensor-split names one proportion a card: it takes that many.
+    own = len(kv_sizing.tensor_split(profile["args"]))
+    if (gpus and own < 2) or cards_wanted(profile) < 2:
+        return gpus, why
+    free = _free_cards(profile, node, used)
+    cards = [g for g in free if g.get("memory_mb", 0) >= profile["min_memory_gb"] * 1024]
+    if len(cards) < max(own, 2):
+        return [], why or (f"{node['id']} has {len(cards)} free {profile['gpu_class']} "
+                           f"GPU(s), and {profile['name']}'s --tensor-split names {own}")
+    others = [_card_state(g, used) for g in node["gpus"] if g.get("class") ==
+              profile["gpu_class"] and not any(g is c for c in free)]
+    split, too_small = _cards.fit(model, profile, node["id"], cards, others)
+    return (split, "") if split else ([], too_small)
+
+
+def _one_card(model: ModelSpec, profile: ProfileSpec, node: NodeView,
               used: _Used) -> tuple[list[str], str]:
     """(the UUIDs of one free card the model fits on, '') or ([], why none). A card fits
     when, by its free memory at the node's last heartbeat, the model gets at least one

@@ -33,9 +33,13 @@ whole cache. A profile's --ubatch-size stands for UBATCH.
 
 from __future__ import annotations
 
+import bisect
+import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from llmgw.contract.records import Geometry
+if TYPE_CHECKING:  # the catalog reads a profile's split flags from here
+    from llmgw.contract.records import Geometry
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -204,3 +208,176 @@ def engine_args(args: list[str], sizing: Sizing | None) -> list[str]:
             continue
         kept.append(word)
     return [*kept, *sizing.args()]
+
+
+# --- one replica over several cards: llama.cpp's layer split ---
+#
+# llama.cpp (--split-mode layer; llama_model::load_tensors) gives each card a contiguous run
+# of the model's n_layer + 1 "units": the repeating layers 0..n_layer-1 and then the output
+# layer (the output norm and matrix; the token embeddings stay on the CPU). With the
+# tensor split's running sums normalised to split points s_0 < ... < s_{n-1} = 1, unit il
+# goes to the first card whose s_d > il / (n_layer + 1). A layer's KV cache lives on the
+# card of its layer; each card holds its own compute buffer and keeps llama.cpp's margin.
+# The file's bytes are taken as spread evenly over the units (the GGUF header says no
+# more), so each card's weights are its units x size / (n_layer + 1).
+
+SPLIT_MODE_FLAGS = ("-sm", "--split-mode")
+TENSOR_SPLIT_FLAGS = ("-ts", "--tensor-split")
+
+
+def layer_units(proportions: list[float], units: int) -> list[int]:
+    """How many of `units` (the repeating layers and the output layer) each card gets for a
+    --tensor-split of proportions, by llama.cpp's rule (above); the output layer is the
+    last unit, so it goes to the last card that gets any."""
+    total = float(sum(proportions)) or 1.0
+    points, running = [], 0.0
+    for p in proportions:
+        running += p
+        points.append(running / total)
+    counts = [0] * len(proportions)
+    for il in range(units):
+        card = bisect.bisect_right(points, il / units)
+        counts[min(card, len(counts) - 1)] += 1
+    return counts
+
+
+def tensor_split(args: list[str]) -> list[float]:
+    """The profile's own --tensor-split as numbers ([] when it names none)."""
+    given = arg_value(args, TENSOR_SPLIT_FLAGS)
+    try:
+        return [float(v) for v in re.split(r"[,/]+", given)] if given else []
+    except ValueError:
+        return []
+
+
+@dataclass(frozen=True)
+class Share:
+    """One card's part of a split replica (bytes): the units it holds (repeating layers, and
+    the output layer on the last), and what they take with its compute buffer and margin."""
+
+    free: int
+    layers: int
+    output: bool
+    weights: int
+    kv: int
+    compute: int
+    margin: int = MARGIN
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute + self.margin
+
+    def explain(self) -> str:
+        held = f"{self.layers} layers" + (" and the output layer" if self.output else "")
+        return (f"{_gib(self.free)} free; its share ({held}) needs {_gib(self.total)}: "
+                f"{_gib(self.weights)} weights + {_gib(self.kv)} KV cache + "
+                f"{_gib(self.compute)} compute + {_gib(self.margin)} margin")
+
+
+@dataclass(frozen=True)
+class Split:
+    """A replica's slots over several cards and each card's share; slots 0: it does not
+    fit, and the shares are what one slot would need (the profile's own slots where it
+    names --parallel). proportions: the --tensor-split the shares follow."""
+
+    slots: int
+    ctx_per_slot: int
+    cache_tokens: int
+    shares: tuple[Share, ...]
+    proportions: tuple[int | float, ...]
+    sized: bool = True
+
+    def fits(self) -> bool:
+        return self.slots > 0
+
+    def args(self, given: list[str]) -> list[str]:
+        """given with the split's flags (--split-mode layer and its --tensor-split, unless
+        the profile names its own) and, where llmgw sizes the slots, --parallel and
+        --ctx-size in place of the profile's --ctx-size."""
+        out = list(given)
+        if self.sized and self.fits():
+            out = engine_args(given, Sizing(self.slots, self.ctx_per_slot, 0, 0, 0, 0, 0))
+        if not any(a in SPLIT_MODE_FLAGS for a in given):
+            out += ["--split-mode", "layer"]
+        if not any(a in TENSOR_SPLIT_FLAGS for a in given):
+            out += ["--tensor-split", ",".join(_number(p) for p in self.proportions)]
+        return out
+
+    def explain(self, names: list[str]) -> str:
+        """'NAME: share; NAME: share' (each card's, in order)."""
+        return "; ".join(f"{n} has {s.explain()}" for n, s in zip(names, self.shares, strict=True))
+
+
+def _number(p: int | float) -> str:
+    return str(int(p)) if float(p).is_integer() else f"{p:g}"
+
+
+def room(geometry: Geometry, free: int, args: list[str]) -> int:
+    """What a card gives a split replica (MiB): its free memory less llama.cpp's margin and
+    one compute buffer; the --tensor-split llmgw passes is these, card by card."""
+    compute = compute_bytes(geometry, ctx_wanted(geometry, args), args)
+    return max(0, (free - MARGIN - compute) // MIB)
+
+
+def size_split(geometry: Geometry, weights: int, frees: list[int],
+               args: list[str]) -> Split | None:
+    """A replica over cards with `frees` bytes free, in the order the engine numbers them:
+    layers split by the profile's --tensor-split, else by each card's room(); slots the
+    most every card holds its share of (at most MAX_SLOTS, the context per slot as size()
+    gives it, without growing it). None when the geometry is unknown."""
+    per_token = kv_bytes_per_token(geometry, args)
+    layers = geometry.get("block_count", 0)
+    if not per_token or not layers:
+        return None
+    proportions: tuple[int | float, ...] = tuple(tensor_split(args)[:len(frees)])
+    if len(proportions) != len(frees) or not any(proportions):
+        proportions = tuple(room(geometry, f, args) for f in frees)
+    cut = _Cut(geometry, weights, frees, args,
+               layer_units([float(p) for p in proportions], layers + 1), per_token / layers)
+    if not sized(args):
+        slots = _positive(arg_value(args, PARALLEL_FLAGS)) or 1
+        total = _positive(arg_value(args, CTX_FLAGS)) or geometry.get("context_length", 0) \
+            or DEFAULT_CTX_PER_SLOT
+        ctx = max(total // slots, 1)
+        shares = cut.shares(ctx, slots)
+        fits = all(s.total <= s.free for s in shares)
+        return Split(slots if fits else 0, ctx, slots * ctx, shares, proportions, sized=False)
+    ctx = ctx_wanted(geometry, args)
+    one = cut.shares(ctx, 1)
+    slots = max(0, min(_slots_held(share) for share in one))
+    return Split(slots, ctx, max(slots, 1) * ctx,
+                 one if slots <= 1 else cut.shares(ctx, slots), proportions)
+
+
+def _slots_held(share: Share) -> int:
+    """How many slots (at most MAX_SLOTS) a card holds its share of; share is for one."""
+    left = share.free - share.weights - share.compute - share.margin
+    if not share.kv:
+        return MAX_SLOTS if left >= 0 else 0
+    return min(MAX_SLOTS, int(left // share.kv))
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """A model cut over cards: their free bytes and the units (layer_units) each holds."""
+
+    geometry: Geometry
+    weights: int
+    frees: list[int]
+    args: list[str]
+    units: list[int]
+    per_layer_token: float
+
+    def shares(self, ctx: int, slots: int) -> tuple[Share, ...]:
+        """Each card's share with slots of ctx tokens (the last card with any units holds
+        the output layer, which has no KV cache)."""
+        total_units = sum(self.units)
+        last = max((i for i, n in enumerate(self.units) if n), default=-1)
+        compute = compute_bytes(self.geometry, ctx, self.args)
+        shares = []
+        for i, (free, n) in enumerate(zip(self.frees, self.units, strict=True)):
+            repeating = n - 1 if i == last else n
+            shares.append(Share(free, repeating, i == last,
+                                self.weights * n // max(total_units, 1),
+                                int(self.per_layer_token * repeating * ctx * slots), compute))
+        return tuple(shares)

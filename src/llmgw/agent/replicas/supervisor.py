@@ -241,6 +241,12 @@ class ReplicaSupervisor:
                 self.set_state(replica, ReplicaState.DOWNLOADING)
                 replica.record.weights = str(self.fetch_weights(replica.record))
             self.start_engine(replica)
+        except sizing.DoesNotFit as e:
+            # Its cards filled since the placement: a failed start, so that after
+            # GPU_START_ATTEMPTS the placement is given up and placed on cards that fit.
+            log.warning("replica %s failed: %s", replica.record.id, e)
+            replica.failed_starts += 1
+            self._retry_or_give_up(replica, str(e), str(e))
         except Exception as e:  # reported to the control plane, retried with backoff
             log.warning("replica %s failed: %s", replica.record.id, e)
             self._failed(replica, str(e))
@@ -291,12 +297,17 @@ class ReplicaSupervisor:
         the GPU_START_ATTEMPTS-th in a row of a replica on GPUs gives the placement up."""
         if replica.state != ReplicaState.READY:
             replica.failed_starts += 1
+        self._retry_or_give_up(replica, why, engine_log.failure_reason(
+            engine_log.tail(self.dir / f"{replica.record.id}.log", lines=_REASON_LINES)))
+
+    def _retry_or_give_up(self, replica: Replica, why: str, reason: str) -> None:
+        """Failed, retried with backoff; or, at the GPU_START_ATTEMPTS-th failed start in a
+        row of a replica on GPUs, the placement given up (reason: the engine's, else why)."""
         if not (replica.record.gpus and 0 < self.gpu_start_attempts <= replica.failed_starts):
             self._failed(replica, why)
             return
         record = replica.record
-        reason = engine_log.failure_reason(
-            engine_log.tail(self.dir / f"{record.id}.log", lines=_REASON_LINES)) or why
+        reason = reason or why
         self.give_ups.add(given_up(record, reason, replica.failed_starts, self.cards()))
         replica.gave_up = True
         self.set_state(replica, ReplicaState.FAILED,
