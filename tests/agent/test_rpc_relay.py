@@ -117,7 +117,7 @@ def _spawn(argv: list[str], log: Path, port: int) -> Proc:
 def _engine(binary: str, model: Path, tmp: Path, name: str, extra: list[str]) -> Proc:
     port = _free_port()
     p = _spawn([binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                "-c", "512", "-np", "1", "-t", "1", "--no-warmup", *extra],
+                "-c", "512", "-np", "1", "-t", "1", "--no-warmup", "-v", *extra],
                tmp / f"{name}.log", port)
 
     def healthy() -> bool:
@@ -215,7 +215,7 @@ def test_a_split_model_answers_as_the_unsplit_one_and_the_worker_holds_its_share
     buffers = _buffers(engine.text())
     rpc_buffers = {k: v for k, v in buffers.items() if k.startswith("RPC")}
     assert rpc_buffers and all(v > 0 for v in rpc_buffers.values()), buffers
-    assert buffers.get("CPU", buffers.get("CPU_Mapped", 0)) > 0, buffers
+    assert max(buffers.get("CPU", 0), buffers.get("CPU_Mapped", 0)) > 0, buffers
     assert split.main.counters.carried >= 1 and split.worker.counters.carried >= 1
     assert split.main.counters.bytes_in >= sum(rpc_buffers.values()) * 1024 * 1024 * 0.9
     assert "Accepted client connection" in split.rpc.text()
