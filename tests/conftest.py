@@ -52,6 +52,23 @@ def llama_server() -> str:
     return str(engine.found.path)
 
 
+@pytest.fixture(scope="session")
+def rpc_engine() -> tuple[str, str]:
+    """Session: (llama-server, rpc-server) of the source build with llama.cpp's RPC backend
+    (GGML_RPC=ON), found in the cache or built the way a node builds it (the prebuilt
+    engine has no RPC backend)."""
+    from llmgw.agent.engines.cpu import LlamaCpp
+    from llmgw.config import EngineConfig
+
+    engine = LlamaCpp(EngineConfig())
+    found = engine.locate()
+    if found is None or engine.rpc_server_of(found) is None:
+        found = engine.build()
+    rpc_server = engine.rpc_server_of(found)
+    assert rpc_server is not None, f"the build at {found.path.parent} has no rpc-server"
+    return str(found.path), str(rpc_server)
+
+
 class _Quiet(SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass

@@ -69,6 +69,15 @@ def test_the_cpu_configure_line_has_no_cuda_and_refuses_a_compiler() -> None:
         _cmake.cmake_configure_args(TREE, BUILD, cuda_compiler="/usr/bin/nvcc")
 
 
+def test_the_cpu_build_has_the_rpc_backend_and_builds_rpc_server_too() -> None:
+    """The node's CPU build is configured with GGML_RPC=ON and builds rpc-server's target
+    beside llama-server's. The control: a configure line without rpc has no GGML_RPC."""
+    assert "-DGGML_RPC=ON" in _cmake.cmake_configure_args(TREE, BUILD, rpc=True)
+    assert not any("RPC" in a for a in _cmake.cmake_configure_args(TREE, BUILD))
+    cmd = _cmake.cmake_build_args(BUILD, 2, ("llama-server", _cmake.RPC_TARGET))
+    assert cmd[cmd.index("--target") + 1:cmd.index("-j")] == ["llama-server", "ggml-rpc-server"]
+
+
 def test_a_build_runs_at_nice_19() -> None:
     cmd = _cmake.niced(_cmake.cmake_build_args(BUILD, 4))
     assert Path(cmd[0]).name == "nice" and cmd[1:3] == ["-n", "19"]

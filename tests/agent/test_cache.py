@@ -21,6 +21,9 @@ def test_the_folders_are_where_existing_caches_have_them() -> None:
     root = Path("/r")
     assert cache.cpu_build(root, "0.3.36") / cache.BINARY == \
         root / "engines/llamacpp/0.3.36/llama-server"
+    # The build with the RPC backend has a folder of its own, so the one above serves
+    # until it is made.
+    assert cache.cpu_build(root, "0.3.36", rpc=True) == root / "engines/llamacpp/0.3.36-rpc"
     assert cache.cuda_build(root, "0.3.36", ["90", "80"], 13) == \
         root / "engines/llamacpp/0.3.36-cuda13-sm90_80"
     assert cache.prebuilt(root, "xllamacpp", "0.2.0") == root / "engines/xllamacpp/0.2.0"

@@ -42,7 +42,8 @@ def test_cached_build_is_reused_without_building(
     """A cached build answers; no cmake is needed (the search path has none)."""
     e = engine(tmp_path, str(tmp_path / "empty"))
     cached = fake_llama_server(e.cached_binary.parent)
-    assert cached == tmp_path / "cache" / "engines" / "llamacpp" / PINNED_VERSION / "llama-server"
+    assert cached == (tmp_path / "cache" / "engines" / "llamacpp" / f"{PINNED_VERSION}-rpc"
+                      / "llama-server")
     status = e.provision()
     assert (status["state"], status["version"]) == ("ready", PINNED_VERSION), status
     assert e.found is not None and e.found.origin == "cache"
@@ -102,7 +103,26 @@ def test_default_cache_is_outside_the_checkout(monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     e = LlamaCpp(EngineConfig())
-    assert e.cached_binary == tmp_path / "llmgw/engines/llamacpp" / PINNED_VERSION / "llama-server"
+    assert e.cached_binary == (tmp_path / "llmgw/engines/llamacpp" / f"{PINNED_VERSION}-rpc"
+                               / "llama-server")
+
+
+def test_a_build_without_rpc_serves_until_the_rpc_build_is_in_the_cache(
+        tmp_path: Path, fake_llama_server: FakeBinary) -> None:
+    """A cache with only the earlier build (no RPC backend) is used as it is: it serves, and
+    has no rpc-server. Once the RPC build is there, it is the one found, with rpc-server.
+    The control is the second half: the same engine, the RPC build added, finds it."""
+    e = engine(tmp_path, str(tmp_path / "empty"))
+    old = fake_llama_server(tmp_path / "cache" / "engines" / "llamacpp" / PINNED_VERSION)
+    assert e.provision()["state"] == "ready"
+    assert e.found is not None and e.found.path == old and e.rpc_server is None
+    new = fake_llama_server(tmp_path / "cache" / "engines" / "llamacpp"
+                            / f"{PINNED_VERSION}-rpc")
+    rpc = new.parent / "rpc-server"
+    rpc.write_text("#!/bin/sh\n")
+    rpc.chmod(0o755)
+    assert e.provision()["state"] == "ready"
+    assert e.found is not None and e.found.path == new and e.rpc_server == rpc
 
 
 @pytest.mark.parametrize(("output", "name"), [
@@ -147,6 +167,7 @@ def test_build_reports_states_from_a_fake_cmake(tmp_path: Path) -> None:
     assert seen[-2].startswith("checking") and seen[-1].startswith("ready")
     assert e.found is not None and e.found.origin == "built"
     assert e.cached_binary.stat().st_mode & stat.S_IXUSR
+    assert e.rpc_server == e.cached_binary.parent / "rpc-server", "rpc-server is installed too"
     assert not list(e.cached_binary.parent.parent.glob("build-*")), "the build tree is removed"
 
 
@@ -175,6 +196,8 @@ def _fake_toolchain(bin_dir: Path, fail: bool = False) -> Path:
         'echo "[1/2] Building CXX object a.o"; echo "[2/2] Linking CXX executable bin/llama-server"'
         '; mkdir -p "$2/bin"; printf \'#!/bin/sh\\necho "version: 1 (abc)" >&2\\n\' '
         '> "$2/bin/llama-server"; chmod +x "$2/bin/llama-server"'
+        '; case "$*" in *ggml-rpc-server*) printf \'#!/bin/sh\\n\' > "$2/bin/ggml-rpc-server"'
+        '; chmod +x "$2/bin/ggml-rpc-server";; esac'
     )
     (bin_dir / "cmake").write_text(
         "#!/bin/sh\n"

