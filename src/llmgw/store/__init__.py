@@ -29,8 +29,8 @@ from ._db import (
 )
 from .budgets import BudgetStore, Grant, Settled, Want
 from .catalog import CatalogStore
-from .demand import DemandStore, Use
 from .control_planes import SCHEDULER, ControlPlaneStore, Lease, LeaseLost
+from .demand import DemandStore, Use
 from .keys import KeyStore
 from .nodes import Hearing, NodeStore
 from .replicas import ReplicaStore
@@ -39,7 +39,8 @@ from .tokens import TokenStore
 from .viewers import ViewerStore
 
 __all__ = ["SCHEDULER", "Grant", "Lease", "LeaseLost", "SchemaError", "Settled", "Store",
-           "StoreConflict", "StoreError", "Use", "Want", "answers", "redacted", "refusal", "store_url"]
+           "StoreConflict", "StoreError", "Use", "Want", "answers", "redacted", "refusal",
+           "store_url"]
 
 
 class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, ControlPlaneStore,

@@ -1,6 +1,6 @@
 """`llmgw status`: nodes with their engines and GPUs, models with their state (idle, loading,
-serving), replicas with model, node, state and uptime, each host's drift, and the control planes sharing the store with the one that
-schedules, as tables like `ollama ps`, or JSON."""
+serving), replicas with model, node, state and uptime, each host's drift, and the control
+planes sharing the store with the one that schedules, as tables like `ollama ps`, or JSON."""
 
 from __future__ import annotations
 
