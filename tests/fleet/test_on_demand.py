@@ -23,6 +23,7 @@ import pytest
 
 from llmgw.config import render
 from llmgw.control.client import AdminClient
+from llmgw.host import admin_token
 from tests.fleet.cluster import Agent, ControlPlane
 
 pytestmark = pytest.mark.slow
@@ -216,7 +217,9 @@ def test_a_third_model_evicts_the_least_recently_used_idle_one_never_a_streaming
         time.sleep(3)
         assert gw.post("/v1/chat/completions", json=ask("ev-c")).status_code == 200
         assert not live(admin, "ev-b") and live(admin, "ev-a")
-    metrics = httpx.get(f"{cp.admin}/metrics", timeout=10).text
+    token = admin_token.read_token(cp.token_path)
+    metrics = httpx.get(f"{cp.admin}/metrics", timeout=10,
+                        headers={"Authorization": f"Bearer {token}"}).text
     assert 'llmgw_evictions_total{reason="no_room"} 3.0' in metrics
 
 
@@ -279,7 +282,8 @@ def test_a_client_that_hangs_up_leaves_the_load_queue(
                            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             until("the request waiting for slowpoke's load", lambda: gauge(cp, "slowpoke") == 1,
                   10, last=lambda: gauge(cp, "slowpoke"))
-            assert state(admin, "slowpoke") == "loading"
+            until("slowpoke loading", lambda: state(admin, "slowpoke") == "loading", 10,
+                  last=lambda: live(admin, "slowpoke"))
         hung_up = time.monotonic()
         until("the waiting gauge to drop", lambda: gauge(cp, "slowpoke") == 0, 5,
               last=lambda: gauge(cp, "slowpoke"))

@@ -171,7 +171,7 @@ class Exchange:
         waiting = asyncio.ensure_future(self.gw.lease(self.name, self.conv, self.tried))
         waiting.add_done_callback(lambda _: self._safely(self._leased, waiting))
         # A client that hangs up while it waits leaves the queue (a model's load) at once.
-        self.cycle.when_gone(lambda: None if waiting.cancel() else None)
+        self.cycle.when_gone(lambda: _cancel(waiting))
 
     def _leased(self, waiting: asyncio.Future[Lease | None]) -> None:
         if waiting.cancelled():
@@ -355,6 +355,10 @@ class Exchange:
         else:
             self.cycle.answer(error.status, [*JSON_HEADERS, *error.headers], error.body())
         self._finish()
+
+
+def _cancel(task: asyncio.Future[Lease | None]) -> None:
+    task.cancel()
 
 
 def replica_failed(replica_id: str, model: str, why: object) -> GatewayError:

@@ -13,9 +13,10 @@ from llmgw.store import Store, StoreError
 log = logging.getLogger("llmgw.gateway")
 
 
-# How stale the table may be when it lacks a request's key (Router.key): the slot poller
-# reads the table every 0.5 s, so a key made a moment ago would be refused meanwhile; the
-# floor keeps requests with made-up keys from reading the store each time.
+# How stale the table may be when it lacks a request's key (Router.key) or model
+# (Router.resolve): the slot poller reads the table every 0.5 s, so a key made or a model
+# added a moment ago would be refused meanwhile; the floor keeps requests with made-up keys
+# or names from reading the store each time.
 FRESH_TTL_S = 0.05
 
 
@@ -69,7 +70,12 @@ class Router:
         self._names, self._ready, self._read_at = names, ready, time.monotonic()
 
     def resolve(self, requested: str) -> ModelSpec | None:
+        """The catalog model of this name or alias. A name not in the table has the store
+        read again unless it was just read (as a key is), so a model added a moment ago
+        (perhaps at scaling.min 0, loaded by this very request) is found at once."""
         self._refresh()
+        if requested not in self._names:
+            self._refresh(ttl_s=FRESH_TTL_S)
         return self._names.get(requested)
 
     def names(self) -> dict[str, ModelSpec]:
