@@ -28,6 +28,8 @@ POLL_S = 0.25
 # Each model's use reaches the store this often (the scheduler reads rows younger than
 # store.demand.DEMAND_FRESH_S), and at once when a wait begins.
 DEMAND_FLUSH_S = 2.0
+# Whether a control plane schedules is read again after this long, not per request.
+SCHEDULER_CHECK_S = 1.0
 
 
 class LoadFailed(Exception):
@@ -64,6 +66,7 @@ class Loads:
         self._dirty: set[str] = set()
         self._kick = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
+        self._scheduler_checked: tuple[float, str] = (-float("inf"), "")
 
     # --- use, counted on the hot path ---
 
@@ -97,10 +100,11 @@ class Loads:
             raise LoadFailed(f"{name} is loading and {len(m.waiters)} requests already wait "
                              f"for it (load_queue_size in server.yaml); try again shortly",
                              "load_queue_full")
-        why = await asyncio.to_thread(self._no_scheduler)
+        why = await self._scheduler_away()
         if why:
-            raise LoadFailed(f"{name} has no ready replica and {why}, so none can be "
-                             "started now; try again once a control plane runs",
+            states = await asyncio.to_thread(self._states, name)
+            raise LoadFailed(f"{name} has no ready replica ({states}) and {why}, so none "
+                             "can be started now; try again once a control plane runs",
                              "control_plane_away")
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (time.time(), done)
@@ -169,6 +173,15 @@ class Loads:
             if r["state"] == ReplicaState.PENDING and not r["node"]:
                 return f"{name} cannot be placed: {r['err']}"
         return ""
+
+    async def _scheduler_away(self) -> str:
+        """_no_scheduler's answer, read at most every SCHEDULER_CHECK_S (each first request
+        of a burst would read it otherwise)."""
+        at, why = self._scheduler_checked
+        if time.monotonic() - at >= SCHEDULER_CHECK_S:
+            why = await asyncio.to_thread(self._no_scheduler)
+            self._scheduler_checked = (time.monotonic(), why)
+        return why
 
     def _no_scheduler(self) -> str:
         """Why no control plane schedules now ('' when one holds the scheduler lease)."""
