@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from llmgw.contract import ReplicaState
 from llmgw.contract.records import ModelSpec, ReplicaRecord
+from llmgw.errors import Error
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.store import Store, StoreError, Use
 
@@ -32,7 +33,7 @@ DEMAND_FLUSH_S = 2.0
 SCHEDULER_CHECK_S = 1.0
 
 
-class LoadFailed(Exception):
+class LoadFailed(Error):
     """A waiter's answer: why no replica came (the gateway answers 503 with it)."""
 
     def __init__(self, message: str, code: str) -> None:
