@@ -15,6 +15,9 @@ from ._schema import demand
 # A gateway's row older than this is left out (its gateway stopped or cannot write): a
 # gateway rewrites its rows every DEMAND_FLUSH_S (gateway/_demand.py).
 DEMAND_FRESH_S = 15.0
+# A row not rewritten for this long is removed (each gateway worker writes under its own
+# name, so every restart leaves its rows behind); its last use is long past any idle_s.
+DEMAND_KEEP_S = 86400.0
 
 
 @dataclass(frozen=True)
@@ -29,9 +32,11 @@ class Use:
 
 class DemandStore(Aggregate):
     def report_use(self, gateway: str, uses: Mapping[str, Use]) -> None:
-        """Write this gateway's view of each model, one row each, in one transaction."""
+        """Write this gateway's view of each model, one row each, in one transaction; rows
+        no gateway rewrote for DEMAND_KEEP_S go."""
         now = self.clock()
         with self.db.tx() as conn:
+            conn.execute(demand.delete().where(demand.c.at < now - DEMAND_KEEP_S))
             for model, use in uses.items():
                 row = insert(conn, demand).values(
                     gateway=gateway, model=model, waiting=use.waiting,
