@@ -104,3 +104,27 @@ def test_a_replica_that_fails_after_the_request_came_answers_it_with_why(store) 
     error = failed.json()["error"]
     assert failed.status_code == 503 and error["code"] == "load_failed", error
     assert "replica r1 of tiny on n1 failed to load: llama-server exited" in error["message"]
+
+
+def test_a_model_no_node_has_room_for_answers_with_the_schedulers_why(store) -> None:
+    """The scheduler wrote the replica unplaced, saying why (no room even after eviction):
+    the waiting request gets it at once. Control: an unplaced replica from before the
+    request came, not written again since, does not fail it."""
+    store.put_replica({"id": "r0", "model": "tiny", "node": "", "profile": "",
+                       "state": "pending", "err": "no ready node fits any profile (old)"})
+    app = make_gateway_app(store, ServerConfig(load_wait_s=3), upstream=Upstream())
+    answers: list[httpx.Response] = []
+    with serve_gateway(app) as url:
+        thread = post_in_background(url, answers)
+        until("the request to wait", lambda: waiting(store) == 1, lambda: store.uses())
+        time.sleep(0.6)  # two polls: the old row fails nothing
+        assert answers == []
+        store.put_replica({"id": "r0", "model": "tiny", "node": "", "profile": "",
+                           "state": "pending",
+                           "err": "no ready node fits any profile (cpu: n1 has under 4 GB)"})
+        thread.join(10)
+    (refused,) = answers
+    error = refused.json()["error"]
+    assert refused.status_code == 503 and error["code"] == "load_failed", error
+    assert "tiny cannot be placed: no ready node fits any profile (cpu: n1 has under 4 GB)" \
+        in error["message"]
