@@ -280,8 +280,17 @@ def test_a_client_that_hangs_up_leaves_the_load_queue(
         with socket.create_connection(("127.0.0.1", cp.ports["gateway"])) as client:
             client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            client.settimeout(0.01)
+
+            def seen() -> tuple[float, bytes]:
+                try:
+                    answered = client.recv(4096)
+                except TimeoutError:
+                    answered = b""
+                return gauge(cp, "slowpoke"), answered
+
             until("the request waiting for slowpoke's load", lambda: gauge(cp, "slowpoke") == 1,
-                  10, last=lambda: gauge(cp, "slowpoke"))
+                  10, last=seen)
             until("slowpoke loading", lambda: state(admin, "slowpoke") == "loading", 10,
                   last=lambda: live(admin, "slowpoke"))
         hung_up = time.monotonic()

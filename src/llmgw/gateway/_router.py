@@ -57,6 +57,9 @@ class Router:
             self.stale_since = None
 
     def _read_table(self) -> None:
+        # As of the read's start: a row written while it ran may be missing from it, so a
+        # lookup that misses reads again (FRESH_TTL_S) instead of trusting it.
+        started = time.monotonic()
         names: dict[str, ModelSpec] = {}
         ready: dict[str, list[ReplicaRecord]] = {}
         for model in self.store.models():
@@ -67,7 +70,7 @@ class Router:
                 ready.setdefault(r["model"], []).append(r)
         self.created = self.store.created()
         self._keys = {k["hash"]: k for k in self.store.keys()}
-        self._names, self._ready, self._read_at = names, ready, time.monotonic()
+        self._names, self._ready, self._read_at = names, ready, started
 
     def resolve(self, requested: str) -> ModelSpec | None:
         """The catalog model of this name or alias. A name not in the table has the store
