@@ -29,6 +29,8 @@ from tests.fleet.cluster import Agent, ControlPlane
 pytestmark = pytest.mark.slow
 
 LOAD_WAIT_S = 60.0
+# The module's gateway port, set by the fleet fixture (add() waits until it lists a model).
+_gateway_port: list[int] = [0]
 
 
 def until(what: str, probe: Callable[[], Any], timeout_s: float = 90.0,
@@ -52,6 +54,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, llama_server: str) -> Iterat
     cp.config = cp.config.model_copy(update={"load_wait_s": LOAD_WAIT_S})
     cp.server_yaml.write_text(render(cp.config, "a test control plane"))
     cp.start()
+    _gateway_port[0] = cp.ports["gateway"]
     admin = cp.admin_client()
     agent = Agent(root / "n1", "n1", cp.agent_api, cp.issue("n1", root / "n1" / "pki"),
                   llama_server=llama_server, heartbeat_s=0.5).start()
@@ -68,12 +71,17 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, llama_server: str) -> Iterat
 
 def add(admin: AdminClient, name: str, source: str, digest: str, *, idle_s: int = 0,
         memory_gb: float = 0, selector: dict[str, str] | None = None, **more: Any) -> None:
+    """Add a model at scaling.min 0, then wait until the gateway lists it (its table is
+    read every 0.5 s: a request sent within the same milliseconds may not find it)."""
     admin.add_model({**more, "name": name, "source": source, "sha256": digest,
                      "scaling": {"min": 0, "max": 1, "idle_s": idle_s},
                      "profiles": [{"name": "cpu", "engine": "llamacpp",
                                    "min_memory_gb": memory_gb,
                                    "node_selector": selector or {},
                                    "args": ["--ctx-size", "2048", "--threads", "1"]}]})
+    gateway = f"http://127.0.0.1:{_gateway_port[0]}"
+    until(f"the gateway to list {name}", lambda: name in [
+        m["id"] for m in httpx.get(f"{gateway}/v1/models", timeout=5).json()["data"]], 5)
 
 
 def ask(model: str, **more: Any) -> dict[str, Any]:
