@@ -100,3 +100,15 @@ def test_a_models_state_follows_its_replicas() -> None:
     assert model_state(["stopped"]) == ModelState.IDLE
     assert model_state(["pending", "stopped"]) == ModelState.LOADING
     assert model_state(["starting", "ready"]) == ModelState.SERVING
+
+
+def test_a_replica_no_node_had_room_for_goes_once_nothing_waits_for_it() -> None:
+    """It holds nothing, and would show the model loading for ever; the next request asks
+    again. Control: while a request waits, it stays (the scheduler keeps trying)."""
+    unplaced = {**replica("r1", "", state="pending", model="m"), "updated": NOW,
+                "err": "no ready node fits any profile"}
+    p = plan([cold("m", 0)], [ROOM_FOR_TWO], [unplaced], {"m": Use(last_used=NOW)}, NOW)
+    assert list(p.stop) == ["r1"] and "no request waits for m any more" in p.stop["r1"]
+    assert p.evicted == [] and p.add == []
+    waited = plan([cold("m", 0)], [ROOM_FOR_TWO], [unplaced], {"m": Use(waiting=1)}, NOW)
+    assert waited.stop == {}

@@ -69,6 +69,18 @@ def retire_idle(model: ModelSpec, mine: list[ReplicaRecord], use: Use,
             for r in idle[:over]]
 
 
+def unwanted(model: ModelSpec, mine: list[ReplicaRecord], use: Use) -> dict[str, str]:
+    """Replicas of model above scaling.min that no node had room for, once no request
+    waits for them (replica id -> why): they hold nothing, and the next request asks
+    again (else the model would show loading for ever)."""
+    if use.waiting:
+        return {}
+    over = max(len(mine) - model["scaling"]["min"], 0)
+    return {r["id"]: f"no request waits for {model['name']} any more, and no node had room "
+                     f"for it ({r.get('err') or 'not placed'})"
+            for r in [r for r in mine if not r["node"]][:over]}
+
+
 def evictable(live: list[ReplicaRecord], models: Mapping[str, ModelSpec],
               uses: Mapping[str, Use], wanted_by: str) -> list[ReplicaRecord]:
     """Placed replicas of other models that may be evicted, least recently used first: of

@@ -409,6 +409,7 @@ def plan(
     kept = [r for r in live if r["id"] not in result.stop]
     if uses:
         _retire_idle(models, kept, uses, now, result)
+        kept = [r for r in kept if r["id"] not in result.stop]
     for model in models:
         use = uses.get(model["name"], _demand.NOBODY)
         mine = _surplus(model, [r for r in kept if r["model"] == model["name"]], result)
@@ -444,8 +445,10 @@ def _retire_idle(models: list[ModelSpec], kept: list[ReplicaRecord],
                  uses: Mapping[str, Use], now: float, result: Plan) -> None:
     for model in models:
         mine = [r for r in kept if r["model"] == model["name"]]
-        for retired in _demand.retire_idle(model, mine, uses.get(model["name"], _demand.NOBODY),
-                                           now):
+        use = uses.get(model["name"], _demand.NOBODY)
+        result.stop.update(_demand.unwanted(model, mine, use))
+        placed = [r for r in mine if r["id"] not in result.stop]
+        for retired in _demand.retire_idle(model, placed, use, now):
             result.stop[retired.replica] = retired.event()
             result.evicted.append(retired)
 
