@@ -247,7 +247,10 @@ def test_a_corrupt_model_answers_every_waiting_request_503_with_why_at_once(
     stop = threading.Event()
 
     def watch() -> None:
-        while not stop.is_set() and not failed_at:
+        """When the store first shows the replica failed (its watch goes on after the
+        answers came: the gateway, polling the store itself, may see it first)."""
+        deadline = time.monotonic() + 90
+        while not stop.is_set() and not failed_at and time.monotonic() < deadline:
             if any(r["state"] == "failed" for r in replicas(admin, "broken")):
                 failed_at.append(time.time())
             time.sleep(0.1)
@@ -261,6 +264,7 @@ def test_a_corrupt_model_answers_every_waiting_request_503_with_why_at_once(
     try:
         with ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(one, range(3)))
+        watcher.join(15)
     finally:
         stop.set()
         watcher.join()
