@@ -128,3 +128,26 @@ def test_a_model_no_node_has_room_for_answers_with_the_schedulers_why(store) -> 
     assert refused.status_code == 503 and error["code"] == "load_failed", error
     assert "tiny cannot be placed: no ready node fits any profile (cpu: n1 has under 4 GB)" \
         in error["message"]
+
+
+def test_waiters_are_answered_when_the_scheduler_lease_lapses(tmp_path) -> None:
+    """A control plane killed while requests wait: once its lease lapses (2 s here), they
+    get 503 control_plane_away, not at load_wait_s (30 s); a new request at once."""
+    store = Store(tmp_path / "db.sqlite")
+    store.add_model(MODEL)
+    assert store.acquire_lease("cp", 2.0) is not None
+    app = make_gateway_app(store, ServerConfig(load_wait_s=30), upstream=Upstream())
+    answers: list[httpx.Response] = []
+    try:
+        with serve_gateway(app) as url:
+            thread = post_in_background(url, answers)
+            until("the request to wait", lambda: waiting(store) == 1, lambda: store.uses())
+            thread.join(10)
+            again = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=30)
+    finally:
+        store.close()
+    (away,) = answers
+    for answer in (away, again):
+        error = answer.json()["error"]
+        assert answer.status_code == 503 and error["code"] == "control_plane_away", error
+        assert "no control plane is scheduling" in error["message"]

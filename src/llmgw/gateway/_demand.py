@@ -7,7 +7,7 @@ One poller per model with waiters reads the store every POLL_S: the first ready 
 ends the wait of every waiter, in order of arrival; a replica that failed, or a placement
 that found no room, after a waiter came answers every waiter 503 with that reason at once.
 A control plane that holds no scheduler lease cannot start anything: a cold model is then
-refused at once."""
+refused at once, and its waiters are answered as soon as the lease lapses."""
 
 from __future__ import annotations
 
@@ -149,6 +149,11 @@ class Loads:
                 self._end(name, "ready", None)
             elif failure:
                 self._end(name, "failed", LoadFailed(failure, "load_failed"))
+            elif why := await self._scheduler_away():
+                # The control plane went away while they waited (killed: its lease lapsed).
+                self._end(name, "failed", LoadFailed(
+                    f"no replica of {name} became ready and {why}, so none can be started "
+                    "now; try again once a control plane runs", "control_plane_away"))
 
     def _end(self, name: str, outcome: str, error: LoadFailed | None) -> None:
         m = self.models[name]
