@@ -197,10 +197,13 @@ def test_what_a_new_model_leaves_out_it_gets_as_declared_and_so_does_an_old_row(
     added = CATALOG_MODEL.validate_python(given)
     assert set(SPEC_DEFAULTS) == set(added) - set(given)
     assert added == {**given, **SPEC_DEFAULTS, "profiles": added["profiles"]}
-    assert SPEC_DEFAULTS["scaling"] == {"min": 1, "max": 1}
+    assert SPEC_DEFAULTS["scaling"] == {"min": 1, "max": 1, "idle_s": 900}
     assert SPEC_DEFAULTS["geometry"]["block_count"] == 0 and len(SPEC_DEFAULTS["geometry"]) == 8
     assert added["profiles"][0]["priority"] == 100
     assert stored_spec(json.dumps(given)) == {**added, "profiles": given["profiles"]}
+    # A row stored before scaling.idle_s existed reads with its default too.
+    old_scaling = {**given, "scaling": {"min": 0, "max": 2}}
+    assert stored_spec(json.dumps(old_scaling))["scaling"] == {"min": 0, "max": 2, "idle_s": 900}
 
 
 class _Record(TypedDict):

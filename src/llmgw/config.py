@@ -145,6 +145,10 @@ class ServerConfig(_Section):
     gateway_routing: Literal["balanced", "round-robin"] = "balanced"
     gateway_queue_size: int = Field(default=256, ge=0)
     gateway_queue_wait_s: float = Field(default=30.0, gt=0)
+    # A request for a model with no ready replica (scaling.min 0, or all gone) waits for
+    # one to load at most load_wait_s, behind at most load_queue_size others (per model).
+    load_wait_s: float = Field(default=120.0, gt=0)
+    load_queue_size: int = Field(default=256, ge=0)
     # The gateway's own process (`llmgw gateway`): its metrics on a loopback listener, which
     # the admin API's /metrics appends, and how long a stop lets requests under way finish.
     gateway_metrics_listen: StrictStr = "127.0.0.1:9091"

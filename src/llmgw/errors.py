@@ -29,6 +29,7 @@ Error
  ├── cli.backup.BackupError
  ├── model.ggufmeta.GGUFError
  ├── gateway.balancer.Saturated (every replica's queue is full)
+ ├── gateway._demand.LoadFailed (no replica of a waited-for model came: why)
  ├── gateway.app.GatewayError (an answer in OpenAI's error shape)
  ├── gateway._upstream.UpstreamError (a replica failed once the request was sent)
  │    └── gateway._upstream.ConnectFailed (it never reached the engine: try another)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from llmgw.agent import agent as agent_mod
-from llmgw.agent.agent import MAX_BACKOFF_S, Agent, backoff_s
+from llmgw.agent.agent import LOADING_BEAT_S, MAX_BACKOFF_S, Agent, backoff_s
 from llmgw.agent.client import AgentAPIError, AgentClient
 from llmgw.agent.engines.common import engine_status
 from llmgw.agent.engines.cpu import LlamaCpp
@@ -41,6 +41,9 @@ class Recorder:
 
     def warnings(self) -> list[str]:
         return []
+
+    def loading(self) -> bool:
+        return False
 
 
 @pytest.fixture
@@ -139,6 +142,25 @@ def test_control_plane_away_is_logged_once_and_backs_off(
     assert agent.beat() == 1.0 and agent.beat() == 1.0
     back = [r for r in caplog.records if "answers again" in r.getMessage()]
     assert len(back) == 1, caplog.text
+
+
+def test_while_a_replica_loads_the_agent_beats_sooner_unless_the_control_plane_is_away(
+        tmp_path: Path) -> None:
+    """A ready engine is reported within LOADING_BEAT_S of its readiness, not heartbeat_s
+    later (a request may wait for it); with nothing loading (the control), or with the
+    control plane away (its backoff), the wait is as it was."""
+    client = _DownClient()
+    client.up = True
+    config = AgentConfig(heartbeat_s=5.0, state_dir=str(tmp_path))
+    workload = Recorder()
+    agent = Agent(config, client=client,  # type: ignore[arg-type]
+                  engine=LlamaCpp(EngineConfig(cache_dir=str(tmp_path))),
+                  discover=lambda: Discovery(), workload=workload)  # type: ignore[arg-type]
+    assert agent._sooner_while_loading(5.0) == 5.0
+    workload.loading = lambda: True  # type: ignore[method-assign]
+    assert agent._sooner_while_loading(5.0) == LOADING_BEAT_S
+    agent.failures = 2
+    assert agent._sooner_while_loading(10.0) == 10.0
 
 
 def test_backoff_starts_at_the_heartbeat_and_is_capped() -> None:

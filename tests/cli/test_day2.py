@@ -63,10 +63,14 @@ def test_status_lists_nodes_and_a_ready_replica_as_a_table_and_as_json(host) -> 
     assert lines[1].split()[:3] == ["node-a", "ready", "llamacpp"]
     replica = next(line for line in lines if line.startswith("r1"))
     assert replica.split()[:4] == ["r1", "tiny", "node-a", "ready"]
+    # Each model with its state (a ready replica: serving), scaling and idle time.
+    model = next(line for line in lines if line.startswith("tiny "))
+    assert model.split() == ["tiny", "serving", "1-1", "900", "s"]
     assert "secret" not in table.stdout
     as_json = json.loads(llmgw("status", f"--state-dir={state}", "--mode=local",
                                "--json").stdout)
     assert as_json["replicas"][0]["state"] == "ready" and as_json["nodes"][0]["id"] == "node-a"
+    assert [(m["name"], m["state"]) for m in as_json["models"]] == [("tiny", "serving")]
 
 
 def test_models_add_ls_rm_round_trip(host, tmp_path) -> None:

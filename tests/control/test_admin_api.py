@@ -24,8 +24,10 @@ def test_add_list_get_delete(live_control_plane) -> None:
     admin = live_control_plane.admin
     r = admin.post("/api/v1/models", json=MODEL)
     assert r.status_code == 201, r.text
-    assert r.json()["scaling"] == {"min": 1, "max": 1}
-    assert [m["name"] for m in admin.get("/api/v1/models").json()] == ["tiny"]
+    assert r.json()["scaling"] == {"min": 1, "max": 1, "idle_s": 900}
+    # Listed with its state; none serves (no node here).
+    assert [(m["name"], m["state"] != "serving") for m in admin.get("/api/v1/models").json()] \
+        == [("tiny", True)]
     assert admin.get("/api/v1/models/tiny").json()["aliases"] == ["tiny-chat"]
     assert admin.delete("/api/v1/models/tiny").status_code == 204
     assert admin.get("/api/v1/models/tiny").status_code == 404

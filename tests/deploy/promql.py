@@ -130,7 +130,9 @@ def exported_names(tmp_path: Path) -> set[str]:
     control = ControlPlaneMetrics(store, 30.0, certificates={"ca": str(ca_pem)})
     texts = [generate_latest(control.registry).decode()]
     gateway = CollectorRegistry()
-    GatewayMetrics(gateway).observe("m", 200, 0.0, (3, 5), key="k")
+    counted = GatewayMetrics(gateway)
+    counted.observe("m", 200, 0.0, (3, 5), key="k")
+    counted.load("m", "failed", 2.0)
     texts.append(generate_latest(gateway).decode())
 
     async def gateway_up() -> str:

@@ -34,6 +34,9 @@ MAX_BACKOFF_S = 15.0
 MAX_BACKOFF_BEATS = 3
 # How often the agent looks at its certificate's expiry.
 RENEW_CHECK_S = 3600.0
+# While a replica downloads or starts, the agent beats at least this often: a request may be
+# waiting for it (models on demand), and its readiness is seen at a heartbeat.
+LOADING_BEAT_S = 0.5
 
 
 def backoff_s(heartbeat_s: float, failures: int,
@@ -193,6 +196,14 @@ class Agent:
                 return
             stop.wait(min(left, 0.25))
 
+    def _sooner_while_loading(self, delay_s: float) -> float:
+        """The wait before the next heartbeat: at most LOADING_BEAT_S while a replica loads
+        (its engine's readiness is seen and reported then, not a heartbeat_s later; a
+        request may be waiting for it), unless the control plane is away (its backoff)."""
+        if self.failures == 0 and self.workload.loading():
+            return min(delay_s, LOADING_BEAT_S)
+        return delay_s
+
     def _states(self) -> tuple[str, str]:
         return self.engine.status["state"], self.cuda.status["state"]
 
@@ -204,7 +215,7 @@ class Agent:
         self.cuda.start()
         try:
             while not stop.is_set() and not self.removed:
-                self._pause(stop, self.beat())
+                self._pause(stop, self._sooner_while_loading(self.beat()))
         finally:
             self.cuda.stop()
             self.engine.stop()

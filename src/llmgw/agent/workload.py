@@ -27,6 +27,10 @@ class Workload(Protocol):
     def warnings(self) -> list[str]:
         """What a person must read of the replicas (a GPU placement given up), one line each."""
 
+    def loading(self) -> bool:
+        """Whether a replica is downloading or starting (the agent beats sooner meanwhile,
+        so that a ready engine is served at once)."""
+
 
 class NoReplicas:
     """Runs nothing and reports nothing; assignments are ignored (remembered for tests)."""
@@ -45,3 +49,6 @@ class NoReplicas:
 
     def warnings(self) -> list[str]:
         return []
+
+    def loading(self) -> bool:
+        return False

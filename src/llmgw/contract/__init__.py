@@ -15,8 +15,10 @@ from llmgw.contract.states import (
     LIVE_REPLICA_STATES,
     REPORTED_REPLICA_STATES,
     EngineState,
+    ModelState,
     NodeState,
     ReplicaState,
+    model_state,
 )
 
 __all__ = [
@@ -30,6 +32,8 @@ __all__ = [
     "AdminPaths",
     "AgentPaths",
     "EngineState",
+    "ModelState",
     "NodeState",
     "ReplicaState",
+    "model_state",
 ]

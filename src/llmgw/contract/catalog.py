@@ -87,10 +87,13 @@ def _allowed_args(v: list[str]) -> list[str]:
 
 @with_config(_STRICT)
 class ScalingSpec(TypedDict):
-    """How many replicas of a model the scheduler keeps: at least min, at most max."""
+    """How many replicas of a model the scheduler keeps: at least min, at most max. With
+    min 0 the model loads on its first request (the gateway holds it meanwhile); a replica
+    above min with no request for idle_s seconds is removed (0: never)."""
 
     min: Annotated[int, Field(default=1, ge=0, le=64)]
     max: Annotated[int, Field(default=1, ge=1, le=64)]
+    idle_s: Annotated[int, Field(default=900, ge=0)]
 
 
 def _min_le_max(v: ScalingSpec) -> ScalingSpec:

@@ -21,6 +21,23 @@ class ReplicaState(StrEnum):
     STOPPED = "stopped"
 
 
+class ModelState(StrEnum):
+    """A catalog model as its replicas show it: none live (a model at scaling.min 0 loads
+    on its first request), live but none ready yet, or at least one ready."""
+
+    IDLE = "idle"
+    LOADING = "loading"
+    SERVING = "serving"
+
+
+def model_state(states: list[str]) -> ModelState:
+    """A model's state from its replicas' states (stopped ones included or not)."""
+    live = [s for s in states if s != ReplicaState.STOPPED]
+    if any(s == ReplicaState.READY for s in live):
+        return ModelState.SERVING
+    return ModelState.LOADING if live else ModelState.IDLE
+
+
 class NodeState(StrEnum):
     """A node as its heartbeats show it: registered, provisioning its engine, ready with it,
     or silent for longer than node_timeout_s."""

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 from llmgw import httpclient
-from llmgw.contract import AdminPaths, keys
+from llmgw.contract import AdminPaths, keys, model_state
 from llmgw.contract.catalog import CatalogModel, names
 from llmgw.contract.explain import problems
 from llmgw.contract.records import (
@@ -291,8 +291,14 @@ def make_admin_app(
     # Catalog specs leave as stored (a row written by an older release may lack a newer
     # key), so FastAPI does not check them against ModelSpec on the way out.
     @app.get("/api/v1/models", response_model=None)
-    def models() -> list[ModelSpec]:
-        return store.models()
+    def models() -> list[dict[str, object]]:
+        """The catalog, each model with its state (idle, loading, serving) from its
+        replicas."""
+        states: dict[str, list[str]] = {}
+        for r in store.replicas():
+            states.setdefault(r["model"], []).append(r["state"])
+        return [{**m, "state": model_state(states.get(m["name"], []))}
+                for m in store.models()]
 
     @app.post("/api/v1/models", status_code=201, response_model=None)
     def add_model(model: CatalogModel) -> ModelSpec:

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import httpx
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -18,6 +18,7 @@ from prometheus_client.core import (
 from llmgw.contract import NodeState, ReplicaState
 from llmgw.contract.records import NodeRecord, ReplicaRecord
 from llmgw.control import _fleet_metrics as fleet
+from llmgw.control._demand import IDLE, NO_ROOM, Eviction
 from llmgw.control.leadership import control_plane_views
 from llmgw.control.nodes import node_view
 from llmgw.store import Store, StoreError
@@ -191,6 +192,16 @@ class ControlPlaneMetrics:
         self.registry.register(StateCollector(store, node_timeout_s))
         # The certificate files it serves with, by role (ca, server, gateway).
         self.registry.register(fleet.CertificateCollector(certificates or {}, store))
+        self.evictions = Counter(
+            "llmgw_evictions", "Replicas the scheduler stopped to give memory back, by "
+            "reason: idle (no request for scaling.idle_s) or no_room (evicted for a model "
+            "requests wait for)", ["reason"], registry=self.registry)
+        for reason in (IDLE, NO_ROOM):
+            self.evictions.labels(reason)
+
+    def evicted(self, eviction: Eviction) -> None:
+        """Count one eviction (the scheduler tells each once it is written)."""
+        self.evictions.labels(eviction.reason).inc()
 
     async def render(self, client: httpx.AsyncClient) -> bytes:
         own = await asyncio.to_thread(generate_latest, self.registry)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from llmgw.contract import (
@@ -32,12 +33,12 @@ from llmgw.contract.records import (
     ProfileSpec,
     ReplicaRecord,
 )
-from llmgw.control import _cards
+from llmgw.control import _cards, _demand
 from llmgw.control._cards import card_name as _card_name
 from llmgw.control._cards import free_bytes as _free_bytes
 from llmgw.control.nodes import gpu_engine_switched_off, node_view
 from llmgw.model import kv_sizing
-from llmgw.store import Lease, Store
+from llmgw.store import Lease, Store, Use
 
 log = logging.getLogger("llmgw.scheduler")
 
@@ -56,6 +57,9 @@ class Plan:
     # unplaced id → (node, profile, the GPUs it gets)
     place: dict[str, tuple[str, str, list[str]]] = field(default_factory=dict)
     waiting: dict[str, str] = field(default_factory=dict)  # unplaced id → why
+    # Replicas stopped to give memory back: idle, or to make room for a model requests wait
+    # for (each also in stop).
+    evicted: list[_demand.Eviction] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -385,9 +389,14 @@ def _move(model: ModelSpec, mine: list[ReplicaRecord], nodes: list[NodeView],
 
 
 def plan(
-    models: list[ModelSpec], nodes: list[NodeView], replicas: list[ReplicaRecord]
+    models: list[ModelSpec], nodes: list[NodeView], replicas: list[ReplicaRecord],
+    uses: Mapping[str, Use] | None = None, now: float = 0.0,
 ) -> Plan:
-    """The changes that bring replicas in line with the catalog and the nodes' states."""
+    """The changes that bring replicas in line with the catalog and the nodes' states; with
+    uses (what the gateways saw of each model, at now), models on demand too (_demand):
+    one replica for a model requests wait for, idle replicas removed, and an idle one of
+    another model evicted when a waited-for model finds no room."""
+    uses = uses or {}
     result = Plan()
     by_name = {m["name"]: m for m in models}
     by_id = {n["id"]: n for n in nodes}
@@ -408,16 +417,23 @@ def plan(
             # engine again still runs them (engines outlive their agent).
             result.stop[r["id"]] = f"node {r['node']} is {states.get(r['node'], 'gone')}"
     kept = [r for r in live if r["id"] not in result.stop]
+    if uses:
+        _retire_idle(models, kept, uses, now, result)
+        kept = [r for r in kept if r["id"] not in result.stop]
     for model in models:
+        use = uses.get(model["name"], _demand.NOBODY)
         mine = _surplus(model, [r for r in kept if r["model"] == model["name"]], result)
         placed = [r for r in mine if r["node"]]
         # Replicas to place: those without a node, then "" for each one to make.
         unplaced = [r["id"] for r in mine if not r["node"]]
-        unplaced += [""] * max(model["scaling"]["min"] - len(mine), 0)
+        unplaced += [""] * max(_demand.floor(model, use) - len(mine), 0)
         taken = placed + result.add
         others = [r for r in kept if r["id"] not in result.stop and r["model"] != model["name"]]
         for rid in unplaced:
             where = place(model, nodes, others + taken, by_name)
+            if not where.node and use.waiting:
+                where, others = _evict(model, where, nodes, others, taken, by_name, uses,
+                                       result)
             if rid and where.node:
                 result.place[rid] = (where.node, where.profile, where.gpus)
             elif rid:
@@ -432,12 +448,48 @@ def plan(
     return result
 
 
+# --- models on demand (control/_demand.py decides; these apply it to a plan) ---
+
+
+def _retire_idle(models: list[ModelSpec], kept: list[ReplicaRecord],
+                 uses: Mapping[str, Use], now: float, result: Plan) -> None:
+    for model in models:
+        mine = [r for r in kept if r["model"] == model["name"]]
+        use = uses.get(model["name"], _demand.NOBODY)
+        result.stop.update(_demand.unwanted(model, mine, use))
+        placed = [r for r in mine if r["id"] not in result.stop]
+        for retired in _demand.retire_idle(model, placed, use, now):
+            result.stop[retired.replica] = retired.event()
+            result.evicted.append(retired)
+
+
+def _evict(model: ModelSpec, where: Placement, nodes: list[NodeView],
+           others: list[ReplicaRecord], taken: list[ReplicaRecord],
+           models: dict[str, ModelSpec], uses: Mapping[str, Use],
+           result: Plan) -> tuple[Placement, list[ReplicaRecord]]:
+    """Where model goes once the least recently used idle replica that makes room is
+    evicted (named in result.evicted), and the replicas left; as it was when none does."""
+    def fits(rest: list[ReplicaRecord]) -> str:
+        return place(model, nodes, rest + taken, models).node
+
+    found = _demand.evict_for(model, others, models, uses, fits, where.why)
+    if found is None:
+        return where, others
+    eviction, rest = found
+    result.stop[eviction.replica] = eviction.event()
+    result.evicted.append(eviction)
+    return place(model, nodes, rest + taken, models), rest
+
+
 class Scheduler:
     """Applies plans to the store; run it after every change and on a timer."""
 
-    def __init__(self, store: Store, node_timeout_s: float) -> None:
+    def __init__(self, store: Store, node_timeout_s: float,
+                 on_evict: Callable[[_demand.Eviction], None] | None = None) -> None:
         self.store = store
         self.node_timeout_s = node_timeout_s
+        # Told of each eviction once it is written (the metrics count them).
+        self.on_evict = on_evict
 
     def tick(self, lease: Lease | None = None) -> Plan:
         """Plan from what the store holds now and write the plan in one transaction: with a
@@ -446,8 +498,12 @@ class Scheduler:
         now = self.store.clock()
         hearing = self.store.hearing
         nodes = [node_view(n, now, self.node_timeout_s, hearing) for n in self.store.nodes()]
-        p = plan(self.store.models(), nodes, self.store.replicas())
+        p = plan(self.store.models(), nodes, self.store.replicas(), self.store.uses(), now)
         self.store.apply_plan(p, lease, keep_stopped_s=KEEP_STOPPED_S)
+        for eviction in p.evicted:
+            log.warning("%s", eviction.event())
+            if self.on_evict is not None:
+                self.on_evict(eviction)
         for rid, why in p.stop.items():
             log.info("stopping replica %s: %s", rid, why)
         for r in p.add:

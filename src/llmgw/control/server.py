@@ -161,7 +161,7 @@ async def serve(config: ServerConfig, *, admin_token_hash: Path | None) -> None:
                            token_hash=admin_token_hash, metrics=metrics,
                            on_node_removed=agent_api.revoke, drift=agent_api.api.drift)
     admin_server = Http1Server(admin, config.admin_listen, drain_s=ADMIN_DRAIN_S)
-    scheduler = Scheduler(store, config.node_timeout_s)
+    scheduler = Scheduler(store, config.node_timeout_s, on_evict=metrics.evicted)
     leadership = Leadership(store, identity(config))
     stopping = asyncio.Event()
 

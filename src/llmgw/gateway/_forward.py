@@ -31,6 +31,9 @@ from llmgw.http1.server import Cycle
 
 log = logging.getLogger("llmgw.gateway")
 
+# The status counted for a request whose client hung up before it was answered (nginx's).
+CLIENT_LEFT = 499
+
 
 class Forwarder:
     """Http1Server's fast handler for one Gateway (see the module's docstring): takes each
@@ -117,6 +120,7 @@ class Exchange:
                                "/v1/models lists what this gateway serves",
                                "invalid_request_error", "model_not_found", "model")
         self.name = model["name"]
+        gw.loads.began(self.name)
         _check_kind(model, self.kind, self.scope["path"])
         self.raw = raw
         return self._admitted()
@@ -166,8 +170,14 @@ class Exchange:
         one wait, and on from its callback."""
         waiting = asyncio.ensure_future(self.gw.lease(self.name, self.conv, self.tried))
         waiting.add_done_callback(lambda _: self._safely(self._leased, waiting))
+        # A client that hangs up while it waits leaves the queue (a model's load) at once.
+        self.cycle.when_gone(lambda: _cancel(waiting))
 
     def _leased(self, waiting: asyncio.Future[Lease | None]) -> None:
+        if waiting.cancelled():
+            self.status = CLIENT_LEFT
+            self._finish()
+            return
         lease = waiting.result()  # a GatewayError (503) is answered by _safely
         if lease is None:
             raise self.gw.no_replica(self.name, self.refused)
@@ -310,6 +320,8 @@ class Exchange:
             return
         self.finished = True
         gw = self.gw
+        if self.name:
+            gw.loads.ended(self.name)
         gw.count_usage(self.caller, self.status, self.usage)
         if gw.metrics:
             gw.metrics.in_flight -= 1
@@ -343,6 +355,10 @@ class Exchange:
         else:
             self.cycle.answer(error.status, [*JSON_HEADERS, *error.headers], error.body())
         self._finish()
+
+
+def _cancel(task: asyncio.Future[Lease | None]) -> None:
+    task.cancel()
 
 
 def replica_failed(replica_id: str, model: str, why: object) -> GatewayError:

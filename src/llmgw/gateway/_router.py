@@ -13,9 +13,10 @@ from llmgw.store import Store, StoreError
 log = logging.getLogger("llmgw.gateway")
 
 
-# How stale the table may be when it lacks a request's key (Router.key): the slot poller
-# reads the table every 0.5 s, so a key made a moment ago would be refused meanwhile; the
-# floor keeps requests with made-up keys from reading the store each time.
+# How stale the table may be when it lacks a request's key (Router.key) or model
+# (Router.resolve): the slot poller reads the table every 0.5 s, so a key made or a model
+# added a moment ago would be refused meanwhile; the floor keeps requests with made-up keys
+# or names from reading the store each time.
 FRESH_TTL_S = 0.05
 
 
@@ -56,6 +57,9 @@ class Router:
             self.stale_since = None
 
     def _read_table(self) -> None:
+        # As of the read's start: a row written while it ran may be missing from it, so a
+        # lookup that misses reads again (FRESH_TTL_S) instead of trusting it.
+        started = time.monotonic()
         names: dict[str, ModelSpec] = {}
         ready: dict[str, list[ReplicaRecord]] = {}
         for model in self.store.models():
@@ -66,10 +70,15 @@ class Router:
                 ready.setdefault(r["model"], []).append(r)
         self.created = self.store.created()
         self._keys = {k["hash"]: k for k in self.store.keys()}
-        self._names, self._ready, self._read_at = names, ready, time.monotonic()
+        self._names, self._ready, self._read_at = names, ready, started
 
     def resolve(self, requested: str) -> ModelSpec | None:
+        """The catalog model of this name or alias. A name not in the table has the store
+        read again unless it was just read (as a key is), so a model added a moment ago
+        (perhaps at scaling.min 0, loaded by this very request) is found at once."""
         self._refresh()
+        if requested not in self._names:
+            self._refresh(ttl_s=FRESH_TTL_S)
         return self._names.get(requested)
 
     def names(self) -> dict[str, ModelSpec]:

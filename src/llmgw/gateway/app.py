@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 from llmgw.config import ServerConfig
 from llmgw.contract import keys, secret
-from llmgw.contract.records import ModelSpec
+from llmgw.contract.records import ModelSpec, ReplicaRecord
 from llmgw.errors import Error
 from llmgw.gateway import _limits
 from llmgw.gateway._budgets import CLAIM_WAIT_S, Budgets
+from llmgw.gateway._demand import LoadFailed, Loads
 from llmgw.gateway._relay import respond
 from llmgw.gateway._router import Router
 from llmgw.gateway._shares import KeyShares
@@ -98,7 +99,8 @@ class Gateway:
     def __init__(self, store: Store, *, tokens: list[str], upstream: Upstream,
                  metrics: GatewayMetrics | None, max_body_bytes: int, keys_required: bool,
                  usage_flush_s: float, balancer: Balancer,
-                 claim_wait_s: float = CLAIM_WAIT_S) -> None:
+                 claim_wait_s: float = CLAIM_WAIT_S, load_wait_s: float = 120.0,
+                 load_queue_size: int = 256) -> None:
         self.router = Router(store)
         self.tokens = [t.encode() for t in tokens]
         self.required = keys_required or bool(tokens)
@@ -112,6 +114,10 @@ class Gateway:
         self.slots = SlotPoller(self.balancer, self.router.all_ready, upstream)
         # Keys' rpm and tpm, shared with every gateway of the store (gateway/_budgets.py).
         self.budgets = Budgets(store, claim_wait_s=claim_wait_s)
+        # Models on demand: requests wait here for a replica to load (gateway/_demand.py).
+        self.loads = Loads(store, self.budgets.id, wait_s=load_wait_s,
+                           queue_size=load_queue_size, metrics=metrics,
+                           ready=lambda model: self.router.ready(model, fresh=True))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -119,11 +125,13 @@ class Gateway:
                 self.slots.ensure_running()
             flusher = asyncio.ensure_future(self._flush_every())
             self.budgets.ensure_running()
+            self.loads.ensure_running()
             try:
                 await _lifespan(receive, send)
             finally:
                 flusher.cancel()
                 await self.flush_usage()
+                await self.loads.close()
                 await self.budgets.close()
                 await self.slots.stop()
             return
@@ -271,12 +279,28 @@ class Gateway:
             # About to answer 503: first make sure no replica became ready since the last
             # read (a replica that just became ready was refused for up to ttl_s).
             replicas = self.router.ready(model, fresh=True)
+        if not replicas and not tried:
+            replicas = await self._loaded(model)
         try:
             return await self.balancer.acquire(model, replicas, conv, tried)
         except Saturated as e:
             raise GatewayError(503, f"{e}; try again in {RETRY_AFTER_S} s", "server_busy",
                                "replicas_busy",
                                headers=[(b"retry-after", str(RETRY_AFTER_S).encode())]) from e
+
+    async def _loaded(self, model: str) -> list[ReplicaRecord]:
+        """The model's ready replicas once its load queue's wait ends (a 503 saying why
+        when it fails); [] for a model no longer in the catalog."""
+        spec = self.router.resolve(model)
+        if spec is None:
+            return []
+        self.loads.ensure_running()
+        try:
+            await self.loads.wait(spec)
+        except LoadFailed as e:
+            raise GatewayError(503, str(e), "service_unavailable", e.code,
+                               headers=[(b"retry-after", str(RETRY_AFTER_S).encode())]) from e
+        return self.router.ready(model, fresh=True)
 
     def no_replica(self, model: str, refused: str) -> GatewayError:
         """The 503 for a request no replica could take (refused: why the last one tried
@@ -301,6 +325,8 @@ def make_gateway_app(store: Store, settings: ServerConfig | None = None, *,
                    max_body_bytes=settings.gateway_max_body_bytes,
                    keys_required=settings.gateway_keys == "required",
                    usage_flush_s=usage_flush_s, claim_wait_s=claim_wait_s,
+                   load_wait_s=settings.load_wait_s,
+                   load_queue_size=settings.load_queue_size,
                    balancer=Balancer(settings.gateway_routing,
                                      queue_size=settings.gateway_queue_size,
                                      queue_wait_s=settings.gateway_queue_wait_s))

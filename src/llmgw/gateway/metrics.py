@@ -18,6 +18,8 @@ from prometheus_client.utils import floatToGoString
 
 # The request-duration buckets, in seconds.
 DURATION_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# A model's load, from the first request that waited for it to its first ready replica.
+LOAD_BUCKETS = (.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 
 
 class GatewayMetrics:
@@ -32,7 +34,18 @@ class GatewayMetrics:
         self._counts: dict[tuple[str, int, str], list[int]] = {}
         # model: [count per bucket (the last is +Inf)..., seconds in all]
         self._durations: dict[str, list[float]] = {}
+        # Models on demand (gateway/_demand.py): requests waiting for a load, per model;
+        # loads by (model, outcome) and every load's seconds, first waiter to its end.
+        self.waiting_for_load: dict[str, int] = {}
+        self._loads: dict[tuple[str, str], int] = {}
+        self._load_seconds: list[float] = [0.0] * (len(LOAD_BUCKETS) + 2)
         registry.register(self)
+
+    def load(self, model: str, outcome: str, seconds: float) -> None:
+        """One load ended: ready (a replica came) or failed (it could not load)."""
+        self._loads[(model, outcome)] = self._loads.get((model, outcome), 0) + 1
+        self._load_seconds[bisect.bisect_left(LOAD_BUCKETS, seconds)] += 1
+        self._load_seconds[-1] += seconds
 
     def observe(self, model: str, status: int, started: float,
                 usage: tuple[int, int] | None, key: str = "") -> None:
@@ -79,5 +92,30 @@ class GatewayMetrics:
         yield requests
         yield tokens
         yield duration
+        yield from self._demand()
         yield GaugeMetricFamily("llmgw_gateway_requests_in_flight",
                                 "Gateway requests being served now", value=self.in_flight)
+
+    def _demand(self) -> Iterator[Any]:
+        waiting = GaugeMetricFamily(
+            "llmgw_requests_waiting_for_load", "Requests waiting for a replica of their "
+            "model to load (scaling.min 0, or none ready)", labels=["model"])
+        for model, n in self.waiting_for_load.items():
+            waiting.add_metric([model], n)
+        loads = CounterMetricFamily(
+            "llmgw_model_loads", "Loads of a model that requests waited for, by outcome: "
+            "ready, or failed (answered 503 with why)", labels=["model", "outcome"])
+        for (model, outcome), n in self._loads.items():
+            loads.add_metric([model, outcome], n)
+        seconds = HistogramMetricFamily(
+            "llmgw_model_load_seconds", "A load's time, from the first request that waited "
+            "for it to its first ready replica (or its failure)")
+        cumulative, buckets = 0.0, []
+        for le, count in zip([*map(floatToGoString, LOAD_BUCKETS), "+Inf"],
+                             self._load_seconds[:-1], strict=True):
+            cumulative += count
+            buckets.append((le, cumulative))
+        seconds.add_metric([], buckets, sum_value=self._load_seconds[-1])
+        yield waiting
+        yield loads
+        yield seconds

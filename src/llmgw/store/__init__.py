@@ -5,7 +5,7 @@ SQLite (a file, the embedded default) or PostgreSQL (`store: postgresql://…` i
 server.yaml), through SQLAlchemy Core.
 
 One module an aggregate (nodes.py, tokens.py, catalog.py, replicas.py, keys.py, budgets.py,
-viewers.py, sessions.py, control_planes.py); _db.py opens the store and brings its schema
+viewers.py, sessions.py, control_planes.py, demand.py); _db.py opens the store and brings its schema
 to this code's revision (migrations/, Alembic).
 """
 
@@ -30,6 +30,7 @@ from ._db import (
 from .budgets import BudgetStore, Grant, Settled, Want
 from .catalog import CatalogStore
 from .control_planes import SCHEDULER, ControlPlaneStore, Lease, LeaseLost
+from .demand import DemandStore, Use
 from .keys import KeyStore
 from .nodes import Hearing, NodeStore
 from .replicas import ReplicaStore
@@ -38,11 +39,12 @@ from .tokens import TokenStore
 from .viewers import ViewerStore
 
 __all__ = ["SCHEDULER", "Grant", "Lease", "LeaseLost", "SchemaError", "Settled", "Store",
-           "StoreConflict", "StoreError", "Want", "answers", "redacted", "refusal", "store_url"]
+           "StoreConflict", "StoreError", "Use", "Want", "answers", "redacted", "refusal",
+           "store_url"]
 
 
 class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, ControlPlaneStore,
-            ViewerStore, SessionStore, BudgetStore):
+            ViewerStore, SessionStore, BudgetStore, DemandStore):
     """The store, shared by the API threads of one process.
 
     where: a SQLite file's path, or a URL (`sqlite:///PATH`, `postgresql://…`).

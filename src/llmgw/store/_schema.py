@@ -161,5 +161,19 @@ key_budget = sa.Table(
     sa.Index("key_budget_by_at", "at"),
 )
 
+# What each gateway saw of each model (store/demand.py), written every few seconds: requests
+# waiting for a replica to load, in flight, and when the last one came. The scheduler loads
+# a model that requests wait for and removes replicas idle past scaling.idle_s. Transient
+# (copy.NOT_COPIED): a row not rewritten within DEMAND_FRESH_S means nothing.
+demand = sa.Table(
+    "demand", metadata,
+    sa.Column("gateway", sa.Text, primary_key=True),
+    sa.Column("model", sa.Text, primary_key=True),
+    sa.Column("waiting", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("in_flight", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("last_used", Time, nullable=False, server_default="0"),
+    sa.Column("at", Time, nullable=False),
+)
+
 TABLES = (nodes, models, replicas, certs, tokens, keys, control_planes, leases, viewers,
-          sessions, key_budget)
+          sessions, key_budget, demand)

@@ -26,7 +26,7 @@ Rows = dict[str, list[dict[str, Any]]]
 # (or a move) that brought them back would revive sessions signed out after the backup
 # was taken, and a backup would carry live sign-ins; signing in again is cheap. Nor the
 # shares of keys' minutes gateways took (key_budget), which mean nothing a minute later.
-NOT_COPIED = frozenset({"sessions", "key_budget"})
+NOT_COPIED = frozenset({"sessions", "key_budget", "demand"})
 
 
 def _copied() -> list[sa.Table]:

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import RowMapping
 
 from llmgw.contract import ReplicaState
-from llmgw.contract.catalog import SPEC_DEFAULTS
+from llmgw.contract.catalog import SPEC_DEFAULTS, ScalingSpec, defaults
 from llmgw.contract.records import (
     REPLICA,
     REPLICA_UPDATE,
@@ -128,4 +128,5 @@ def stored_spec(text: str) -> ModelSpec:
     """A stored catalog model, with what a row stored before a field existed lacks (its
     digest, size, geometry) as the catalog's defaults: readers never hedge."""
     spec: ModelSpec = {**copy.deepcopy(SPEC_DEFAULTS), **json.loads(text)}  # type: ignore[typeddict-item]
+    spec["scaling"] = {**defaults(ScalingSpec), **spec["scaling"]}  # type: ignore[typeddict-item]
     return spec

@@ -140,6 +140,11 @@ class ReplicaSupervisor:
 
     # --- the seam the agent uses ---
 
+    def loading(self) -> bool:
+        with self._lock:
+            return any(r.state in (ReplicaState.DOWNLOADING, ReplicaState.STARTING)
+                       for r in self.replicas.values())
+
     def report(self) -> list[ReplicaReport]:
         self.watch()
         with self._lock:

@@ -1,12 +1,14 @@
-"""`llmgw status`: nodes with their engines and GPUs, replicas with model, node, state and
-uptime, each host's drift, and the control planes sharing the store with the one that
-schedules, as tables like `ollama ps`, or JSON."""
+"""`llmgw status`: nodes with their engines and GPUs, models with their state (idle, loading,
+serving), replicas with model, node, state and uptime, each host's drift, and the control
+planes sharing the store with the one that schedules, as tables like `ollama ps`, or JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from llmgw.cli.commands import _admin
 from llmgw.cli.commands._table import ago, table
@@ -27,15 +29,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             nodes, replicas, drift = client.nodes(), client.replicas(), client.drift()
             planes = _control_planes(client)
+            models = client.models()
         except _admin.Error as e:
             if getattr(e, "status", 0) is None:
                 raise _admin.unreachable(client, e) from None
             raise
     if args.json:
-        print(json.dumps({"nodes": nodes, "replicas": replicas, "drift": drift,
-                          "control_planes": planes}, indent=2))
+        print(json.dumps({"nodes": nodes, "models": models, "replicas": replicas,
+                          "drift": drift, "control_planes": planes}, indent=2))
     else:
-        print(render(nodes, replicas, time.time(), drift, planes))
+        print(render(nodes, replicas, time.time(), drift, planes, models))
     return 0
 
 
@@ -49,7 +52,8 @@ def _control_planes(client: AdminClient) -> list[ControlPlaneView] | None:
 
 def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
            drift: list[HostDrift] | None = None,
-           control_planes: list[ControlPlaneView] | None = None) -> str:
+           control_planes: list[ControlPlaneView] | None = None,
+           models: Sequence[Mapping[str, Any]] | None = None) -> str:
     node_rows = [[n["id"], n["state"], ",".join(n["engines"]) or "-", _gpus(n["gpus"]),
                   ago(now - n["last_seen"])] for n in nodes]
     replica_rows = [[r["id"], r["model"], r["node"] or "-", r["state"], _uptime(r, now),
@@ -60,6 +64,7 @@ def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
     return "\n".join([
         table(["NODE", "STATE", "ENGINES", "GPUS", "LAST SEEN"], node_rows, "no nodes"),
         *warnings, "",
+        *([render_models(models), ""] if models else []),
         table(["REPLICA", "MODEL", "NODE", "STATE", "UPTIME", "ERROR"], replica_rows,
               "no replicas"),
         *held_back_lines(replicas),
@@ -67,6 +72,15 @@ def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
         *(["", render_control_planes(control_planes, now)] if control_planes is not None
           else []),
     ])
+
+
+def render_models(models: Sequence[Mapping[str, Any]]) -> str:
+    """Each catalog model with its state (idle, loading, serving) and scaling."""
+    rows = [[m["name"], str(m.get("state", "-")),
+             f"{m['scaling']['min']}-{m['scaling']['max']}",
+             f"{m['scaling'].get('idle_s', 0)} s" if m["scaling"].get("idle_s") else "never"]
+            for m in models]
+    return table(["MODEL", "STATE", "REPLICAS", "IDLE AFTER"], rows, "no models")
 
 
 def held_back_lines(replicas: list[PublicReplica]) -> list[str]:

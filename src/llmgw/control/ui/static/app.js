@@ -108,6 +108,11 @@ function drawModels(models, replicas) {
     box.dataset.model = m.name;
     const title = el("h3", m.name);
     if ((m.aliases || []).length) title.appendChild(el("span", " also " + m.aliases.join(", "), "why"));
+    if (m.state) {
+      const state = stateEl("span", m.state);
+      state.dataset.modelState = m.state;
+      title.append(" ", state);
+    }
     box.appendChild(title);
     box.appendChild(table(["REPLICA", "NODE", "PROFILE", "STATE", "SINCE", "WHY"], mine.map((r) => ({
       data: { replica: r.id, state: r.state },
