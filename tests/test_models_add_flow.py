@@ -42,12 +42,26 @@ def held(host: ThrowawayHost) -> tuple[list, list]:
     return names, mirror.json()
 
 
+def wait_listed(gateway: str, key: str, name: str, timeout_s: float = 30.0) -> bool:
+    """Until the gateway's /v1/models lists name (its table is read every moment)."""
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        got = httpx.get(f"{gateway}/v1/models", headers={"Authorization": f"Bearer {key}"},
+                        timeout=10)
+        seen = [m["id"] for m in got.json().get("data", [])] if got.status_code == 200 else []
+        if name in seen:
+            return True
+        time.sleep(0.2)
+    raise AssertionError(f"the gateway never listed {name} within {timeout_s:.0f}s; "
+                         f"last it listed {seen}")
+
+
 def test_one_command_adds_a_gguf_url_and_it_answers_its_first_request(host, served_gguf,
                                                                       tmp_path) -> None:
     """A bad source first (a file that is not GGUF): one line, catalog and mirror as they
-    were. Then the tiny GGUF's URL (loopback http): added, and its first chat completion
-    through the gateway is 200. (Default min 1: loading a model at min 0 on its first
-    request is not on this branch.)"""
+    were. Then the tiny GGUF's URL (loopback http) with --min 0: added, nothing started
+    for it, and its very first chat completion through the gateway is 200 (it waits in
+    the gateway's load queue while its one replica starts)."""
     before = held(host)
     bad = tmp_path / "notes.gguf"
     bad.write_text("these are not weights\n")
@@ -57,20 +71,20 @@ def test_one_command_adds_a_gguf_url_and_it_answers_its_first_request(host, serv
     assert held(host) == before and before[0] == []
 
     done = llmgw(host, "models", "add", served_gguf[0], "--name", "added",
-                 "--alias", "added-chat")
+                 "--alias", "added-chat", "--min", "0")
     assert done.returncode == 0, done.stderr
-    assert "runs on " in done.stdout and "profile cpu" in done.stdout, done.stdout
+    assert "min 0: no replica starts now; one would run on " in done.stdout, done.stdout
+    assert "profile cpu" in done.stdout, done.stdout
     gateway = f"http://127.0.0.1:{host.ports['gateway']}"
-    deadline, last = time.monotonic() + 300, ""
-    while True:
-        try:
-            answer = ask(gateway, host.gateway_key, "added-chat", "hi", 30.0)
-            break
-        except AssertionError as e:  # 503 until its replica is ready
-            last = str(e)
-        assert time.monotonic() < deadline, f"added-chat never answered; last: {last}"
-        time.sleep(1)
+    listed = wait_listed(gateway, host.gateway_key, "added-chat")
+    with host.admin() as admin:
+        assert [r for r in admin.replicas() if r["model"] == "added"] == [], \
+            "a model at min 0 got a replica before anyone asked for it"
+    assert listed
+    answer = ask(gateway, host.gateway_key, "added-chat", "hi", 150.0)
     assert answer
+    with host.admin() as admin:
+        assert len([r for r in admin.replicas() if r["model"] == "added"]) == 1
     names, mirror = held(host)
     assert names == ["added"]
     assert [v["status"]["sha256"] for v in mirror if v["model"] == "added"] == [served_gguf[1]]
