@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from llmgw.contract import ReplicaState
 from llmgw.contract.records import (
     INVENTORY,
     Inventory,
+    ModelSpec,
     NodeRecord,
     NodeReplica,
     RecordError,
@@ -47,12 +49,80 @@ ALWAYS_HEARD = Hearing()
 
 _META = (nodes.c.id, nodes.c.first_seen, nodes.c.last_seen, nodes.c.serial, nodes.c.inv_version)
 
+# A beat that changes nothing writes nothing at once: its node's row is written again, in
+# full and with its newest last_seen, once it is REWRITE_EVERY_S old (the agent API passes
+# a third of the node timeout), with every other row due, in one transaction every
+# FLUSH_EVERY_S. So another control plane on the store sees a node's last_seen at most
+# REWRITE_EVERY_S + a beat + FLUSH_EVERY_S behind, well within the node timeout.
+REWRITE_EVERY_S = 10.0
+FLUSH_EVERY_S = 1.0
+# Live replicas are read for every node at once and kept this long: a write to replicas or
+# models through this store drops them at once, another process's is seen within this.
+REPLICAS_FRESH_S = 1.0
+
+
+@dataclass
+class _Beat:
+    """What this process last wrote of a node's row, and when it last heard it."""
+
+    raw: Mapping[str, object]  # the inventory as the agent sent it (already checked)
+    text: str  # as stored
+    serial: str
+    written: float  # when the row was written or queued to be, in full
+    heard: float  # the node's newest beat here
+
+
+@dataclass
+class _Assigned:
+    """Every node's live replicas as read at one moment, and the writes it had seen."""
+
+    at: float  # monotonic
+    writes: tuple[int, int]  # the store's writes to replicas and to models, then
+    by_node: dict[str, list[NodeReplica]]
+
+
+def _upsert(dialect: str) -> sa.Insert:
+    """A node's row, written in full (inv_version counts the inventory's changes): one
+    statement per dialect, built once (building one costs more than running it)."""
+    found = _UPSERTS.get(dialect)
+    if found is None:
+        from sqlalchemy.dialects import postgresql, sqlite
+
+        row = (postgresql if dialect == "postgresql" else sqlite).insert(nodes)
+        new = row.excluded
+        found = _UPSERTS[dialect] = row.on_conflict_do_update(
+            index_elements=[nodes.c.id], set_={
+                "inv_version": nodes.c.inv_version
+                + sa.case((nodes.c.inventory != new.inventory, 1), else_=0),
+                "inventory": new.inventory,
+                "last_seen": new.last_seen,
+                "serial": new.serial})
+    return found
+
+
+_UPSERTS: dict[str, sa.Insert] = {}
+_LIVE = (sa.select(replicas, models.c.spec.label("spec"))
+         .select_from(replicas.outerjoin(models, models.c.name == replicas.c.model))
+         .where(replicas.c.state != ReplicaState.STOPPED)
+         .order_by(replicas.c.node, replicas.c.id))
+# A node's report changes a replica still live only: one the scheduler stopped stays so.
+_REPORTED = (replicas.update()
+             .where(replicas.c.id == sa.bindparam("rid"),
+                    replicas.c.state != ReplicaState.STOPPED))
+
 
 class NodeStore(Aggregate):
     # The scheduler reads every node every second: an inventory is fetched and parsed again
     # only when its text changed (first_seen, inv_version), so thousands of nodes hold the
     # GIL briefly.
     _inventories: dict[str, tuple[tuple[float, int], Inventory]]
+    _beats: dict[str, _Beat]
+    _due: set[str]  # nodes whose rows the next flush writes
+    _flushed: float  # monotonic
+    _assigned: _Assigned | None
+
+    def _start_beats(self) -> None:
+        self._beats, self._due, self._flushed, self._assigned = {}, set(), 0.0, None
 
     def record_heartbeat(self, node_id: str, inventory: Mapping[str, object],
                          serial: str = "") -> None:
@@ -60,46 +130,97 @@ class NodeStore(Aggregate):
         type."""
         checked_inventory = _inventory_in(node_id, inventory)
         with self.db.tx() as conn:
-            self._upsert_node(conn, node_id, checked_inventory, serial)
+            self._write_rows(conn, [(node_id, json.dumps(checked_inventory), serial,
+                                     self.clock())])
+        self._beats.pop(node_id, None)
 
-    def _upsert_node(self, conn: Connection, node_id: str, inventory: Inventory,
-                     serial: str) -> None:
-        now = self.clock()
-        row = insert(conn, nodes).values(id=node_id, inventory=json.dumps(inventory),
-                                         first_seen=now, last_seen=now, serial=serial)
-        new = row.excluded
-        conn.execute(row.on_conflict_do_update(index_elements=[nodes.c.id], set_={
-            "inv_version": nodes.c.inv_version
-            + sa.case((nodes.c.inventory != new.inventory, 1), else_=0),
-            "inventory": new.inventory, "last_seen": new.last_seen, "serial": new.serial}))
+    def _write_rows(self, conn: Connection, rows: list[tuple[str, str, str, float]]) -> None:
+        """Nodes' rows in full: (id, inventory text, serial, last_seen) each."""
+        conn.execute(_upsert(conn.dialect.name), [
+            {"id": i, "inventory": text, "first_seen": seen, "last_seen": seen,
+             "serial": serial} for i, text, serial, seen in rows])
 
     def heartbeat(self, node_id: str, inventory: Mapping[str, object], serial: str,
-                  reports: Mapping[str, ReplicaUpdate]) -> list[NodeReplica]:
-        """One beat in one transaction: record the inventory, take the node's reports on its
-        own replicas (id → fields, checked by the agent API as it read them; a stopped
-        replica stays stopped), and return the node's live replicas, each with its model's
-        spec (None when the model is gone). RecordError, and nothing stored, when the
-        inventory is invalid."""
-        checked_inventory = _inventory_in(node_id, inventory)
+                  reports: Mapping[str, ReplicaUpdate], *,
+                  rewrite_every_s: float = REWRITE_EVERY_S) -> list[NodeReplica]:
+        """Record a beat: the node's row written at once when its inventory or serial
+        changed (or this process had not heard it for rewrite_every_s: another control
+        plane may have written it since), else with the next flush once rewrite_every_s
+        old; take the node's reports on its own replicas (id → fields, checked by the agent
+        API as it read them; a stopped replica stays stopped), and return the node's live
+        replicas, each with its model's spec (None when the model is gone). RecordError,
+        and nothing stored, when the inventory is invalid."""
+        now = self.clock()
+        beat = self._beats.get(node_id)
+        if beat is not None and beat.raw == inventory and beat.serial == serial \
+                and 0 <= now - beat.heard <= rewrite_every_s:
+            beat.heard = now
+            if now - beat.written >= rewrite_every_s:
+                beat.written = now
+                self._due.add(node_id)
+        else:
+            text = json.dumps(_inventory_in(node_id, inventory))
+            with self.db.tx() as conn:
+                self._write_rows(conn, [(node_id, text, serial, now)])
+            self._beats[node_id] = _Beat(inventory, text, serial, now, now)
+            self._due.discard(node_id)
+        self._flush_due()
+        return self._take_reports(node_id, reports)
+
+    def _flush_due(self, force: bool = False) -> None:
+        """Write the rows due in one transaction, once every FLUSH_EVERY_S (or now)."""
+        if not self._due or (not force
+                             and time.monotonic() - self._flushed < FLUSH_EVERY_S):
+            return
+        self._flushed = time.monotonic()
         with self.db.tx() as conn:
-            self._upsert_node(conn, node_id, checked_inventory, serial)
-            rows = conn.execute(
-                sa.select(replicas, models.c.spec.label("spec"))
-                .select_from(replicas.outerjoin(models, models.c.name == replicas.c.model))
-                .where(replicas.c.node == node_id, replicas.c.state != ReplicaState.STOPPED)
-                .order_by(replicas.c.id)).mappings().all()
-            found: list[NodeReplica] = []
-            for row in rows:
-                record = replica_row(row)
-                report = reports.get(row["id"])
-                if report and any(record.get(k) != v for k, v in report.items()):
-                    record.update(report)
-                    record["updated"] = self.clock()
-                    conn.execute(replicas.update().where(replicas.c.id == row["id"]).values(
-                        **replica_columns(report), updated=record["updated"]))
-                found.append({**record, "spec": stored_spec(row["spec"]) if row["spec"]
-                              else None})
+            due, self._due = self._due, set()
+            rows = [(i, b.text, b.serial, b.heard) for i in due
+                    if (b := self._beats.get(i)) is not None]
+            try:
+                self._write_rows(conn, rows)
+            except BaseException:
+                self._due |= due  # for the next flush: the store may be back by then
+                raise
+
+    def _take_reports(self, node_id: str,
+                      reports: Mapping[str, ReplicaUpdate]) -> list[NodeReplica]:
+        changed: list[tuple[str, ReplicaUpdate]] = []
+        found: list[NodeReplica] = []
+        for held in self._live().get(node_id, ()):
+            record: NodeReplica = {**held}
+            report = reports.get(record["id"])
+            if report and any(record.get(k) != v for k, v in report.items()):
+                record.update(report)
+                record["updated"] = self.clock()
+                changed.append((record["id"], report))
+            found.append(record)
+        if changed:
+            now = self.clock()
+            with self.db.tx() as conn:
+                for rid, report in changed:
+                    conn.execute(_REPORTED.values(**replica_columns(report), updated=now),
+                                 {"rid": rid})
         return found
+
+    def _live(self) -> dict[str, list[NodeReplica]]:
+        """Every node's live replicas, read again when this store wrote replicas or models
+        since, or REPLICAS_FRESH_S after the last read."""
+        writes = (self.db.writes.get(replicas.name, 0), self.db.writes.get(models.name, 0))
+        held = self._assigned
+        if held is not None and held.writes == writes \
+                and time.monotonic() - held.at < REPLICAS_FRESH_S:
+            return held.by_node
+        at = time.monotonic()
+        specs: dict[str, ModelSpec] = {}
+        by_node: dict[str, list[NodeReplica]] = {}
+        for row in self.db.read(_LIVE):
+            text = row["spec"]
+            spec = (specs.get(text) or specs.setdefault(text, stored_spec(text))) \
+                if text else None
+            by_node.setdefault(row["node"], []).append({**replica_row(row), "spec": spec})
+        self._assigned = _Assigned(at, writes, by_node)
+        return by_node
 
     def nodes(self, limit: int | None = None, after: str = "") -> list[NodeRecord]:
         """Nodes by id: every one, or a page of at most limit with ids after `after`."""
@@ -124,8 +245,11 @@ class NodeStore(Aggregate):
                               nodes.c.inventory).where(nodes.c.id.in_(chunk))):
                 cache[r["id"]] = ((r["first_seen"], r["inv_version"]),
                                   _inventory_out(r["id"], r["inventory"]))
+        # A beat here is stored with a delay (REWRITE_EVERY_S): this process says its own.
+        beats = self._beats
         return [{"id": r["id"], "inventory": cache[r["id"]][1], "first_seen": r["first_seen"],
-                 "last_seen": r["last_seen"], "serial": r["serial"]}
+                 "last_seen": max(r["last_seen"], b.heard) if (b := beats.get(r["id"]))
+                 else r["last_seen"], "serial": r["serial"]}
                 for r in rows if r["id"] in cache]
 
     def last_heard(self) -> float | None:
@@ -154,6 +278,9 @@ class NodeStore(Aggregate):
                 replicas.c.node == node_id, replicas.c.state != ReplicaState.STOPPED)
                 .values(state=ReplicaState.STOPPED, err=why, updated=now))
             conn.execute(nodes.delete().where(nodes.c.id == node_id))
+            # Under the write lock: a flush after this cannot write the row back.
+            self._beats.pop(node_id, None)
+            self._due.discard(node_id)
         self._inventories.pop(node_id, None)
         return sorted(serials)
 
