@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from llmgw.contract import CUDA_ENGINE, EngineState, NodeState
 from llmgw.contract.records import NodeRecord, NodeView
@@ -36,12 +36,12 @@ def node_view(node: NodeRecord, now: float, timeout_s: float,
     view of the same stored inventory: read them, never change them."""
     inv = node["inventory"]
     silent = silence_s(node["last_seen"], now, timeout_s, hearing) > timeout_s
-    return {
+    return cast(NodeView, {
         **_inventory_view(node["id"], inv),
         "id": node["id"],
         "state": NodeState.NOT_READY if silent else reported_state(inv),
         "last_seen": node["last_seen"],
-    }
+    })
 
 
 # The scheduler views every node every second: what a view takes from an inventory is

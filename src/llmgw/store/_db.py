@@ -277,6 +277,12 @@ class Database:
         with _ours(), self._watched(), self._reader.connect() as conn:
             return conn.execute(statement).mappings().all()
 
+    def read_rows(self, statement: sa.Executable) -> Sequence[tuple[Any, ...]]:
+        """read()'s rows as plain tuples, in the statement's column order: for thousands
+        of rows, where a mapping's lookups by name cost more than the query."""
+        with _ours(), self._watched(), self._reader.connect() as conn:
+            return conn.execute(statement).all()
+
     @contextmanager
     def snapshot(self) -> Iterator[Connection]:
         """A read-only view of the whole store at one moment, for as long as the block

@@ -7,9 +7,10 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, RowMapping
+from sqlalchemy.engine import Connection
 
 from llmgw.contract import ReplicaState
 from llmgw.contract.records import (
@@ -227,17 +228,19 @@ class NodeStore(Aggregate):
         query = sa.select(*_META).where(nodes.c.id > after).order_by(nodes.c.id)
         if limit is not None:
             query = query.limit(limit)
-        return self._with_inventories(self.db.read(query))
+        return self._with_inventories(self.db.read_rows(query))
 
     def node(self, node_id: str) -> NodeRecord | None:
         found = self._with_inventories(
-            self.db.read(sa.select(*_META).where(nodes.c.id == node_id)))
+            self.db.read_rows(sa.select(*_META).where(nodes.c.id == node_id)))
         return found[0] if found else None
 
-    def _with_inventories(self, rows: Sequence[RowMapping]) -> list[NodeRecord]:
+    def _with_inventories(self, rows: Sequence[tuple[Any, ...]]) -> list[NodeRecord]:
+        """Rows of _META (plain tuples: the scheduler reads every node every second) with
+        their inventories."""
         cache = self._inventories
-        stale = [r["id"] for r in rows
-                 if cache.get(r["id"], (None,))[0] != (r["first_seen"], r["inv_version"])]
+        stale = [i for i, first, _, _, version in rows
+                 if cache.get(i, (None,))[0] != (first, version)]
         for start in range(0, len(stale), 500):
             chunk = stale[start:start + 500]
             for r in self.db.read(
@@ -247,10 +250,16 @@ class NodeStore(Aggregate):
                                   _inventory_out(r["id"], r["inventory"]))
         # A beat here is stored with a delay (REWRITE_EVERY_S): this process says its own.
         beats = self._beats
-        return [{"id": r["id"], "inventory": cache[r["id"]][1], "first_seen": r["first_seen"],
-                 "last_seen": max(r["last_seen"], b.heard) if (b := beats.get(r["id"]))
-                 else r["last_seen"], "serial": r["serial"]}
-                for r in rows if r["id"] in cache]
+        found: list[NodeRecord] = []
+        for i, first, last, serial, _ in rows:
+            held = cache.get(i)
+            if held is None:
+                continue
+            beat = beats.get(i)
+            found.append({"id": i, "inventory": held[1], "first_seen": first,
+                          "last_seen": last if beat is None or beat.heard < last
+                          else beat.heard, "serial": serial})
+        return found
 
     def last_heard(self) -> float | None:
         """When any node last heartbeated (unix seconds), or None before the first."""
