@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +76,7 @@ class _Beat:
 class _Assigned:
     """Every node's live replicas as read at one moment, and the writes it had seen."""
 
-    at: float  # monotonic
+    at: float  # the store's clock
     writes: tuple[int, int]  # the store's writes to replicas and to models, then
     by_node: dict[str, list[NodeReplica]]
 
@@ -119,11 +118,11 @@ class NodeStore(Aggregate):
     _inventories: dict[str, tuple[tuple[float, int], Inventory]]
     _beats: dict[str, _Beat]
     _due: set[str]  # nodes whose rows the next flush writes
-    _flushed: float  # monotonic
+    _flushed: float  # the store's clock
     _assigned: _Assigned | None
 
     def _start_beats(self) -> None:
-        self._beats, self._due, self._flushed, self._assigned = {}, set(), 0.0, None
+        self._beats, self._due, self._flushed, self._assigned = {}, set(), float("-inf"), None
 
     def record_heartbeat(self, node_id: str, inventory: Mapping[str, object],
                          serial: str = "") -> None:
@@ -170,10 +169,10 @@ class NodeStore(Aggregate):
 
     def _flush_due(self, force: bool = False) -> None:
         """Write the rows due in one transaction, once every FLUSH_EVERY_S (or now)."""
-        if not self._due or (not force
-                             and time.monotonic() - self._flushed < FLUSH_EVERY_S):
+        now = self.clock()
+        if not self._due or (not force and 0 <= now - self._flushed < FLUSH_EVERY_S):
             return
-        self._flushed = time.monotonic()
+        self._flushed = now
         with self.db.tx() as conn:
             due, self._due = self._due, set()
             rows = [(i, b.text, b.serial, b.heard) for i in due
@@ -209,10 +208,10 @@ class NodeStore(Aggregate):
         since, or REPLICAS_FRESH_S after the last read."""
         writes = (self.db.writes.get(replicas.name, 0), self.db.writes.get(models.name, 0))
         held = self._assigned
+        at = self.clock()
         if held is not None and held.writes == writes \
-                and time.monotonic() - held.at < REPLICAS_FRESH_S:
+                and 0 <= at - held.at < REPLICAS_FRESH_S:
             return held.by_node
-        at = time.monotonic()
         specs: dict[str, ModelSpec] = {}
         by_node: dict[str, list[NodeReplica]] = {}
         for row in self.db.read(_LIVE):
