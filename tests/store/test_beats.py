@@ -88,8 +88,9 @@ def test_a_node_removed_is_not_written_back_by_a_later_flush(open_store: OpenSto
     def beat(node: str) -> None:
         here.heartbeat(node, INVENTORY, "S", {}, rewrite_every_s=10.0)
 
-    for node in ("gone", "kept", "third"):
-        beat(node)
+    for clock.now in (1000.0, 1005.0):  # every 5 s, as agents beat
+        for node in ("gone", "kept", "third"):
+            beat(node)
     clock.now = 1010.0
     beat("third")  # due, and written at once: the next flush is a second away
     clock.now = 1010.2
