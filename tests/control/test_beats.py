@@ -48,7 +48,7 @@ def states_seen(tmp_path: Path, beating_timeout_s: float, watching_timeout_s: fl
 
 
 def test_another_control_plane_sees_a_node_beating_unchanged_ready(tmp_path: Path) -> None:
-    assert states_seen(tmp_path, 9.0, 9.0) == ({"ready"}, {"ready"})
+    assert states_seen(tmp_path, 8.0, 8.0) == ({"ready"}, {"ready"})
 
 
 def test_negative_control_a_longer_timeout_there_than_here_loses_the_node(
