@@ -152,6 +152,10 @@ class NodeStore(Aggregate):
         and nothing stored, when the inventory is invalid."""
         now = self.clock()
         beat = self._beats.get(node_id)
+        if self.db.unreachable_since is not None:
+            # Known away: the beat goes to the store, to be refused (503: the agent moves
+            # to a control plane whose store answers), never answered from memory.
+            beat, self._assigned = None, None
         if beat is not None and beat.raw == inventory and beat.serial == serial \
                 and 0 <= now - beat.heard <= rewrite_every_s:
             beat.heard = now
