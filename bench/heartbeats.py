@@ -1,8 +1,9 @@
 """How many nodes the agent API holds: simulated nodes heartbeating over real mutual TLS.
 
-Run on demand, not in the suite:
+Run on demand, not in the suite, and on any change to the heartbeat path:
     python bench/heartbeats.py --nodes 1000,2000,5000 --duration 30 [--modes keepalive,new]
     python bench/heartbeats.py --nodes 5000 --modes restart --duration 60
+    python bench/heartbeats.py --nodes 2000,5000 --modes keepalive --old-src ../old/src
 
 Starts the real control plane (`llmgw server`, its own CA) and, in separate processes, N
 simulated nodes, each with its own client certificate made at run time with llmgw.host.pki.
@@ -13,6 +14,12 @@ equalled the 5 s interval). Connections are made during a first interval that is
 measured; then for --duration seconds it counts answered beats (200), failures by kind,
 latency (request sent to answer read; including connect in `new` mode) and the control
 plane's thread count.
+
+Each row is compared with the figures recorded in heartbeats_recorded.json beside this
+file (bench/README.md's): a control-plane CPU a beat more than GROWN_AT above the record
+is said plainly. With --old-src, another checkout's control plane (its src folder) runs
+the same rows just before this checkout's, on a control plane of its own, so the two are
+measured back to back under the same load.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ from llmgw.host import pki  # noqa: E402
 from tests.fleet.cluster import ControlPlane  # noqa: E402
 
 TIMEOUT_S = 10.0
+RECORDED = Path(__file__).with_name("heartbeats_recorded.json")
+# CPU a beat this much above the record is a regression to find before merging.
+GROWN_AT = 0.25
 # restart mode: when the restart comes, and how long the nodes may take to come back.
 RESTART_AFTER_S = 5.0
 BACK_WITHIN_S = 60.0
@@ -259,6 +269,7 @@ def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: flo
         "connect_failures": connect_failures,
         "cpu_us": (cpu[1] - cpu[0]) / max(len(latencies), 1) * 1e6,
         "cpu_share": (cpu[1] - cpu[0]) / duration,
+        "load": os.getloadavg()[0],
     }
 
 
@@ -327,6 +338,61 @@ def _pct(values: list[float], p: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
 
 
+def against_record(r: dict[str, Any], recorded: dict[str, Any]) -> str:
+    """The row's CPU a beat and p99 beside the recorded ones, and plainly when CPU a beat
+    grew by more than GROWN_AT."""
+    was = recorded.get(r["mode"], {}).get(str(r["nodes"]))
+    if was is None:
+        return "no recorded figures for this row"
+    grown = r["cpu_us"] / was["cpu_us"] - 1
+    line = (f"CPU a beat {r['cpu_us']:.0f} µs against {was['cpu_us']:.0f} µs recorded "
+            f"({grown:+.0%}), p99 {r['p99']:.1f} ms against {was['p99']:g} ms")
+    if grown > GROWN_AT:
+        line += (f"; REGRESSION: CPU a beat grew by more than {GROWN_AT:.0%} over the "
+                 "record: profile the heartbeat path (bench/README.md) before merging")
+    return line
+
+
+def print_row(r: dict[str, Any], side: str, recorded: dict[str, Any]) -> None:
+    kinds = ", ".join(f"{n} {k}" for k, n in r["failures"].items())
+    print(f"| {side} | {r['nodes']:,} | {r['mode']} | {r['offered']:.0f} | "
+          f"{r['achieved']:.0f} | {r['failed']}{f' ({kinds})' if kinds else ''}"
+          f" | {r['p50']:.1f} | {r['p99']:.1f} | {r['threads']} | "
+          f"{r['cpu_us']:.0f} µs | {r['cpu_share']:.2f} | {r['load']:.1f} |"
+          + (f" ({r['connect_failures']} failed to connect before the clock)"
+             if r["connect_failures"] else ""), flush=True)
+    print(f"|   | {side}: {against_record(r, recorded)} |", flush=True)
+
+
+def settle(cp: ControlPlane, within_s: float = 60.0) -> None:
+    """Until the control plane is about idle again (under 20 % of a core for a second; its
+    scheduler still reads every node each second): one that fell behind still answers
+    beats nobody waits for, and would load the next row."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        before = cp.cpu_s()
+        time.sleep(1.0)
+        if cp.cpu_s() - before < 0.2:
+            return
+    print(f"# the control plane was still busy {within_s:.0f} s after its row", flush=True)
+
+
+def control_plane(root: Path, src: str = "") -> ControlPlane:
+    """A started control plane in root: this checkout's, or the one whose src is src."""
+    if not src:
+        return ControlPlane(root).start()
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(src).resolve()), before)
+                                               if p)
+    try:
+        return ControlPlane(root).start()  # its processes keep the environment they got
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", default="1000,2000,5000", help="comma-separated node counts")
@@ -335,16 +401,26 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between beats")
     parser.add_argument("--duration", type=float, default=30.0, help="measured seconds")
     parser.add_argument("--procs", type=int, default=2, help="load-generator processes")
+    parser.add_argument("--old-src", default="",
+                        help="another checkout's src folder: its control plane runs each "
+                             "row just before this one's")
     args = parser.parse_args()
+    if args.old_src and not (Path(args.old_src) / "llmgw").is_dir():
+        sys.exit(f"--old-src {args.old_src} holds no llmgw package: name a checkout's src "
+                 "folder (`git worktree add ../old main`, then ../old/src)")
+    recorded = json.loads(RECORDED.read_text())
     print(f"# heartbeats every {args.interval:g}s, measured {args.duration:g}s after one "
           f"interval of connecting; {os.cpu_count()} CPUs shared with whatever else runs; "
           f"load from {args.procs} process(es)")
     if set(args.modes.split(",")) - {"restart"}:
-        print("| nodes | mode | offered/s | achieved/s | failed | p50 ms | p99 ms | "
-              "control plane threads | control plane CPU per beat | its cores busy |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print(f"# recorded ({recorded['recorded']}) in {RECORDED.name}")
+        print("| control plane | nodes | mode | offered/s | achieved/s | failed | p50 ms | "
+              "p99 ms | control plane threads | control plane CPU per beat | its cores busy "
+              "| load average |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
         cp = ControlPlane(Path(tmp) / "cp").start()
+        old = control_plane(Path(tmp) / "cp-old", args.old_src) if args.old_src else None
         try:
             for mode in args.modes.split(","):
                 if mode == "restart":
@@ -361,17 +437,16 @@ def main() -> None:
                             own.stop()
                     continue
                 for total in (int(n) for n in args.nodes.split(",")):
-                    r = run(cp, total, mode == "keepalive", args.interval, args.duration,
-                            args.procs, Path(tmp))
-                    kinds = ", ".join(f"{n} {k}" for k, n in r["failures"].items())
-                    print(f"| {r['nodes']:,} | {r['mode']} | {r['offered']:.0f} | "
-                          f"{r['achieved']:.0f} | {r['failed']}{f' ({kinds})' if kinds else ''}"
-                          f" | {r['p50']:.1f} | {r['p99']:.1f} | {r['threads']} | "
-                          f"{r['cpu_us']:.0f} µs | {r['cpu_share']:.2f} |"
-                          + (f" ({r['connect_failures']} failed to connect before the clock)"
-                             if r["connect_failures"] else ""), flush=True)
+                    sides = [("old", old), ("this", cp)] if old is not None else [("this", cp)]
+                    for side, plane in sides:
+                        r = run(plane, total, mode == "keepalive", args.interval,
+                                args.duration, args.procs, Path(tmp) / side)
+                        print_row(r, side, recorded)
+                        settle(plane)
         finally:
             cp.stop()
+            if old is not None:
+                old.stop()
 
 
 if __name__ == "__main__":

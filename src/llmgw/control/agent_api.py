@@ -39,6 +39,7 @@ from llmgw.host import pki
 from llmgw.http1.limits import Limits
 from llmgw.model.engine_args import engine_args
 from llmgw.store import Store, StoreError
+from llmgw.store.nodes import REWRITE_EVERY_S
 
 log = logging.getLogger("llmgw.agent_api")
 
@@ -170,7 +171,11 @@ class AgentAPI:
         # A body may say which node it is; the certificate decides.
         inventory["claimed_id"] = body.get("node_id", "")
         reports = _reports(node_id, body.get("replicas"))
-        rows = self.store.heartbeat(node_id, inventory, serial, reports)
+        # A third of the node timeout: every control plane sees a node's last_seen well
+        # within it (store.nodes.REWRITE_EVERY_S).
+        rows = self.store.heartbeat(node_id, inventory, serial, reports,
+                                    rewrite_every_s=min(REWRITE_EVERY_S,
+                                                        self.node_timeout_s / 3))
         answer: HeartbeatAnswer = {"node_id": node_id, "replicas": _assignments(rows)}
         if self.mirror_url:
             answer["mirror"] = self.mirror_url

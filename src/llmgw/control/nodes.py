@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from llmgw.contract import CUDA_ENGINE, EngineState, NodeState
 from llmgw.contract.records import NodeRecord, NodeView
@@ -32,12 +32,29 @@ def reported_state(inventory: Mapping[str, Any]) -> NodeState:
 def node_view(node: NodeRecord, now: float, timeout_s: float,
               hearing: Hearing = ALWAYS_HEARD) -> NodeView:
     """The admin API's view of a stored node (contract.records.NodeView); the scheduler, the
-    metrics and the agent API read the same view."""
+    metrics and the agent API read the same view. Its lists and dicts are shared by every
+    view of the same stored inventory: read them, never change them."""
     inv = node["inventory"]
     silent = silence_s(node["last_seen"], now, timeout_s, hearing) > timeout_s
-    return {
+    return cast(NodeView, {
+        **_inventory_view(node["id"], inv),
         "id": node["id"],
         "state": NodeState.NOT_READY if silent else reported_state(inv),
+        "last_seen": node["last_seen"],
+    })
+
+
+# The scheduler views every node every second: what a view takes from an inventory is
+# made once per inventory the store parsed (it hands the same object until the text
+# changes), not once per node and tick.
+_VIEWS: dict[str, tuple[Mapping[str, Any], dict[str, Any]]] = {}
+
+
+def _inventory_view(node_id: str, inv: Mapping[str, Any]) -> dict[str, Any]:
+    held = _VIEWS.get(node_id)
+    if held is not None and held[0] is inv:
+        return held[1]
+    view = {
         "engines": list(inv.get("engines", [])),
         "provision": list(inv.get("provision", [])),
         "gpus": list(inv.get("gpus", [])),
@@ -47,9 +64,15 @@ def node_view(node: NodeRecord, now: float, timeout_s: float,
         "cpus": inv.get("cpus", 0),
         "memory_mb": inv.get("memory_mb", 0),
         "warnings": list(inv.get("warnings", [])),
-        "last_seen": node["last_seen"],
         "given_up": list(inv.get("given_up", [])),
     }
+    if len(_VIEWS) > 2 * _MOST_VIEWS:  # nodes removed long ago: start again
+        _VIEWS.clear()
+    _VIEWS[node_id] = (inv, view)
+    return view
+
+
+_MOST_VIEWS = 100_000
 
 
 def gpu_engine_switched_off(node: NodeView) -> bool:

@@ -11,6 +11,7 @@ to this code's revision (migrations/, Alembic).
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from .sessions import SessionStore
 from .tokens import TokenStore
 from .viewers import ViewerStore
 
+log = logging.getLogger("llmgw.store")
+
 __all__ = ["SCHEDULER", "Grant", "Lease", "LeaseLost", "SchemaError", "Settled", "Store",
            "StoreConflict", "StoreError", "Use", "Want", "answers", "redacted", "refusal",
            "store_url"]
@@ -59,6 +62,7 @@ class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, Control
         self.db = Database(where, busy_timeout_s=busy_timeout_s, migrate=migrate)
         self.clock = clock
         self._inventories = {}
+        self._start_beats()
         # This process starts hearing now; node_view keeps a restart from silencing nodes.
         self.hearing = self._hearing_from_now()
         # Nor does an outage of the store: no node could beat while it was away.
@@ -100,6 +104,11 @@ class Store(NodeStore, TokenStore, CatalogStore, ReplicaStore, KeyStore, Control
         self.db.checkpoint()
 
     def close(self) -> None:
+        try:
+            self._flush_due(force=True)
+        except StoreError as e:
+            log.warning("the last beats' rows were not written (%s): the nodes' next beats "
+                        "write them", self.why(e))
         self.db.close()
 
 

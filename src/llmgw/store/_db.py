@@ -183,6 +183,10 @@ class Database:
             self._writer = engine
             self._reader = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._lock = threading.RLock()
+        # Write statements this process ran, by table: a reader that keeps a table in
+        # memory (the heartbeat's replicas) knows when its copy fell behind its own writes.
+        self.writes: dict[str, int] = {}
+        sa.event.listen(self._writer, "before_execute", self._count_write)
         # Since when (monotonic) the database server could not be reached, and whom to tell
         # when it can again (the store resets its hearing: nodes could not beat meanwhile).
         self.unreachable_since: float | None = None
@@ -200,6 +204,11 @@ class Database:
             self.close()
             raise
         self._opened = True
+
+    def _count_write(self, conn: Connection, statement: Any, *args: Any) -> None:
+        if getattr(statement, "is_dml", False):
+            name = statement.table.name
+            self.writes[name] = self.writes.get(name, 0) + 1
 
     def _sqlite_engines(self, busy_timeout_s: float) -> tuple[sa.Engine, sa.Engine]:
         assert self.url.database
@@ -267,6 +276,12 @@ class Database:
         """One statement outside any transaction: a snapshot, no write lock."""
         with _ours(), self._watched(), self._reader.connect() as conn:
             return conn.execute(statement).mappings().all()
+
+    def read_rows(self, statement: sa.Executable) -> Sequence[tuple[Any, ...]]:
+        """read()'s rows as plain tuples, in the statement's column order: for thousands
+        of rows, where a mapping's lookups by name cost more than the query."""
+        with _ours(), self._watched(), self._reader.connect() as conn:
+            return conn.execute(statement).all()
 
     @contextmanager
     def snapshot(self) -> Iterator[Connection]:
