@@ -48,6 +48,7 @@ def node_view(node: NodeRecord, now: float, timeout_s: float,
         "memory_mb": inv.get("memory_mb", 0),
         "warnings": list(inv.get("warnings", [])),
         "last_seen": node["last_seen"],
+        "control_plane": inv.get("control_plane", ""),
         "given_up": list(inv.get("given_up", [])),
     }
 
