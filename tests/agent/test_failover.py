@@ -326,10 +326,12 @@ def _spread_agents(fleet: Fleet, nodes: list[str], folder: str) -> list[Agent]:
 
 
 def _beats_to(fleet: Fleet, nodes: list[str]) -> dict[str, str]:
-    """Which control plane (its id) each node's last heartbeat went to, as the store holds
-    it (every control plane records itself in the node it hears)."""
+    """Which control plane (its id) each node's last heartbeat went to, as the admin API's
+    view of the stored node says it (every control plane records itself in the node it
+    hears; `llmgw status` and the fleet page show that view)."""
     store = fleet.stores[-1]
-    return {n: store.node(n)["inventory"].get("control_plane", "") for n in nodes}
+    return {n: node_view(store.node(n), store.clock(), NODE_TIMEOUT_S).get("control_plane", "")
+            for n in nodes}
 
 
 def test_nodes_spread_over_two_control_planes_and_keep_their_home_across_a_restart(
