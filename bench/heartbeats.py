@@ -37,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -366,21 +367,24 @@ class SpreadNode(Node):
         self.planes.use(url)
 
     async def beat_spread(self) -> str:
-        """One heartbeat; the URL of the control plane that answered it (OSError: none)."""
+        """One heartbeat; the URL of the control plane that answered it (OSError naming
+        why the last one tried did not, when none did)."""
         home = self.planes.due_home(time.monotonic())
         if home is not None:
             self.move(home)
+        why = ""
         for _ in range(len(self.planes.order)):
             try:
                 status, body = await asyncio.wait_for(self.answer(), FAILOVER_S)
                 if status == 200:
                     self.planes.learn(json.loads(body))
                     return self.planes.current
-            except (OSError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError):
-                pass
+                why = f"HTTP {status}"
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError) as e:
+                why = type(e).__name__
             self.planes.left(self.planes.current, time.monotonic())
             self.move(self.planes.next_after(self.planes.current))
-        raise OSError("no control plane answered")
+        raise OSError(why)
 
     async def answer(self) -> tuple[int, bytes]:
         """A beat on the kept-alive connection, made again once if the server dropped it."""
@@ -397,23 +401,24 @@ class SpreadNode(Node):
 
 
 async def spread_beats(nodes: list[SpreadNode], urls: list[str], interval: float,
-                       start: float, end: float) -> list[tuple[float, int, int]]:
+                       start: float, end: float) -> list[tuple[float, int, int, str]]:
     """Every beat of nodes from start to end: (time answered, node index, index in urls of
-    the control plane that answered, -1 when none did)."""
-    events: list[tuple[float, int, int]] = []
+    the control plane that answered or -1 when none did, why the last one tried did not)."""
+    events: list[tuple[float, int, int, str]] = []
     index = {u: i for i, u in enumerate(urls)}
 
     async def one(i: int, node: SpreadNode) -> None:
         at = start + interval * i / len(nodes)
         while at < end:
             await asyncio.sleep(max(0.0, at - time.time()))
+            why = ""
             try:
                 answered = index.get(await node.beat_spread(), -1)
                 node.failures = 0
-            except OSError:
-                answered = -1
+            except OSError as e:
+                answered, why = -1, str(e)
                 node.failures += 1
-            events.append((time.time(), i, answered))
+            events.append((time.time(), i, answered, why))
             at = time.time() + backoff_s(interval, node.failures)
 
     await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
@@ -525,27 +530,27 @@ def _spread_run(cps: list[ControlPlane], total: int, interval: float, procs: int
 def spread_figures(r: dict[str, Any]) -> dict[str, Any]:
     """The figures of a spread run from its events."""
     events, start, stopped, up = r["events"], r["start"], r["stopped"], r["up"]
-    measured = [cp for t, _, cp in events
+    measured = [cp for t, _, cp, _ in events
                 if start + SPREAD_SETTLE_S <= t < start + SPREAD_SETTLE_S + SPREAD_MEASURE_S]
     shares = [measured.count(i) / max(len(measured), 1) for i in (0, 1)]
     last: dict[int, tuple[float, int]] = {}
-    for t, node, cp in events:
+    for t, node, cp, _ in events:
         if t < stopped and cp >= 0:
             last[node] = (t, cp)
     at_b = {n for n, (_, cp) in last.items() if cp == 1}
     # How long each of them went unheard: its last answer before the stop to its next.
     gaps, came_back = {}, {}
-    for t, node, cp in events:
+    for t, node, cp, _ in events:
         if node in at_b and cp >= 0 and t > last[node][0] and node not in gaps:
             gaps[node] = t - last[node][0]
         if node in at_b and cp == 1 and t >= up and node not in came_back:
             came_back[node] = t - up
-    tail = [cp for t, _, cp in events if t >= up + SPREAD_BACK_S - 20]
+    tail = [cp for t, _, cp, _ in events if t >= up + SPREAD_BACK_S - 20]
     back_at = sorted(came_back.values())
     return {
         "shares": shares, "at_b": len(at_b),
         "gap_max": max(gaps.values(), default=float("nan")),
-        "failed": sum(cp < 0 for _, _, cp in events),
+        "failed": Counter(why for _, _, cp, why in events if cp < 0),
         "back": len(back_at) / max(len(at_b), 1),
         "back_by": [sum(x < s for x in back_at) / max(len(at_b), 1) for s in (10, 20, 30,
                                                                              60, 90)],
@@ -564,7 +569,9 @@ def print_spread(r: dict[str, Any]) -> None:
           f"{f['gap_max']:.1f} s (limit {FAILOVER_S + r['interval']:.0f} s) | "
           f"{r['not_ready']} | {f['back']:.0%}: {by} | {f['most_in_10s']:.0%} | "
           f"{f['back_first_s']:.0f}–{f['back_last_s']:.0f} s | {f['end_share_b']:.1%} | "
-          f"{f['failed']} |", flush=True)
+          f"{sum(f['failed'].values())}"
+          + (f" ({', '.join(f'{n} {k}' for k, n in f['failed'].items())})" if f["failed"]
+             else "") + " |", flush=True)
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -592,7 +599,9 @@ def main() -> None:
               "control plane threads | control plane CPU per beat | its cores busy |")
         print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
-        cp = ControlPlane(Path(tmp) / "cp").start()
+        cp = ControlPlane(Path(tmp) / "cp")
+        if set(args.modes.split(",")) - {"spread"}:  # spread starts its own two
+            cp.start()
         try:
             for mode in args.modes.split(","):
                 if mode == "spread":
