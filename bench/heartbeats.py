@@ -366,24 +366,28 @@ class SpreadNode(Node):
         self.port = int(url.rsplit(":", 1)[1])
         self.planes.use(url)
 
-    async def beat_spread(self) -> str:
-        """One heartbeat; the URL of the control plane that answered it (OSError naming
-        why the last one tried did not, when none did)."""
+    async def beat_spread(self) -> tuple[str, str]:
+        """One heartbeat: the URL of the control plane that answered it, and how the node
+        came to it if it moved ("home": its return delay passed; "failover": the one before
+        did not answer); OSError naming why the last one tried did not, when none did."""
         home = self.planes.due_home(time.monotonic())
+        how = ""
         if home is not None:
             self.move(home)
+            how = "home"
         why = ""
         for _ in range(len(self.planes.order)):
             try:
                 status, body = await asyncio.wait_for(self.answer(), FAILOVER_S)
                 if status == 200:
                     self.planes.learn(json.loads(body))
-                    return self.planes.current
+                    return self.planes.current, how
                 why = f"HTTP {status}"
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError) as e:
                 why = type(e).__name__
             self.planes.left(self.planes.current, time.monotonic())
             self.move(self.planes.next_after(self.planes.current))
+            how = "failover"
         raise OSError(why)
 
     async def answer(self) -> tuple[int, bytes]:
@@ -403,7 +407,8 @@ class SpreadNode(Node):
 async def spread_beats(nodes: list[SpreadNode], urls: list[str], interval: float,
                        start: float, end: float) -> list[tuple[float, int, int, str]]:
     """Every beat of nodes from start to end: (time answered, node index, index in urls of
-    the control plane that answered or -1 when none did, why the last one tried did not)."""
+    the control plane that answered or -1 when none did; how the node came to the one that
+    answered, or why the last one tried did not)."""
     events: list[tuple[float, int, int, str]] = []
     index = {u: i for i, u in enumerate(urls)}
 
@@ -411,14 +416,14 @@ async def spread_beats(nodes: list[SpreadNode], urls: list[str], interval: float
         at = start + interval * i / len(nodes)
         while at < end:
             await asyncio.sleep(max(0.0, at - time.time()))
-            why = ""
             try:
-                answered = index.get(await node.beat_spread(), -1)
+                url, note = await node.beat_spread()
+                answered = index.get(url, -1)
                 node.failures = 0
             except OSError as e:
-                answered, why = -1, str(e)
+                answered, note = -1, str(e)
                 node.failures += 1
-            events.append((time.time(), i, answered, why))
+            events.append((time.time(), i, answered, note))
             at = time.time() + backoff_s(interval, node.failures)
 
     await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
@@ -540,17 +545,22 @@ def spread_figures(r: dict[str, Any]) -> dict[str, Any]:
     at_b = {n for n, (_, cp) in last.items() if cp == 1}
     # How long each of them went unheard: its last answer before the stop to its next.
     gaps, came_back = {}, {}
-    for t, node, cp, _ in events:
+    for t, node, cp, how in events:
         if node in at_b and cp >= 0 and t > last[node][0] and node not in gaps:
             gaps[node] = t - last[node][0]
         if node in at_b and cp == 1 and t >= up and node not in came_back:
-            came_back[node] = t - up
+            came_back[node] = (t - up, how)
     tail = [cp for t, _, cp, _ in events if t >= up + SPREAD_BACK_S - 20]
-    back_at = sorted(came_back.values())
+    back_at = sorted(t for t, _ in came_back.values())
+    phases = {"before the stop": (start, stopped), "while b was down": (stopped, up),
+              "after b was back": (up, float("inf"))}
     return {
         "shares": shares, "at_b": len(at_b),
         "gap_max": max(gaps.values(), default=float("nan")),
         "failed": Counter(why for _, _, cp, why in events if cp < 0),
+        "failed_when": {name: sum(cp < 0 and a <= t < b for t, _, cp, _ in events)
+                        for name, (a, b) in phases.items()},
+        "back_how": Counter(how or "stayed" for _, how in came_back.values()),
         "back": len(back_at) / max(len(at_b), 1),
         "back_by": [sum(x < s for x in back_at) / max(len(at_b), 1) for s in (10, 20, 30,
                                                                              60, 90)],
@@ -570,8 +580,11 @@ def print_spread(r: dict[str, Any]) -> None:
           f"{r['not_ready']} | {f['back']:.0%}: {by} | {f['most_in_10s']:.0%} | "
           f"{f['back_first_s']:.0f}–{f['back_last_s']:.0f} s | {f['end_share_b']:.1%} | "
           f"{sum(f['failed'].values())}"
-          + (f" ({', '.join(f'{n} {k}' for k, n in f['failed'].items())})" if f["failed"]
-             else "") + " |", flush=True)
+          + (f" ({', '.join(f'{n} {k}' for k, n in f['failed'].items())}; "
+             + ", ".join(f"{n} {k}" for k, n in f["failed_when"].items()) + ")"
+             if f["failed"] else "") + " |", flush=True)
+    print("  b's nodes came back to it by: "
+          + ", ".join(f"{k} {n}" for k, n in f["back_how"].items()), flush=True)
 
 
 def _pct(values: list[float], p: float) -> float:
