@@ -4,6 +4,7 @@ Run on demand, not in the suite, and on any change to the heartbeat path:
     python bench/heartbeats.py --nodes 1000,2000,5000 --duration 30 [--modes keepalive,new]
     python bench/heartbeats.py --nodes 5000 --modes restart --duration 60
     python bench/heartbeats.py --nodes 2000,5000 --modes keepalive --old-src ../old/src
+    python bench/heartbeats.py --nodes 2000 --modes spread
 
 Starts the real control plane (`llmgw server`, its own CA) and, in separate processes, N
 simulated nodes, each with its own client certificate made at run time with llmgw.host.pki.
@@ -20,6 +21,13 @@ file (bench/README.md's): a control-plane CPU a beat more than GROWN_AT above th
 is said plainly. With --old-src, another checkout's control plane (its src folder) runs
 the same rows just before this checkout's, on a control plane of its own, so the two are
 measured back to back under the same load.
+
+`spread` starts a PostgreSQL server and two control planes on it, one fleet, and nodes that
+beat as agents do: agent.yaml names the first, each learns both from the answers, moves to
+its home (llmgw.agent.control_planes, the agent's own code) and fails over within the
+agent's failover_timeout_s. It prints each control plane's share of the beats, how long
+the second one's nodes went unheard when it stopped, whether any was shown not_ready, and
+how its nodes came back when it started again.
 """
 
 from __future__ import annotations
@@ -30,21 +38,26 @@ import gc
 import json
 import multiprocessing
 import os
+import shutil
 import ssl
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw.agent.agent import backoff_s  # noqa: E402
+from llmgw.agent.control_planes import ControlPlanes  # noqa: E402
+from llmgw.config import AgentConfig  # noqa: E402
 from llmgw.contract import AgentPaths  # noqa: E402
 from llmgw.control._tlsserver import new_event_loop  # noqa: E402
 from llmgw.host import pki  # noqa: E402
 from tests.fleet.cluster import ControlPlane  # noqa: E402
+from tests.postgres import PostgresServer, bindir  # noqa: E402
 
 TIMEOUT_S = 10.0
 RECORDED = Path(__file__).with_name("heartbeats_recorded.json")
@@ -330,6 +343,261 @@ def print_restart(r: dict[str, Any]) -> None:
           f"{r['cpu_ms']:.2f} ms | {kinds} | {r['p99']:.0f} |", flush=True)
 
 
+# spread mode: the phases, in seconds from the first beat. Nodes reach their homes within
+# a beat plus the return spread; the second control plane is stopped longer than the node
+# timeout (its row goes stale, the answers stop naming it), then started again.
+SPREAD_SETTLE_S = 75.0
+SPREAD_MEASURE_S = 30.0
+SPREAD_DOWN_S = 40.0
+SPREAD_BACK_S = 90.0
+FAILOVER_S = AgentConfig.model_fields["failover_timeout_s"].default
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """An answer's status and body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return int(head.split(b" ", 2)[1]), await reader.readexactly(length)
+
+
+class SpreadNode(Node):
+    """A node that beats as the agent does to several control planes: it learns them from
+    the answers, goes home when its return delay has passed, and on no answer within
+    FAILOVER_S moves to the next in its order (the agent's ControlPlanes decides each)."""
+
+    def __init__(self, name: str, ctx: ssl.SSLContext, server: str, state_dir: Path) -> None:
+        super().__init__(name, ctx, int(server.rsplit(":", 1)[1]), True)
+        self.planes = ControlPlanes(server, state_dir, name)
+
+    def move(self, url: str) -> None:
+        self.close()
+        self.port = int(url.rsplit(":", 1)[1])
+        self.planes.use(url)
+
+    async def beat_spread(self) -> tuple[str, str]:
+        """One heartbeat: the URL of the control plane that answered it, and how the node
+        came to it if it moved ("home": its return delay passed; "failover": the one before
+        did not answer); OSError naming why the last one tried did not, when none did."""
+        home = self.planes.due_home(time.monotonic())
+        how = ""
+        if home is not None:
+            self.move(home)
+            how = "home"
+        why = ""
+        for _ in range(len(self.planes.order)):
+            try:
+                status, body = await asyncio.wait_for(self.answer(), FAILOVER_S)
+                if status == 200:
+                    self.planes.learn(json.loads(body))
+                    return self.planes.current, how
+                why = f"HTTP {status}"
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ssl.SSLError) as e:
+                why = type(e).__name__
+            self.planes.left(self.planes.current, time.monotonic())
+            self.move(self.planes.next_after(self.planes.current))
+            how = "failover"
+        raise OSError(why)
+
+    async def answer(self) -> tuple[int, bytes]:
+        """A beat on the kept-alive connection, made again once if the server dropped it."""
+        for again in (False, True):
+            try:
+                reader, writer = await self.connect()
+                writer.write(self.payload)
+                return await read_answer(reader)
+            except (OSError, asyncio.IncompleteReadError, ssl.SSLError):
+                self.close()
+                if again:
+                    raise
+        raise AssertionError("unreachable")
+
+
+async def spread_beats(nodes: list[SpreadNode], urls: list[str], interval: float,
+                       start: float, end: float) -> list[tuple[float, int, int, str]]:
+    """Every beat of nodes from start to end: (time answered, node index, index in urls of
+    the control plane that answered or -1 when none did; how the node came to the one that
+    answered, or why the last one tried did not)."""
+    events: list[tuple[float, int, int, str]] = []
+    index = {u: i for i, u in enumerate(urls)}
+
+    async def one(i: int, node: SpreadNode) -> None:
+        at = start + interval * i / len(nodes)
+        while at < end:
+            await asyncio.sleep(max(0.0, at - time.time()))
+            try:
+                url, note = await node.beat_spread()
+                answered = index.get(url, -1)
+                node.failures = 0
+            except OSError as e:
+                answered, note = -1, str(e)
+                node.failures += 1
+            events.append((time.time(), i, answered, note))
+            at = time.time() + backoff_s(interval, node.failures)
+
+    await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
+    for n in nodes:
+        n.close()
+    return events
+
+
+def spread_generator(args: dict[str, Any], out: Any) -> None:
+    """One load-generator process of spread mode: its nodes, then their beats' events."""
+    ca = pki.load_pair(args["pki"], "ca")
+    folder = Path(args["dir"])
+    # Each node keeps what it learned as the agent does (an fsynced write each): in memory,
+    # as 2,000 machines' own disks would not queue behind one another.
+    states = Path(tempfile.mkdtemp(prefix="llmgw-bench-nodes-",
+                                   dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    nodes = []
+    for name in args["names"]:
+        cert, key = pki.issue_client(ca, name, days=1).write(folder, name)
+        ctx = ssl.create_default_context(cafile=str(Path(args["pki"]) / "ca.pem"))
+        ctx.load_cert_chain(cert, key)
+        nodes.append(SpreadNode(name, ctx, args["urls"][0], states / name))
+    loop = new_event_loop()
+
+    async def beat() -> None:
+        out.send(await connect_all(list(nodes)))
+        start = await asyncio.get_running_loop().run_in_executor(None, out.recv)
+        out.send(await spread_beats(nodes, args["urls"], args["interval"], start,
+                                    start + args["end"]))
+
+    try:
+        loop.run_until_complete(beat())
+    finally:
+        loop.close()
+        shutil.rmtree(states, ignore_errors=True)
+
+
+def fleet_of_two(work: Path, store: str) -> list[ControlPlane]:
+    """Two control planes on store, one fleet: the second gets the first's CA (with its
+    key) and loopback server certificate, as `pytest provision/ --join ... --control-plane`
+    gives a second host the fleet's CA."""
+    first = ControlPlane(work / "spread-a", store=store)
+    (work / "spread-b" / "pki").mkdir(parents=True)
+    for name in ("ca.pem", "ca-key.pem", "server.pem", "server-key.pem"):
+        (work / "spread-b" / "pki" / name).write_bytes((first.pki / name).read_bytes())
+    return [first.start(), ControlPlane(work / "spread-b", store=store).start()]
+
+
+def spread(total: int, interval: float, procs: int, work: Path) -> dict[str, Any]:
+    """Two control planes on one PostgreSQL store, total nodes spread over them; the
+    second stopped after SPREAD_SETTLE_S + SPREAD_MEASURE_S, started SPREAD_DOWN_S later."""
+    binaries = bindir()
+    if binaries is None:
+        raise SystemExit("spread mode needs PostgreSQL's server binaries (Debian: "
+                         "apt-get install postgresql); none found by pg_config or under "
+                         "/usr/lib/postgresql")
+    pg = PostgresServer(binaries)
+    pg.start()
+    cps: list[ControlPlane] = []
+    try:
+        cps = fleet_of_two(work, pg.create_database())
+        return _spread_run(cps, total, interval, procs, work)
+    finally:
+        for cp in cps:
+            cp.stop()
+        pg.remove()
+
+
+def _spread_run(cps: list[ControlPlane], total: int, interval: float, procs: int,
+                work: Path) -> dict[str, Any]:
+    a, b = cps
+    urls = [a.agent_api, b.agent_api]
+    prefix = f"bench-s-{total}-"
+    names = [f"{prefix}{i:05d}" for i in range(total)]
+    end = SPREAD_SETTLE_S + SPREAD_MEASURE_S + SPREAD_DOWN_S + SPREAD_BACK_S
+    pipes, children = [], []
+    for p in range(procs):
+        mine, theirs = multiprocessing.Pipe()
+        child = multiprocessing.Process(target=spread_generator, args=({
+            "pki": str(a.pki), "dir": str(work / f"spread-gen-{p}"), "names": names[p::procs],
+            "urls": urls, "interval": interval, "end": end}, theirs))
+        child.start()
+        pipes.append(mine)
+        children.append(child)
+    connect_failures = sum(pipe.recv() for pipe in pipes)
+    start = time.time() + 1.0
+    for pipe in pipes:
+        pipe.send(start)
+    time.sleep(max(0.0, start + SPREAD_SETTLE_S + SPREAD_MEASURE_S - time.time()))
+    stopped = time.time()
+    b.stop()
+    not_ready = 0
+    while time.time() < stopped + SPREAD_DOWN_S:
+        not_ready = max(not_ready, node_states(a, prefix)[0])
+        time.sleep(1.0)
+    b.start()
+    up = time.time()
+    while time.time() < start + end:
+        not_ready = max(not_ready, node_states(a, prefix)[0])
+        time.sleep(1.0)
+    events = [e for pipe in pipes for e in pipe.recv()]
+    for child in children:
+        child.join()
+    return {"nodes": total, "start": start, "stopped": stopped, "up": up,
+            "not_ready": not_ready, "events": sorted(events), "interval": interval,
+            "connect_failures": connect_failures}
+
+
+def spread_figures(r: dict[str, Any]) -> dict[str, Any]:
+    """The figures of a spread run from its events."""
+    events, start, stopped, up = r["events"], r["start"], r["stopped"], r["up"]
+    measured = [cp for t, _, cp, _ in events
+                if start + SPREAD_SETTLE_S <= t < start + SPREAD_SETTLE_S + SPREAD_MEASURE_S]
+    shares = [measured.count(i) / max(len(measured), 1) for i in (0, 1)]
+    last: dict[int, tuple[float, int]] = {}
+    for t, node, cp, _ in events:
+        if t < stopped and cp >= 0:
+            last[node] = (t, cp)
+    at_b = {n for n, (_, cp) in last.items() if cp == 1}
+    # How long each of them went unheard: its last answer before the stop to its next.
+    gaps, came_back = {}, {}
+    for t, node, cp, how in events:
+        if node in at_b and cp >= 0 and t > last[node][0] and node not in gaps:
+            gaps[node] = t - last[node][0]
+        if node in at_b and cp == 1 and t >= up and node not in came_back:
+            came_back[node] = (t - up, how)
+    tail = [cp for t, _, cp, _ in events if t >= up + SPREAD_BACK_S - 20]
+    back_at = sorted(t for t, _ in came_back.values())
+    phases = {"before the stop": (start, stopped), "while b was down": (stopped, up),
+              "after b was back": (up, float("inf"))}
+    return {
+        "shares": shares, "at_b": len(at_b),
+        "gap_max": max(gaps.values(), default=float("nan")),
+        "failed": Counter(why for _, _, cp, why in events if cp < 0),
+        "failed_when": {name: sum(cp < 0 and a <= t < b for t, _, cp, _ in events)
+                        for name, (a, b) in phases.items()},
+        "back_how": Counter(how or "stayed" for _, how in came_back.values()),
+        "back": len(back_at) / max(len(at_b), 1),
+        "back_by": [sum(x < s for x in back_at) / max(len(at_b), 1) for s in (10, 20, 30,
+                                                                             60, 90)],
+        "most_in_10s": max((sum(w <= x < w + 10 for x in back_at) for w in range(0, 90)),
+                           default=0) / max(len(at_b), 1),
+        "back_first_s": back_at[0] if back_at else float("nan"),
+        "back_last_s": back_at[-1] if back_at else float("nan"),
+        "end_share_b": tail.count(1) / max(len(tail), 1),
+    }
+
+
+def print_spread(r: dict[str, Any]) -> None:
+    f = spread_figures(r)
+    by = " / ".join(f"{x:.0%}" for x in f["back_by"])
+    print(f"| {r['nodes']:,} | {f['shares'][0]:.1%} / {f['shares'][1]:.1%} | {f['at_b']:,} | "
+          f"{f['gap_max']:.1f} s (limit {FAILOVER_S + r['interval']:.0f} s) | "
+          f"{r['not_ready']} | {f['back']:.0%}: {by} | {f['most_in_10s']:.0%} | "
+          f"{f['back_first_s']:.0f}–{f['back_last_s']:.0f} s | {f['end_share_b']:.1%} | "
+          f"{sum(f['failed'].values())}"
+          + (f" ({', '.join(f'{n} {k}' for k, n in f['failed'].items())}; "
+             + ", ".join(f"{n} {k}" for k, n in f["failed_when"].items()) + ")"
+             if f["failed"] else "") + " |", flush=True)
+    print("  b's nodes came back to it by: "
+          + ", ".join(f"{k} {n}" for k, n in f["back_how"].items()), flush=True)
+
+
 def _pct(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
@@ -397,7 +665,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", default="1000,2000,5000", help="comma-separated node counts")
     parser.add_argument("--modes", default="keepalive,new",
-                        help="keepalive, new, restart, or several comma-separated")
+                        help="keepalive, new, restart, spread, or several comma-separated")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between beats")
     parser.add_argument("--duration", type=float, default=30.0, help="measured seconds")
     parser.add_argument("--procs", type=int, default=2, help="load-generator processes")
@@ -412,17 +680,29 @@ def main() -> None:
     print(f"# heartbeats every {args.interval:g}s, measured {args.duration:g}s after one "
           f"interval of connecting; {os.cpu_count()} CPUs shared with whatever else runs; "
           f"load from {args.procs} process(es)")
-    if set(args.modes.split(",")) - {"restart"}:
+    if set(args.modes.split(",")) - {"restart", "spread"}:
         print(f"# recorded ({recorded['recorded']}) in {RECORDED.name}")
         print("| control plane | nodes | mode | offered/s | achieved/s | failed | p50 ms | "
               "p99 ms | control plane threads | control plane CPU per beat | its cores busy "
               "| load average |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-") as tmp:
-        cp = ControlPlane(Path(tmp) / "cp").start()
+        cp = ControlPlane(Path(tmp) / "cp")
+        if set(args.modes.split(",")) - {"spread"}:  # spread starts its own two
+            cp.start()
         old = control_plane(Path(tmp) / "cp-old", args.old_src) if args.old_src else None
         try:
             for mode in args.modes.split(","):
+                if mode == "spread":
+                    print("\n| nodes | beats to a / b | b's nodes | longest unheard when b "
+                          "stopped | most shown not_ready | b's nodes back at b: after "
+                          "10 / 20 / 30 / 60 / 90 s | most back in any 10 s | first–last "
+                          "back | b's share at the end | beats none answered |"
+                          "\n|---|---|---|---|---|---|---|---|---|---|")
+                    for total in (int(n) for n in args.nodes.split(",")):
+                        print_spread(spread(total, args.interval, args.procs,
+                                            Path(tmp) / f"spread-{total}"))
+                    continue
                 if mode == "restart":
                     print("\n| nodes | control plane down | most shown not_ready | all beating "
                           "again after it answers | its CPU per node back | failed beats | "

@@ -230,6 +230,12 @@ def test_signed_in_it_shows_the_node_its_gpu_and_the_starter_turning_ready(
     assert "ready" in engines["llamacpp"] and "llamacpp-cuda" in engines
     warnings = node.locator(".warning").all_inner_texts()
     assert any(w.startswith("!! ") and "llamacpp-cuda" in w for w in warnings), warnings
+    # The control plane the node beats to, by the id the control planes' listing gives.
+    [plane] = httpx.get(f"{host.admin_url}/api/v1/control-planes", headers=host.auth,
+                        timeout=10).json()
+    beats = node.locator("[data-control-plane]")
+    assert beats.get_attribute("data-control-plane") == plane["id"], beats.inner_text()
+    assert beats.inner_text() == f"beats to control plane {plane['id']}"
     # Why the starter is on CPU on a node with a GPU: its GPU engine failed (the stand-in
     # card has no CUDA driver), as the admin API's held_back says, in the replica's row.
     (replica,) = live_replicas(host)

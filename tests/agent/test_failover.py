@@ -9,6 +9,7 @@ import logging
 import socket
 import ssl
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 
 from llmgw.agent.agent import Agent
 from llmgw.agent.client import AgentClient, NodeRemoved
-from llmgw.agent.control_planes import FILE, ControlPlanes, current_server
+from llmgw.agent.control_planes import FILE, ControlPlanes, current_server, rendezvous
 from llmgw.agent.engines.common import engine_status
 from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.gpus import Discovery
@@ -303,3 +304,68 @@ def test_host_name_verification_uses_the_urls_host(tmp_path: Path) -> None:
         client.close()
         server.stop()
         store.close()
+
+
+def _spread_agents(fleet: Fleet, nodes: list[str], folder: str) -> list[Agent]:
+    """An agent for each of nodes (its own certificate and state dir under folder), every
+    one with agent.yaml naming the first control plane, and no return delay: a node moves
+    to its home at the beat after it learned the list."""
+    ca = pki.load_pair(fleet.tmp, "ca")
+    agents = []
+    for node in nodes:
+        root = fleet.tmp / folder / node
+        cert, key = pki.issue_client(ca, node).write(root, "agent")
+        config = AgentConfig(server=fleet.url(0), node_id=node, state_dir=str(root / "state"),
+                             tls=TLSFiles(ca=fleet.tls.ca, cert=str(cert), key=str(key)),
+                             heartbeat_s=0.1, failover_timeout_s=FAILOVER_S,
+                             engine=EngineConfig(cache_dir=str(fleet.tmp / "cache")))
+        agent = Agent(config, engine=LlamaCpp(config.engine), discover=lambda: Discovery())
+        agent.control_planes.return_delay_s = 0.0
+        agents.append(agent)
+    return agents
+
+
+def _beats_to(fleet: Fleet, nodes: list[str]) -> dict[str, str]:
+    """Which control plane (its id) each node's last heartbeat went to, as the admin API's
+    view of the stored node says it (every control plane records itself in the node it
+    hears; `llmgw status` and the fleet page show that view)."""
+    store = fleet.stores[-1]
+    return {n: node_view(store.node(n), store.clock(), NODE_TIMEOUT_S).get("control_plane", "")
+            for n in nodes}
+
+
+def test_nodes_spread_over_two_control_planes_and_keep_their_home_across_a_restart(
+        fleet: Fleet) -> None:
+    ids = {fleet.url(i): f"cp-{i}" for i in range(2)}
+    for i, server in enumerate(fleet.servers):
+        server.api.control_plane = f"cp-{i}"
+    nodes = [f"node-{i:02d}" for i in range(24)]
+    agents = _spread_agents(fleet, nodes, "spread")
+    for agent in agents:
+        for _ in range(3):  # learns both from the first answer; at its home from the second
+            agent.beat()
+        agent.client.close()
+    homes = {a.config.node_id: a.control_planes.home for a in agents}
+    assert homes == {n: rendezvous(n, fleet.urls)[0] for n in nodes}
+    beats_to = _beats_to(fleet, nodes)
+    assert beats_to == {n: ids[homes[n]] for n in nodes}, "each beats to its home"
+    carried = Counter(beats_to.values())
+    assert min(carried[cp] for cp in ids.values()) >= len(nodes) // 6, carried
+
+    # Restarted (a new Agent on the same state dir): the first beat goes home at once.
+    for again in _spread_agents(fleet, nodes, "spread"):
+        assert again.control_planes.home == homes[again.config.node_id]
+        assert again.client.server == homes[again.config.node_id]
+        again.beat()
+        again.client.close()
+    assert _beats_to(fleet, nodes) == beats_to
+
+    # Negative control: answers that name no control plane teach nothing; every node stays
+    # with agent.yaml's server, and the second carries none.
+    fleet.planes = []
+    alone = [f"alone-{i:02d}" for i in range(8)]
+    for agent in _spread_agents(fleet, alone, "alone"):
+        for _ in range(3):
+            agent.beat()
+        agent.client.close()
+    assert Counter(_beats_to(fleet, alone).values()) == {"cp-0": len(alone)}

@@ -44,6 +44,9 @@ class ControlPlane:
     root: Path
     node_timeout_s: float = 30.0
     mirror_url: str = ""
+    # The store's URL ("": a SQLite file in its state dir); several on one are one fleet,
+    # given the same pki folder (the CA with its key, and a server certificate for loopback).
+    store: str = ""
     proc: subprocess.Popen[bytes] | None = None
     gateway_proc: subprocess.Popen[bytes] | None = None
     ports: dict[str, int] = field(default_factory=dict)
@@ -67,6 +70,7 @@ class ControlPlane:
             tls=TLSFiles(ca=str(self.pki / "ca.pem"), cert=str(self.pki / "server.pem"),
                          key=str(self.pki / "server-key.pem")),
             node_timeout_s=self.node_timeout_s, mirror=MirrorRef(url=self.mirror_url),
+            store=self.store,
         )
         self.config = config
         (self.root / "etc").mkdir(exist_ok=True)

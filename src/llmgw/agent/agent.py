@@ -72,7 +72,7 @@ class Agent:
         self.discovery = discover()
         # The cards as they are now (free and used memory from NVML), read at each heartbeat.
         self.cards = cards or gpu_discovery.LiveCards(self.discovery.gpus).read
-        self.control_planes = ControlPlanes(config.server, config.state_dir)
+        self.control_planes = ControlPlanes(config.server, config.state_dir, config.node_id)
         self.client = client or AgentClient(self.control_planes.current, config.tls,
                                             timeout=config.failover_timeout_s)
         self.engine = engine or LlamaCpp(config.engine, state_dir=Path(config.state_dir))
@@ -140,6 +140,7 @@ class Agent:
         try:
             if self.registered:
                 self.renew_if_due()
+            self._go_home_if_due()
             answer = self._heartbeat(self.inventory())
         except NodeRemoved as e:
             self.removed = str(e)
@@ -166,9 +167,9 @@ class Agent:
 
     def _heartbeat(self, inventory: Heartbeat) -> HeartbeatAnswer:
         """Send inventory to the current control plane; when it does not answer, to the
-        next one at once, each known one tried once, and stay with the one that answers.
-        Unreachable when none did."""
-        for _ in range(len(self.control_planes.urls) - 1):
+        next one in this node's order at once, each known one tried once, and stay with the
+        one that answers. Unreachable when none did."""
+        for _ in range(len(self.control_planes.order) - 1):
             try:
                 return self.client.heartbeat(inventory)
             except Unreachable as e:
@@ -176,14 +177,28 @@ class Agent:
         return self.client.heartbeat(inventory)
 
     def _move(self, why: Unreachable) -> None:
-        """Move the client to the next control plane, in one line naming both and why (at
-        debug level while every one is away: the backoff line said so already)."""
+        """Move the client to the next control plane in this node's order, in one line
+        naming both and why (at debug level while every one is away: the backoff line said
+        so already)."""
         was = self.control_planes.current
         to = self.control_planes.next_after(was)
         log.log(logging.DEBUG if self.failures else logging.WARNING,
                 "moving from the control plane at %s to %s: %s", was, to, why)
+        self.control_planes.left(was, time.monotonic())
         self.client.move_to(to)
         self.control_planes.use(to)
+
+    def _go_home_if_due(self) -> None:
+        """Move back to this node's home once its return delay has passed (a control plane
+        that joined or came back takes its share of the nodes over a minute); if it does not
+        answer, the heartbeat moves on as from any other."""
+        home = self.control_planes.due_home(time.monotonic())
+        if home is None:
+            return
+        log.info("moving from the control plane at %s to %s, this node's home",
+                 self.control_planes.current, home)
+        self.client.move_to(home)
+        self.control_planes.use(home)
 
     def _pause(self, stop: threading.Event, delay_s: float) -> None:
         """Wait delay_s, or less when the engine changes state: a node that just became
@@ -275,8 +290,10 @@ def run_agent(config: AgentConfig) -> None:
     agent = Agent(config)
     agent.workload = replica_supervisor(agent)
     log.info(
-        "agent %s: control plane %s (of %s), %d GPU(s), engine cache %s, engine.cuda: %s",
-        config.node_id, agent.control_planes.current, ", ".join(agent.control_planes.urls),
+        "agent %s: control plane %s (home %s, of %s), %d GPU(s), engine cache %s, "
+        "engine.cuda: %s",
+        config.node_id, agent.control_planes.current, agent.control_planes.home,
+        ", ".join(agent.control_planes.urls),
         len(agent.discovery.gpus), agent.engine.cache_dir, config.engine.cuda,
     )
     interface, _ = host.management_interface(config.server, config.interface)

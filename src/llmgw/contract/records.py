@@ -88,6 +88,8 @@ class Inventory(TypedDict, total=False):
     """What a node's last heartbeat said about it (Heartbeat below), as stored."""
 
     claimed_id: str
+    # The id of the control plane that received the beat (the agent API sets it).
+    control_plane: str
     gpus: list[Gpu]
     cpus: int
     memory_mb: int
@@ -125,6 +127,8 @@ class NodeView(TypedDict):
     memory_mb: int
     warnings: list[str]
     last_seen: float
+    # The id of the control plane its last heartbeat went to ("" from an older one).
+    control_plane: NotRequired[str]
     # GPU placements this node gave up on (GivenUp), while it reports them.
     given_up: NotRequired[list[GivenUp]]
 

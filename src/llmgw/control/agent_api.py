@@ -82,17 +82,21 @@ class AgentAPI:
     each heartbeat and put in its answer; None stands for this one alone, at agent_url
     (fleet.agent_url of its server.yaml). With neither, answers carry no list, and agents
     keep the one they have.
+
+    control_plane: this control plane's id, recorded in each node it hears as the one that
+    node beats to ("" records none).
     """
 
     def __init__(self, store: Store, ca: pki.KeyPair | None = None, *,
                  node_timeout_s: float = 30.0, mirror_url: str = "",
                  control_planes: Callable[[], list[str]] | None = None,
-                 agent_url: str = "") -> None:
+                 agent_url: str = "", control_plane: str = "") -> None:
         self.store = store
         self.ca = ca
         self.node_timeout_s = node_timeout_s
         self.mirror_url = mirror_url
         self.control_planes = control_planes or (lambda: [agent_url] if agent_url else [])
+        self.control_plane = control_plane
         self.revoked = set(store.revoked_serials())
         # Hosts' drift; the admin API shows the same board (server.py hands it over).
         self.drift = DriftBoard()
@@ -170,6 +174,8 @@ class AgentAPI:
         inventory = {k: v for k, v in body.items() if k not in ("node_id", "replicas")}
         # A body may say which node it is; the certificate decides.
         inventory["claimed_id"] = body.get("node_id", "")
+        # Which control plane the node beats to is this one's to say, not the body's.
+        inventory["control_plane"] = self.control_plane
         reports = _reports(node_id, body.get("replicas"))
         # A third of the node timeout: every control plane sees a node's last_seen well
         # within it (store.nodes.REWRITE_EVERY_S).

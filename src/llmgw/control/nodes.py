@@ -64,6 +64,7 @@ def _inventory_view(node_id: str, inv: Mapping[str, Any]) -> dict[str, Any]:
         "cpus": inv.get("cpus", 0),
         "memory_mb": inv.get("memory_mb", 0),
         "warnings": list(inv.get("warnings", [])),
+        "control_plane": inv.get("control_plane", ""),
         "given_up": list(inv.get("given_up", [])),
     }
     if len(_VIEWS) > 2 * _MOST_VIEWS:  # nodes removed long ago: start again

@@ -93,7 +93,8 @@ def agent_api_server(config: ServerConfig, store: Store,
     tls = (config.tls.ca, config.tls.cert, config.tls.key)
     api = AgentAPI(store, _ca(config), node_timeout_s=config.node_timeout_s,
                    mirror_url=config.mirror.url,
-                   control_planes=_live_control_planes(store, config))
+                   control_planes=_live_control_planes(store, config),
+                   control_plane=identity(config).id)
     if metrics is not None:
         api.heartbeat_timer = metrics.heartbeats.seconds.time
     return AgentAPIServer(host, port, mtls_context(*tls), api, tls=tls,

@@ -55,14 +55,16 @@ def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
            control_planes: list[ControlPlaneView] | None = None,
            models: Sequence[Mapping[str, Any]] | None = None) -> str:
     node_rows = [[n["id"], n["state"], ",".join(n["engines"]) or "-", _gpus(n["gpus"]),
-                  ago(now - n["last_seen"])] for n in nodes]
+                  ago(now - n["last_seen"]), n.get("control_plane") or "-"] for n in nodes]
     replica_rows = [[r["id"], r["model"], r["node"] or "-", r["state"], _uptime(r, now),
                      r["err"][:60]] for r in replicas if r["state"] != ReplicaState.STOPPED]
     # What a person must act on or wait for (a GPU engine being made or failed, a card
     # without its driver), as the agent says it: under the table, one line each.
     warnings = [f"!! {n['id']}: {w}" for n in nodes for w in n.get("warnings", [])]
     return "\n".join([
-        table(["NODE", "STATE", "ENGINES", "GPUS", "LAST SEEN"], node_rows, "no nodes"),
+        # BEATS TO: the control plane (its id, as listed below) that heard the last beat.
+        table(["NODE", "STATE", "ENGINES", "GPUS", "LAST SEEN", "BEATS TO"], node_rows,
+              "no nodes"),
         *warnings, "",
         *([render_models(models), ""] if models else []),
         table(["REPLICA", "MODEL", "NODE", "STATE", "UPTIME", "ERROR"], replica_rows,

@@ -80,6 +80,9 @@ function drawNodes(nodes) {
     title.appendChild(stateEl("span", n.state));
     card.appendChild(title);
     card.appendChild(el("div", `${n.addr || "?"} · ${n.cpus} CPUs · ${gb(n.memory_mb)} · seen ${ago(n.last_seen)}`, "facts"));
+    const beats = el("div", `beats to control plane ${n.control_plane || "?"}`, "facts");
+    beats.dataset.controlPlane = n.control_plane || "";
+    card.appendChild(beats);
     if (n.gpus.length) n.gpus.forEach((g) => card.appendChild(gpuEl(g)));
     else card.appendChild(el("div", "no GPU (CPU)", "facts"));
     const warnings = n.warnings || [];
