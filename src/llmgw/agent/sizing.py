@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmgw.contract.records import Gpu
+from llmgw.contract.records import Geometry, Gpu
 from llmgw.errors import Error
 from llmgw.model import kv_sizing
 from llmgw.model.ggufmeta import GGUFError, geometry
@@ -44,11 +44,10 @@ def gpu_args(args: Sequence[str], weights: Path, uuids: Sequence[str],
     if len(mine) != len(uuids) or any(c.get("error") for c in mine):
         return Sized(given, "NVML does not answer for its GPUs now, so llama-server's "
                             "default slots")
-    try:
-        shape = geometry(weights)
-        size = weights.stat().st_size
-    except (OSError, GGUFError) as e:
-        return Sized(given, f"its file's geometry cannot be read ({e})")
+    read = _read(weights)
+    if isinstance(read, str):
+        return Sized(given, read)
+    shape, size = read
     free_mb = sum(int(c.get("memory_free_mb", 0)) for c in mine)
     sizing = kv_sizing.size(shape, size, free_mb * MIB, given)
     if sizing is None:
@@ -79,11 +78,10 @@ def _split_args(given: list[str], weights: Path, uuids: Sequence[str],
         return Sized(plain, "NVML does not answer for its GPUs now, so llama.cpp splits "
                             "them by their free memory")
     frees = [int(c.get("memory_free_mb", 0)) * MIB for c in mine if c is not None]
-    try:
-        shape = geometry(weights)
-        size = weights.stat().st_size
-    except (OSError, GGUFError) as e:
-        return Sized(plain, f"its file's geometry cannot be read ({e})")
+    read = _read(weights)
+    if isinstance(read, str):
+        return Sized(plain, read)
+    shape, size = read
     split = kv_sizing.size_split(shape, size, frees, given)
     if split is None:
         return Sized(plain, "its file does not say its KV geometry")
@@ -97,3 +95,11 @@ def _split_args(given: list[str], weights: Path, uuids: Sequence[str],
                  f"split over {len(uuids)} GPUs ({layers} layers, the output on the last), "
                  f"{split.slots} slot{'s' if split.slots != 1 else ''} of "
                  f"{split.ctx_per_slot} tokens")
+
+
+def _read(weights: Path) -> tuple[Geometry, int] | str:
+    """The weights file's KV geometry and size, or why they cannot be read."""
+    try:
+        return geometry(weights), weights.stat().st_size
+    except (OSError, GGUFError) as e:
+        return f"its file's geometry cannot be read ({e})"
