@@ -41,12 +41,15 @@ import os
 import shutil
 import ssl
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -645,6 +648,20 @@ def settle(cp: ControlPlane, within_s: float = 60.0) -> None:
     print(f"# the control plane was still busy {within_s:.0f} s after its row", flush=True)
 
 
+def _only_keys_known_to(src: str, server_yaml: Path) -> None:
+    """server.yaml as the older checkout reads it: this checkout's settings that its
+    ServerConfig does not know (all at their defaults here) left out, as an upgrade would
+    find the file."""
+    known = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json; from llmgw.config import ServerConfig; "
+         "print(json.dumps(list(ServerConfig.model_fields)))"],
+        env={**os.environ, "PYTHONPATH": str(Path(src).resolve())}, check=True,
+        capture_output=True, text=True).stdout)
+    settings = yaml.safe_load(server_yaml.read_text())
+    server_yaml.write_text(yaml.safe_dump({k: v for k, v in settings.items() if k in known},
+                                          sort_keys=False))
+
+
 def control_plane(root: Path, src: str = "") -> ControlPlane:
     """A started control plane in root: this checkout's, or the one whose src is src."""
     if not src:
@@ -653,7 +670,9 @@ def control_plane(root: Path, src: str = "") -> ControlPlane:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(src).resolve()), before)
                                                if p)
     try:
-        return ControlPlane(root).start()  # its processes keep the environment they got
+        cp = ControlPlane(root)
+        _only_keys_known_to(src, cp.server_yaml)
+        return cp.start()  # its processes keep the environment they got
     finally:
         if before is None:
             del os.environ["PYTHONPATH"]

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from llmgw.contract.records import Geometry, Gpu
 from llmgw.errors import Error
@@ -13,6 +14,8 @@ from llmgw.model import kv_sizing
 from llmgw.model.ggufmeta import GGUFError, geometry
 
 MIB = kv_sizing.MIB
+
+T = TypeVar("T")
 
 
 class DoesNotFit(Error):
@@ -44,19 +47,15 @@ def gpu_args(args: Sequence[str], weights: Path, uuids: Sequence[str],
     if len(mine) != len(uuids) or any(c.get("error") for c in mine):
         return Sized(given, "NVML does not answer for its GPUs now, so llama-server's "
                             "default slots")
-    read = _read(weights)
-    if isinstance(read, str):
-        return Sized(given, read)
-    shape, size = read
     free_mb = sum(int(c.get("memory_free_mb", 0)) for c in mine)
-    sizing = kv_sizing.size(shape, size, free_mb * MIB, given)
-    if sizing is None:
-        return Sized(given, "its file does not say its KV geometry")
+    sizing = _sized(weights, lambda shape, size: kv_sizing.size(shape, size, free_mb * MIB,
+                                                                given))
+    if isinstance(sizing, str):
+        return Sized(given, sizing)
     if not sizing.fits():
-        raise DoesNotFit(f"{', '.join(uuids)} has {free_mb} MiB free now, and one slot of "
-                         f"{sizing.ctx_per_slot} tokens needs {sizing.total // MIB} MiB "
-                         f"({sizing.explain()}); another process took the card since "
-                         "this replica was placed")
+        raise _taken(f"{', '.join(uuids)} has {free_mb} MiB free now, and one slot of "
+                     f"{sizing.ctx_per_slot} tokens needs {sizing.total // MIB} MiB "
+                     f"({sizing.explain()})", "the card")
     return Sized(kv_sizing.engine_args(given, sizing),
                  f"{sizing.slots} slots of {sizing.ctx_per_slot} tokens for {free_mb} MiB "
                  f"free ({sizing.explain()})")
@@ -78,18 +77,13 @@ def _split_args(given: list[str], weights: Path, uuids: Sequence[str],
         return Sized(plain, "NVML does not answer for its GPUs now, so llama.cpp splits "
                             "them by their free memory")
     frees = [int(c.get("memory_free_mb", 0)) * MIB for c in mine if c is not None]
-    read = _read(weights)
-    if isinstance(read, str):
-        return Sized(plain, read)
-    shape, size = read
-    split = kv_sizing.size_split(shape, size, frees, given)
-    if split is None:
-        return Sized(plain, "its file does not say its KV geometry")
+    split = _sized(weights, lambda shape, size: kv_sizing.size_split(shape, size, frees, given))
+    if isinstance(split, str):
+        return Sized(plain, split)
     if not split.fits():
-        raise DoesNotFit(f"{', '.join(uuids)} together have {sum(frees) // MIB} MiB free "
-                         f"now, too little for one slot of {split.ctx_per_slot} tokens "
-                         f"split layer by layer: {split.explain(list(uuids))}; another "
-                         "process took memory since this replica was placed")
+        raise _taken(f"{', '.join(uuids)} together have {sum(frees) // MIB} MiB free now, "
+                     f"too little for one slot of {split.ctx_per_slot} tokens split layer "
+                     f"by layer: {split.explain(list(uuids))}", "memory")
     layers = "/".join(str(s.layers) for s in split.shares)
     return Sized(split.args(given),
                  f"split over {len(uuids)} GPUs ({layers} layers, the output on the last), "
@@ -97,9 +91,17 @@ def _split_args(given: list[str], weights: Path, uuids: Sequence[str],
                  f"{split.ctx_per_slot} tokens")
 
 
-def _read(weights: Path) -> tuple[Geometry, int] | str:
-    """The weights file's KV geometry and size, or why they cannot be read."""
+def _sized(weights: Path, size: Callable[[Geometry, int], T | None]) -> T | str:
+    """size(the weights file's KV geometry, its size in bytes), or why there is nothing to
+    size by."""
     try:
-        return geometry(weights), weights.stat().st_size
+        shape, length = geometry(weights), weights.stat().st_size
     except (OSError, GGUFError) as e:
         return f"its file's geometry cannot be read ({e})"
+    sized = size(shape, length)
+    return "its file does not say its KV geometry" if sized is None else sized
+
+
+def _taken(found: str, what: str) -> DoesNotFit:
+    """What was found, and why it changed since the replica was placed."""
+    return DoesNotFit(f"{found}; another process took {what} since this replica was placed")
