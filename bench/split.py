@@ -141,6 +141,7 @@ def old_relay(src: str) -> Any:
     if spec is None or spec.loader is None:
         sys.exit(f"--old-src {src}: no {path}")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
