@@ -23,16 +23,24 @@ relay": that checkout's rpc_relay module, its own two ends in front of the same 
 taking its turn with the others; its CPU is reported apart. Round trips a token: the
 times bytes went toward rpc-server after bytes came from it (one RPC command and its
 answer, mostly), counted by the relay's main end over the TLS side's generation.
+
+--carry N measures the relays alone instead (no engine, seconds): N exchanges of a token's
+traffic as measured (17.7 KB to the worker, 1.05 MB back) between a client and a stand-in
+for rpc-server on loopback, through this checkout's relay, --old-src's where given, and
+plain TCP, in turn three times; the medians of wall time and the relays' CPU an exchange.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -146,6 +154,80 @@ def old_relay(src: str) -> Any:
     return module
 
 
+REQUEST, ANSWER = 17_700, 1_050_000
+
+
+def _exact(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = sock.recv_into(buf[got:])
+        if not n:
+            raise ConnectionError("closed early")
+        got += n
+
+
+def stand_in() -> tuple[socket.socket, int]:
+    """A server on loopback answering each REQUEST bytes read with ANSWER bytes."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        req, ans = memoryview(bytearray(REQUEST)), bytes(ANSWER)
+        with contextlib.suppress(OSError), conn:
+            while True:
+                _exact(conn, req)
+                conn.sendall(ans)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=serve, args=(server.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return server, int(server.getsockname()[1])
+
+
+def carry(files: dict[str, TLSFiles], n: int, old_src: str) -> None:
+    server, port = stand_in()
+    modules = {"tls relay": rpc_relay, **({"old relay": old_relay(old_src)} if old_src else {})}
+    pairs: dict[str, tuple[Any, Any] | None] = {"plain tcp": None}
+    for side, mod in modules.items():
+        w = mod.WorkerRelay(files["worker-1"], host=WORKER_ADDR, upstream_port=port,
+                            main_node="main-1")
+        m = mod.MainRelay(files["main-1"], [mod.Worker("worker-1", WORKER_ADDR, w.start())])
+        m.start()
+        pairs[side] = (m, w)
+    results: dict[str, list[tuple[float, float]]] = {s: [] for s in pairs}
+    req, ans = bytes(REQUEST), memoryview(bytearray(ANSWER))
+    try:
+        for _ in range(3):
+            for side, pair in pairs.items():
+                target = pair[0].ports[0] if pair else port
+                with socket.create_connection(("127.0.0.1", target)) as s:
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    s.sendall(req)
+                    _exact(s, ans)  # connected through, warm
+                    cpu0 = pair[0].cpu_seconds() + pair[1].cpu_seconds() if pair else 0.0
+                    t0 = time.monotonic()
+                    for _ in range(n):
+                        s.sendall(req)
+                        _exact(s, ans)
+                    wall = time.monotonic() - t0
+                    cpu = (pair[0].cpu_seconds() + pair[1].cpu_seconds() - cpu0) if pair else 0.0
+                results[side].append((wall * 1000 / n, cpu * 1000 / n))
+    finally:
+        for pair in pairs.values():
+            if pair:
+                pair[0].stop()
+                pair[1].stop()
+        server.close()
+    print(f"{n} exchanges of {REQUEST} B out, {ANSWER} B back; medians of 3 turns, ms each:")
+    for side, got in results.items():
+        print(f"  {side}: wall {statistics.median(w for w, _ in got):.2f}, relay CPU "
+              f"{statistics.median(c for _, c in got):.2f} (turns: "
+              + ", ".join(f"{w:.2f}/{c:.2f}" for w, c in got) + ")")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="")
@@ -154,7 +236,12 @@ def main() -> None:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--worker-layers", type=int, default=0)
     ap.add_argument("--old-src", default="", help="another checkout's src: its relay too")
+    ap.add_argument("--carry", type=int, default=0, help="only the relays, N exchanges")
     args = ap.parse_args()
+    if args.carry:
+        carry(certificates(Path(tempfile.mkdtemp(prefix="split-bench-"))), args.carry,
+              args.old_src)
+        return
     streams = [int(s) for s in args.streams.split(",")]
     llama, rpc_bin = engines()
     work = Path(tempfile.mkdtemp(prefix="split-bench-"))
@@ -226,9 +313,9 @@ def main() -> None:
                  else "")
               + f", split/one node {med['tls relay'] / med['one node']:.2f}x")
     for side in ends:
-        cpu, made = relay_cpu[side], relay_tokens[side]
-        print(f"{side} CPU (both ends, TLS included): {cpu * 1000 / made:.2f} ms a token "
-              f"generated ({cpu:.2f} s over {made:.0f} tokens; the model's load not counted)")
+        spent, counted = relay_cpu[side], relay_tokens[side]
+        print(f"{side} CPU (both ends, TLS included): {spent * 1000 / counted:.2f} ms a token "
+              f"generated ({spent:.2f} s over {counted:.0f} tokens; the model's load not counted)")
     print(f"round trips through the relay: {exchanges / relay_tokens['tls relay']:.1f} a token "
           "generated")
 

@@ -142,6 +142,9 @@ def _server_context(tls: TLSFiles) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.verify_mode = ssl.CERT_REQUIRED
+    # No session tickets: nothing resumes a session (each connection proves its certificate
+    # anew), and nothing but the relayed bytes follows the handshake on the wire.
+    ctx.num_tickets = 0
     try:
         ctx.load_verify_locations(cafile=tls.ca)
     except (OSError, ssl.SSLError) as e:
@@ -268,21 +271,26 @@ class _Threads:
 
 def _accept_loop(threads: _Threads, listener: socket.socket,
                  handle: Callable[[socket.socket, Any], None]) -> None:
-    while True:
-        try:
-            conn, peer = listener.accept()
-        except OSError:
-            if threads.stopping:
-                return
-            time.sleep(0.05)  # out of descriptors, say: the next accept may do
-            continue
-        if threads.hold(conn):
-            threads.spawn(f"conn-{peer[1]}", functools.partial(handle, conn, peer))
+    try:
+        while True:
+            try:
+                conn, peer = listener.accept()
+            except OSError:
+                if threads.stopping:
+                    return
+                time.sleep(0.05)  # out of descriptors, say: the next accept may do
+                continue
+            if threads.hold(conn):
+                threads.spawn(f"conn-{peer[1]}", functools.partial(handle, conn, peer))
+    finally:
+        threads.close(listener)
 
 
 def _splice(threads: _Threads, a: socket.socket, b: socket.socket, counters: Counters) -> None:
     """Bytes both ways until either side ends, one thread a direction (this one carries b
-    to a); then both are closed."""
+    to a); then both are closed. A TLS socket is read in one thread and written in the
+    other. Reading then only writes where the peer asks (a key update; TLS 1.3 has no
+    renegotiation), and the peer is the other relay, which never asks."""
     ended = [0]
     lock = threading.Lock()
 
