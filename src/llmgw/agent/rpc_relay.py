@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from cryptography import x509
 
@@ -286,15 +286,105 @@ def _accept_loop(threads: _Threads, listener: socket.socket,
         threads.close(listener)
 
 
-def _splice(threads: _Threads, a: socket.socket, b: socket.socket, counters: Counters) -> None:
+class _TLS:
+    """TLS over a blocking socket with OpenSSL's state in memory (ssl.SSLObject): a read of
+    the socket takes in many records at once and a write leaves in one send, where an
+    SSLSocket makes two system calls a 16 KiB record read and one a record written. The two
+    directions run in two threads, so each call into OpenSSL holds a lock (none blocks:
+    they only move bytes between memory buffers), and what OpenSSL writes leaves under a
+    second lock, in its order."""
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, *, server_side: bool,
+                 server_hostname: str | None = None) -> None:
+        self.sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(self._in, self._out, server_side=server_side,
+                                server_hostname=server_hostname)
+        self._lock = threading.Lock()
+        self._sending = threading.Lock()
+        self._raw = memoryview(bytearray(CHUNK))
+        self._eof = False
+
+    def handshake(self, timeout: float) -> None:
+        """The handshake, within timeout seconds; the socket's errors, ssl.SSLError, or
+        TimeoutError where it did not end in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.obj.do_handshake()
+                self._flush()
+                return
+            except ssl.SSLWantReadError:
+                self._flush()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no TLS handshake within {timeout:.0f}s")
+            self.sock.settimeout(left)
+            n = self.sock.recv_into(self._raw)
+            if not n:
+                raise ConnectionError("the peer closed the connection in the TLS handshake")
+            self._in.write(self._raw[:n])
+
+    def peer_der(self) -> bytes | None:
+        return self.obj.getpeercert(binary_form=True)
+
+    def _flush(self) -> None:
+        with self._sending:
+            with self._lock:
+                out = self._out.read()
+            if out:
+                self.sock.sendall(out)
+
+    def recv_into(self, buf: memoryview) -> int:
+        """Plain bytes into buf, as many as the records read so far hold (at least one);
+        0 at the end (the peer's close_notify, or its socket's end)."""
+        while not self._eof:
+            got = 0
+            with self._lock:
+                try:
+                    while got < len(buf):
+                        # With a buffer, read returns the count (typeshed says bytes).
+                        n = cast(int, self.obj.read(len(buf) - got, buf[got:]))
+                        if not n:
+                            self._eof = True
+                            break
+                        got += n
+                except ssl.SSLWantReadError:
+                    pass
+                answer = self._out.pending > 0  # what reading wrote (a key update's answer)
+            if answer:
+                self._flush()
+            if got:
+                return got
+            if self._eof:
+                break
+            took = self.sock.recv_into(self._raw)
+            if not took:
+                self._eof = True
+                break
+            with self._lock:
+                self._in.write(self._raw[:took])
+        return 0
+
+    def sendall(self, data: memoryview) -> None:
+        with self._sending:
+            with self._lock:
+                while data:
+                    data = data[self.obj.write(data):]
+                out = self._out.read()
+            self.sock.sendall(out)
+
+
+def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
+            counters: Counters) -> None:
     """Bytes both ways until either side ends, one thread a direction (this one carries b
-    to a); then both are closed. A TLS socket is read in one thread and written in the
-    other. Reading then only writes where the peer asks (a key update; TLS 1.3 has no
-    renegotiation), and the peer is the other relay, which never asks."""
+    to a); then both are closed."""
     ended = [0]
     lock = threading.Lock()
+    sa = a.sock if isinstance(a, _TLS) else a
+    sb = b.sock if isinstance(b, _TLS) else b
 
-    def pump(src: socket.socket, dst: socket.socket, inbound: bool) -> None:
+    def pump(src: socket.socket | _TLS, dst: socket.socket | _TLS, inbound: bool) -> None:
         buf = memoryview(bytearray(CHUNK))
         try:
             while n := src.recv_into(buf):
@@ -310,13 +400,13 @@ def _splice(threads: _Threads, a: socket.socket, b: socket.socket, counters: Cou
         except OSError:  # ssl.SSLError included
             pass
         finally:
-            _cut(a)
-            _cut(b)
+            _cut(sa)
+            _cut(sb)
             with lock:
                 ended[0] += 1
                 last = ended[0] == 2
             if last:
-                threads.close(a, b)
+                threads.close(sa, sb)
 
     threads.spawn("in", functools.partial(pump, a, b, True))
     pump(b, a, False)
@@ -362,23 +452,20 @@ class WorkerRelay:
 
     def _admit(self, raw: socket.socket, peer: Any) -> None:
         assert self._ctx is not None
-        raw.settimeout(HANDSHAKE_TIMEOUT_S)
+        conn = _TLS(raw, self._ctx, server_side=True)
         try:
             # The CA is checked in the handshake (CERT_REQUIRED); the node and pin below,
             # before anything is read from the peer or sent to rpc-server.
-            conn = self._ctx.wrap_socket(raw, server_side=True)
+            conn.handshake(HANDSHAKE_TIMEOUT_S)
         except OSError as e:  # ssl.SSLError and a timeout included
             log.warning("RPC relay: TLS handshake with %s failed: %s", peer, e)
             self._threads.close(raw)
             return
-        self._threads.close(raw)  # conn holds the descriptor now: raw's is detached
-        if not self._threads.hold(conn):
-            return
-        why = _peer_refusal(conn.getpeercert(binary_form=True), None, self.main_node, self.pins)
+        why = _peer_refusal(conn.peer_der(), None, self.main_node, self.pins)
         if why:
             self.counters.refused.append(why)
             log.warning("RPC relay refused %s: %s", peer, why)
-            self._threads.close(conn)
+            self._threads.close(raw)
             return
         try:
             upstream = socket.create_connection((LOOPBACK, self.upstream_port),
@@ -386,14 +473,14 @@ class WorkerRelay:
         except OSError as e:
             log.warning("RPC relay: rpc-server on %s:%s does not answer: %s", LOOPBACK,
                         self.upstream_port, e)
-            self._threads.close(conn)
+            self._threads.close(raw)
             return
         if not self._threads.hold(upstream):
-            self._threads.close(conn)
+            self._threads.close(raw)
             return
-        conn.settimeout(None)
+        raw.settimeout(None)
         upstream.settimeout(None)
-        _tune(conn, keepalive=True)
+        _tune(raw, keepalive=True)
         _tune(upstream, keepalive=False)
         self.counters.carried += 1
         _splice(self._threads, conn, upstream, self.counters)
@@ -452,29 +539,24 @@ class MainRelay:
         if not self._threads.hold(raw):
             self._threads.close(engine)
             return
-        raw.settimeout(HANDSHAKE_TIMEOUT_S)
+        remote = _TLS(raw, ctx, server_side=False, server_hostname=worker.host)
         try:
-            remote = ctx.wrap_socket(raw, server_hostname=worker.host)
+            remote.handshake(HANDSHAKE_TIMEOUT_S)
         except OSError as e:  # ssl.SSLError and a timeout included
             log.warning("RPC relay: worker %s at %s:%s: %s", worker.node, worker.host,
                         worker.port, e)
             self._threads.close(raw, engine)
             return
-        self._threads.close(raw)  # remote holds the descriptor now: raw's is detached
-        if not self._threads.hold(remote):
-            self._threads.close(engine)
-            return
-        why = _peer_refusal(remote.getpeercert(binary_form=True), ca, worker.node,
-                            frozenset())
+        why = _peer_refusal(remote.peer_der(), ca, worker.node, frozenset())
         if why:
             self.counters.refused.append(why)
             log.warning("RPC relay: refused worker %s at %s:%s: %s", worker.node,
                         worker.host, worker.port, why)
-            self._threads.close(remote, engine)
+            self._threads.close(raw, engine)
             return
-        remote.settimeout(None)
+        raw.settimeout(None)
         engine.settimeout(None)
-        _tune(remote, keepalive=True)
+        _tune(raw, keepalive=True)
         _tune(engine, keepalive=False)
         self.counters.carried += 1
         _splice(self._threads, engine, remote, self.counters)
