@@ -23,9 +23,10 @@ closes the other, so the main engine sees its RPC connection end (llama.cpp's RP
 failover: the engine then stops, and the agent reports the replica down).
 
 Each carried connection has two threads, one a direction, each a blocking loop of recv_into
-a buffer of its own (CHUNK) and sendall: the worker sends the logits back, about 1 MB a
-token for a large vocabulary, and this costs the kernel's copies and OpenSSL's record
-work, not an event loop's per-chunk objects. TCP_NODELAY is set on every leg: the protocol
+a buffer of its own (CHUNK) and sendall, with OpenSSL's state in memory (_TLS): the worker
+sends the logits back, about 1 MB a token for a large vocabulary, and this costs the
+kernel's copies and the cipher, not an event loop's per-chunk objects or a system call a
+TLS record. TCP_NODELAY is set on every leg: the protocol
 is request and response, where Nagle would hold back a command's short tail. cpu_seconds()
 is the CPU time of all of one relay's threads (TLS included), which bench/split.py reports
 per token.
