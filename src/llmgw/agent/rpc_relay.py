@@ -60,7 +60,7 @@ log = logging.getLogger("llmgw.agent.rpc_relay")
 LOOPBACK = "127.0.0.1"
 # One read's worth (a buffer per direction of each connection): set_tensor carries whole
 # weight tensors and get_tensor the logits, so large reads mean fewer system calls.
-CHUNK = 1024 * 1024
+CHUNK = 256 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 KEEPALIVE_IDLE_S = 2
