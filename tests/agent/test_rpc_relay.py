@@ -5,12 +5,14 @@ loopback address (127.0.0.2, standing for its management address)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import ssl
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -406,3 +408,123 @@ def test_a_worker_whose_rpc_server_does_not_listen_says_so_and_opens_no_relay(
         share.start()
     assert not _port_open(relay_port, WORKER_ADDR)
     assert "no devices" in (tmp_path / "rpc.log").read_text()
+
+
+@dataclass
+class Upstream:
+    """A TCP server on loopback standing where rpc-server stands (the relay carries bytes,
+    whatever they say): it echoes what it reads, or, with echo False, only holds each
+    connection; conns are the accepted ones."""
+
+    sock: socket.socket
+    echo: bool
+    conns: list[socket.socket]
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            if self.echo:
+                threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := conn.recv(1 << 20):
+                conn.sendall(data)
+
+
+@contextlib.contextmanager
+def _relayed(cluster: Cluster, echo: bool) -> Iterator[tuple[Upstream, WorkerRelay, MainRelay]]:
+    up = Upstream(socket.create_server(("127.0.0.1", 0)), echo, [])
+    threading.Thread(target=up.serve, daemon=True).start()
+    worker = WorkerRelay(cluster.files["worker-1"], host=WORKER_ADDR, upstream_port=up.port,
+                         main_node="main-1")
+    main = MainRelay(cluster.files["main-1"], [Worker("worker-1", WORKER_ADDR, worker.start())])
+    main.start()
+    try:
+        yield up, worker, main
+    finally:
+        main.stop()
+        worker.stop()
+        up.sock.close()
+        for c in up.conns:
+            c.close()
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    got = bytearray()
+    while len(got) < n and (chunk := sock.recv(n - len(got))):
+        got += chunk
+    return bytes(got)
+
+
+def test_megabytes_cross_both_relays_unchanged_each_way(cluster: Cluster) -> None:
+    """8 MiB of random bytes (eight 1 MiB answers' worth, as the logits of a large
+    vocabulary come back) written through the main relay, the TLS leg and the worker's relay
+    to an echoing upstream come back byte for byte, and each end counted them each way; a
+    small write after them comes back too (nothing held back behind a big one). The
+    control: a copy with one byte changed differs from what came back, so the comparison
+    sees a single wrong byte."""
+    payload = os.urandom(8 << 20)
+    with _relayed(cluster, echo=True) as (_, worker, main):
+        with socket.create_connection(("127.0.0.1", main.ports[0]), timeout=30) as s:
+            writer = threading.Thread(target=s.sendall, args=(payload,), daemon=True)
+            writer.start()
+            back = _read(s, len(payload))
+            writer.join(30)
+            s.sendall(b"ping")
+            assert _read(s, 4) == b"ping"
+        assert back == payload
+        changed = bytearray(payload)
+        changed[len(payload) // 2] ^= 1
+        assert back != bytes(changed)
+        total = len(payload) + 4
+        for relay in (main, worker):
+            assert relay.counters.bytes_in == total and relay.counters.bytes_out == total
+        assert main.cpu_seconds() > 0 and worker.cpu_seconds() > 0
+
+
+def test_either_side_closing_closes_the_other_and_stop_ends_a_carried_connection(
+        cluster: Cluster) -> None:
+    """The engine's connection closed: the upstream's ends (EOF) within seconds; the
+    upstream's closed: the engine's ends; a relay stopped with a connection open ends it.
+    The control: while both sides stay open, a read on either waits (no EOF)."""
+    with _relayed(cluster, echo=False) as (up, worker, main):
+        def carried(n: int) -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", main.ports[0]), timeout=5)
+            _wait(f"connection {n} to reach the upstream", lambda: len(up.conns) >= n,
+                  timeout=10, last=lambda: (main.counters, worker.counters))
+            up.conns[n - 1].settimeout(5)
+            return s
+
+        engine = carried(1)
+        engine.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            engine.recv(1)
+        up.conns[0].settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            up.conns[0].recv(1)
+        up.conns[0].settimeout(5)
+        engine.close()
+        assert up.conns[0].recv(1) == b""
+
+        engine = carried(2)
+        engine.settimeout(5)
+        up.conns[1].close()
+        assert engine.recv(1) == b""
+        engine.close()
+
+        engine = carried(3)
+        engine.settimeout(5)
+        worker.stop()
+        assert engine.recv(1) == b""
+        assert up.conns[2].recv(1) == b""
+        engine.close()

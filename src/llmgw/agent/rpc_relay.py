@@ -22,13 +22,18 @@ within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S, and either sid
 closes the other, so the main engine sees its RPC connection end (llama.cpp's RPC has no
 failover: the engine then stops, and the agent reports the replica down).
 
-All of one relay runs on one event loop in a thread of its own; cpu_seconds() is that
-thread's CPU time (TLS included), which bench/split.py reports per token.
+Each carried connection has two threads, one a direction, each a blocking loop of recv_into
+a buffer of its own (CHUNK) and sendall, with OpenSSL's state in memory (_TLS): the worker
+sends the logits back, about 1 MB a token for a large vocabulary, and this costs the
+kernel's copies and the cipher, not an event loop's per-chunk objects or a system call a
+TLS record. TCP_NODELAY is set on every leg: the protocol
+is request and response, where Nagle would hold back a command's short tail. cpu_seconds()
+is the CPU time of all of one relay's threads (TLS included), which bench/split.py reports
+per token.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import functools
@@ -39,9 +44,9 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from cryptography import x509
 
@@ -53,8 +58,8 @@ from llmgw.model.engine_args import rpc_server_args
 log = logging.getLogger("llmgw.agent.rpc_relay")
 
 LOOPBACK = "127.0.0.1"
-# One read's worth: set_tensor carries whole weight tensors, so large reads mean fewer
-# records and wake-ups while a model loads.
+# One read's worth (a buffer per direction of each connection): set_tensor carries whole
+# weight tensors and get_tensor the logits, so large reads mean fewer system calls.
 CHUNK = 256 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
@@ -96,12 +101,17 @@ class Worker:
 
 @dataclass
 class Counters:
-    """What a relay saw: connections carried, peers refused (with why), bytes each way."""
+    """What a relay saw: connections carried, peers refused (with why), bytes each way (in:
+    toward rpc-server)."""
 
     carried: int = 0
     refused: list[str] = field(default_factory=list)
     bytes_in: int = 0
     bytes_out: int = 0
+    # Round trips: bytes toward rpc-server after bytes from it (one RPC command and its
+    # answer, mostly); bench/split.py reports them a token.
+    exchanges: int = 0
+    last_outbound: bool = False
 
 
 def fingerprint(cert: x509.Certificate) -> str:
@@ -133,6 +143,9 @@ def _server_context(tls: TLSFiles) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.verify_mode = ssl.CERT_REQUIRED
+    # No session tickets: nothing resumes a session (each connection proves its certificate
+    # anew), and nothing but the relayed bytes follows the handshake on the wire.
+    ctx.num_tickets = 0
     try:
         ctx.load_verify_locations(cafile=tls.ca)
     except (OSError, ssl.SSLError) as e:
@@ -173,102 +186,231 @@ def _peer_refusal(der: bytes | None, ca: x509.Certificate | None, node: str,
     return ""
 
 
-def _keepalive(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+def _tune(sock: socket.socket, *, keepalive: bool) -> None:
+    """TCP_NODELAY on every leg (the RPC protocol is request and response: Nagle's delayed
+    small writes would stall each round trip), and keepalive where asked."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if keepalive:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                count: Callable[[int], None]) -> None:
-    try:
-        while data := await reader.read(CHUNK):
-            count(len(data))
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, OSError, ssl.SSLError):
-        pass
-    finally:
-        writer.close()
+def _cut(sock: socket.socket) -> None:
+    """Ends both directions of sock at the TCP level, waking a thread blocked on it. The
+    plain socket's shutdown even for a TLS one: SSLSocket.shutdown drops its TLS state, after
+    which a read in another thread would return the peer's raw records."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
-async def _splice(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                  b: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                  counters: Counters) -> None:
-    """Bytes both ways until either side ends; then both are closed."""
-    def inbound(n: int) -> None:
-        counters.bytes_in += n
-
-    def outbound(n: int) -> None:
-        counters.bytes_out += n
-
-    tasks = [asyncio.ensure_future(_pump(a[0], b[1], inbound)),
-             asyncio.ensure_future(_pump(b[0], a[1], outbound))]
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for w in (a[1], b[1]):
-        w.close()
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _until_stopped(handler: Coroutine[Any, Any, None],
-                         writer: asyncio.StreamWriter) -> None:
-    """handler, ended quietly when the relay stops (its loop cancels it): asyncio's stream
-    server would log the cancellation of each connection as an error."""
-    try:
-        await handler
-    except asyncio.CancelledError:
-        writer.close()
-
-
-class _Loop:
-    """An event loop in a thread of its own, started with the relay's listeners."""
+class _Threads:
+    """A relay's threads (a listener each, one per connection being admitted, one per
+    direction of each carried connection), the sockets they hold, and their CPU time."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._servers: list[asyncio.Server] = []
+        self.stopping = False
+        self._lock = threading.Lock()
+        self._live: set[threading.Thread] = set()
+        self._done_cpu = 0.0
+        self._socks: set[socket.socket] = set()
 
-    def start(self) -> None:
-        self._thread.start()
+    def spawn(self, what: str, target: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                target()
+            except Exception:
+                log.exception("RPC relay %s: %s failed", self.name, what)
+            finally:
+                with self._lock:
+                    self._done_cpu += time.thread_time()
+                    self._live.discard(threading.current_thread())
 
-    def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(START_TIMEOUT_S)
+        t = threading.Thread(target=run, name=f"{self.name}-{what}", daemon=True)
+        with self._lock:
+            self._live.add(t)
+        t.start()
 
-    def listen(self, server: asyncio.Server) -> int:
-        self._servers.append(server)
-        return int(server.sockets[0].getsockname()[1])
+    def hold(self, sock: socket.socket) -> bool:
+        """Tracks sock so stop() can end it; False (sock closed) once the relay stops."""
+        with self._lock:
+            if not self.stopping:
+                self._socks.add(sock)
+                return True
+        sock.close()
+        return False
+
+    def close(self, *socks: socket.socket) -> None:
+        for s in socks:
+            with self._lock:
+                self._socks.discard(s)
+            _cut(s)
+            s.close()
 
     def cpu_seconds(self) -> float:
-        ident = self._thread.ident
-        if ident is None or not self._thread.is_alive():
-            return 0.0
-        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        with self._lock:
+            total = self._done_cpu
+            for t in self._live:
+                if t.ident is not None:
+                    with contextlib.suppress(OSError):
+                        total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        return total
 
     def stop(self) -> None:
-        if not self._thread.is_alive():
-            return
+        with self._lock:
+            self.stopping = True
+            socks, live = list(self._socks), list(self._live)
+        for s in socks:
+            _cut(s)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for t in live:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
 
-        async def close() -> None:
-            for s in self._servers:
-                s.close()
-            current = asyncio.current_task()
-            for t in asyncio.all_tasks():
-                if t is not current:
-                    t.cancel()
 
-        with contextlib.suppress(Exception):
-            self.call(close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(START_TIMEOUT_S)
-        if not self._thread.is_alive():
-            self.loop.close()
+def _accept_loop(threads: _Threads, listener: socket.socket,
+                 handle: Callable[[socket.socket, Any], None]) -> None:
+    try:
+        while True:
+            try:
+                conn, peer = listener.accept()
+            except OSError:
+                if threads.stopping:
+                    return
+                time.sleep(0.05)  # out of descriptors, say: the next accept may do
+                continue
+            if threads.hold(conn):
+                threads.spawn(f"conn-{peer[1]}", functools.partial(handle, conn, peer))
+    finally:
+        threads.close(listener)
+
+
+class _TLS:
+    """TLS over a blocking socket with OpenSSL's state in memory (ssl.SSLObject): a read of
+    the socket takes in many records at once and a write leaves in one send, where an
+    SSLSocket makes two system calls a 16 KiB record read and one a record written. The two
+    directions run in two threads, so each call into OpenSSL holds a lock (none blocks:
+    they only move bytes between memory buffers), and what OpenSSL writes leaves under a
+    second lock, in its order."""
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, *, server_side: bool,
+                 server_hostname: str | None = None) -> None:
+        self.sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(self._in, self._out, server_side=server_side,
+                                server_hostname=server_hostname)
+        self._lock = threading.Lock()
+        self._sending = threading.Lock()
+        self._raw = memoryview(bytearray(CHUNK))
+        self._eof = False
+
+    def handshake(self, timeout: float) -> None:
+        """The handshake, within timeout seconds; the socket's errors, ssl.SSLError, or
+        TimeoutError where it did not end in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.obj.do_handshake()
+                self._flush()
+                return
+            except ssl.SSLWantReadError:
+                self._flush()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no TLS handshake within {timeout:.0f}s")
+            self.sock.settimeout(left)
+            n = self.sock.recv_into(self._raw)
+            if not n:
+                raise ConnectionError("the peer closed the connection in the TLS handshake")
+            self._in.write(self._raw[:n])
+
+    def peer_der(self) -> bytes | None:
+        return self.obj.getpeercert(binary_form=True)
+
+    def _flush(self) -> None:
+        with self._sending:
+            with self._lock:
+                out = self._out.read()
+            if out:
+                self.sock.sendall(out)
+
+    def recv_into(self, buf: memoryview) -> int:
+        """Plain bytes into buf, as many as the records read so far hold (at least one);
+        0 at the end (the peer's close_notify, or its socket's end)."""
+        while not self._eof:
+            got = 0
+            with self._lock:
+                try:
+                    while got < len(buf):
+                        # With a buffer, read returns the count (typeshed says bytes).
+                        n = cast(int, self.obj.read(len(buf) - got, buf[got:]))
+                        if not n:
+                            self._eof = True
+                            break
+                        got += n
+                except ssl.SSLWantReadError:
+                    pass
+                answer = self._out.pending > 0  # what reading wrote (a key update's answer)
+            if answer:
+                self._flush()
+            if got:
+                return got
+            if self._eof:
+                break
+            took = self.sock.recv_into(self._raw)
+            if not took:
+                self._eof = True
+                break
+            with self._lock:
+                self._in.write(self._raw[:took])
+        return 0
+
+    def sendall(self, data: memoryview) -> None:
+        with self._sending:
+            with self._lock:
+                while data:
+                    data = data[self.obj.write(data):]
+                out = self._out.read()
+            self.sock.sendall(out)
+
+
+def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
+            counters: Counters) -> None:
+    """Bytes both ways until either side ends, one thread a direction (this one carries b
+    to a); then both are closed."""
+    ended = [0]
+    lock = threading.Lock()
+    sa = a.sock if isinstance(a, _TLS) else a
+    sb = b.sock if isinstance(b, _TLS) else b
+
+    def pump(src: socket.socket | _TLS, dst: socket.socket | _TLS, inbound: bool) -> None:
+        buf = memoryview(bytearray(CHUNK))
+        try:
+            while n := src.recv_into(buf):
+                if inbound:
+                    counters.bytes_in += n
+                    if counters.last_outbound:
+                        counters.exchanges += 1
+                        counters.last_outbound = False
+                else:
+                    counters.bytes_out += n
+                    counters.last_outbound = True
+                dst.sendall(buf[:n])
+        except OSError:  # ssl.SSLError included
+            pass
+        finally:
+            _cut(sa)
+            _cut(sb)
+            with lock:
+                ended[0] += 1
+                last = ended[0] == 2
+            if last:
+                threads.close(sa, sb)
+
+    threads.spawn("in", functools.partial(pump, a, b, True))
+    pump(b, a, False)
 
 
 class WorkerRelay:
@@ -286,52 +428,63 @@ class WorkerRelay:
         self.main_node = main_node
         self.pins = pins
         self.counters = Counters()
-        self._loop = _Loop(f"rpc-relay-{main_node}")
+        self._threads = _Threads(f"rpc-relay-{main_node}")
+        self._ctx: ssl.SSLContext | None = None
 
     def start(self) -> int:
-        ctx = _server_context(self.tls)
-        self._loop.start()
+        self._ctx = _server_context(self.tls)
         try:
-            server = self._loop.call(asyncio.start_server(
-                lambda r, w: _until_stopped(self._admit(r, w), w), self.host, self.port, ssl=ctx,
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S))
+            listener = socket.create_server((self.host, self.port))
         except OSError as e:
-            self._loop.stop()
             raise RelayError(f"the RPC relay cannot listen on {self.host}:{self.port}: {e}; "
                              "is the management address this node's, and the port free?"
                              ) from e
-        self.port = self._loop.listen(server)
+        self._threads.hold(listener)
+        self.port = int(listener.getsockname()[1])
+        self._threads.spawn("listen", functools.partial(
+            _accept_loop, self._threads, listener, self._admit))
         return self.port
 
     def stop(self) -> None:
-        self._loop.stop()
+        self._threads.stop()
 
     def cpu_seconds(self) -> float:
-        return self._loop.cpu_seconds()
+        return self._threads.cpu_seconds()
 
-    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        sslobj = writer.get_extra_info("ssl_object")
-        der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
-        # The CA was checked in the handshake (CERT_REQUIRED); the node and pin are here,
-        # before anything is read from the peer or sent to rpc-server.
-        why = _peer_refusal(der, None, self.main_node, self.pins)
+    def _admit(self, raw: socket.socket, peer: Any) -> None:
+        assert self._ctx is not None
+        conn = _TLS(raw, self._ctx, server_side=True)
+        try:
+            # The CA is checked in the handshake (CERT_REQUIRED); the node and pin below,
+            # before anything is read from the peer or sent to rpc-server.
+            conn.handshake(HANDSHAKE_TIMEOUT_S)
+        except OSError as e:  # ssl.SSLError and a timeout included
+            log.warning("RPC relay: TLS handshake with %s failed: %s", peer, e)
+            self._threads.close(raw)
+            return
+        why = _peer_refusal(conn.peer_der(), None, self.main_node, self.pins)
         if why:
             self.counters.refused.append(why)
             log.warning("RPC relay refused %s: %s", peer, why)
-            writer.close()
+            self._threads.close(raw)
             return
         try:
-            upstream = await asyncio.wait_for(
-                asyncio.open_connection(LOOPBACK, self.upstream_port), CONNECT_TIMEOUT_S)
-        except (OSError, TimeoutError) as e:
+            upstream = socket.create_connection((LOOPBACK, self.upstream_port),
+                                                timeout=CONNECT_TIMEOUT_S)
+        except OSError as e:
             log.warning("RPC relay: rpc-server on %s:%s does not answer: %s", LOOPBACK,
                         self.upstream_port, e)
-            writer.close()
+            self._threads.close(raw)
             return
-        _keepalive(writer)
+        if not self._threads.hold(upstream):
+            self._threads.close(raw)
+            return
+        raw.settimeout(None)
+        upstream.settimeout(None)
+        _tune(raw, keepalive=True)
+        _tune(upstream, keepalive=False)
         self.counters.carried += 1
-        await _splice((reader, writer), upstream, self.counters)
+        _splice(self._threads, conn, upstream, self.counters)
 
 
 class MainRelay:
@@ -345,56 +498,66 @@ class MainRelay:
         self.workers = workers
         self.ports: list[int] = []
         self.counters = Counters()
-        self._loop = _Loop("rpc-relay-main")
+        self._threads = _Threads("rpc-relay-main")
 
     def start(self) -> list[int]:
         ctx, ca = _client_context(self.tls)
-        self._loop.start()
+        listeners = []
         try:
-            for w in self.workers:
-                server = self._loop.call(asyncio.start_server(
-                    functools.partial(self._carried, worker=w, ctx=ctx, ca=ca), LOOPBACK, 0))
-                self.ports.append(self._loop.listen(server))
+            for _ in self.workers:
+                listeners.append(socket.create_server((LOOPBACK, 0)))
         except OSError as e:
-            self._loop.stop()
+            for s in listeners:
+                s.close()
             raise RelayError(f"the RPC relay cannot listen on {LOOPBACK}: {e}") from e
+        for w, listener in zip(self.workers, listeners, strict=True):
+            self._threads.hold(listener)
+            self.ports.append(int(listener.getsockname()[1]))
+            self._threads.spawn(f"listen-{w.node}", functools.partial(
+                _accept_loop, self._threads, listener,
+                functools.partial(self._carry, worker=w, ctx=ctx, ca=ca)))
         return self.ports
 
     def endpoints(self) -> str:
         return ",".join(f"{LOOPBACK}:{p}" for p in self.ports)
 
     def stop(self) -> None:
-        self._loop.stop()
+        self._threads.stop()
 
     def cpu_seconds(self) -> float:
-        return self._loop.cpu_seconds()
+        return self._threads.cpu_seconds()
 
-    async def _carried(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                       worker: Worker, ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
-        await _until_stopped(self._carry(reader, writer, worker=worker, ctx=ctx, ca=ca),
-                             writer)
-
-    async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                     worker: Worker, ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
+    def _carry(self, engine: socket.socket, _peer: Any, *, worker: Worker,
+               ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
         try:
-            remote = await asyncio.wait_for(asyncio.open_connection(
-                worker.host, worker.port, ssl=ctx, server_hostname=worker.host,
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S), CONNECT_TIMEOUT_S)
-        except (OSError, TimeoutError, ssl.SSLError) as e:
+            raw = socket.create_connection((worker.host, worker.port),
+                                           timeout=CONNECT_TIMEOUT_S)
+        except OSError as e:
             log.warning("RPC relay: worker %s at %s:%s: %s", worker.node, worker.host,
                         worker.port, e)
-            writer.close()
+            self._threads.close(engine)
             return
-        sslobj = remote[1].get_extra_info("ssl_object")
-        why = _peer_refusal(sslobj.getpeercert(binary_form=True), ca, worker.node,
-                            frozenset())
+        if not self._threads.hold(raw):
+            self._threads.close(engine)
+            return
+        remote = _TLS(raw, ctx, server_side=False, server_hostname=worker.host)
+        try:
+            remote.handshake(HANDSHAKE_TIMEOUT_S)
+        except OSError as e:  # ssl.SSLError and a timeout included
+            log.warning("RPC relay: worker %s at %s:%s: %s", worker.node, worker.host,
+                        worker.port, e)
+            self._threads.close(raw, engine)
+            return
+        why = _peer_refusal(remote.peer_der(), ca, worker.node, frozenset())
         if why:
             self.counters.refused.append(why)
             log.warning("RPC relay: refused worker %s at %s:%s: %s", worker.node,
                         worker.host, worker.port, why)
-            remote[1].close()
-            writer.close()
+            self._threads.close(raw, engine)
             return
-        _keepalive(remote[1])
+        raw.settimeout(None)
+        engine.settimeout(None)
+        _tune(raw, keepalive=True)
+        _tune(engine, keepalive=False)
         self.counters.carried += 1
-        await _splice((reader, writer), remote, self.counters)
+        _splice(self._threads, engine, remote, self.counters)
