@@ -376,6 +376,18 @@ class _TLS:
             self.sock.sendall(out)
 
 
+def _carry(threads: _Threads, counters: Counters, raw: socket.socket, plain: socket.socket,
+           a: socket.socket | _TLS, b: socket.socket | _TLS) -> None:
+    """A connection admitted: its TLS leg's socket (raw, kept alive) and its loopback leg
+    (plain) blocking again and tuned, then a and b spliced both ways."""
+    raw.settimeout(None)
+    plain.settimeout(None)
+    _tune(raw, keepalive=True)
+    _tune(plain, keepalive=False)
+    counters.carried += 1
+    _splice(threads, a, b, counters)
+
+
 def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
             counters: Counters) -> None:
     """Bytes both ways until either side ends, one thread a direction (this one carries b
@@ -479,12 +491,7 @@ class WorkerRelay:
         if not self._threads.hold(upstream):
             self._threads.close(raw)
             return
-        raw.settimeout(None)
-        upstream.settimeout(None)
-        _tune(raw, keepalive=True)
-        _tune(upstream, keepalive=False)
-        self.counters.carried += 1
-        _splice(self._threads, conn, upstream, self.counters)
+        _carry(self._threads, self.counters, raw, upstream, conn, upstream)
 
 
 class MainRelay:
@@ -555,9 +562,4 @@ class MainRelay:
                         worker.host, worker.port, why)
             self._threads.close(raw, engine)
             return
-        raw.settimeout(None)
-        engine.settimeout(None)
-        _tune(raw, keepalive=True)
-        _tune(engine, keepalive=False)
-        self.counters.carried += 1
-        _splice(self._threads, engine, remote, self.counters)
+        _carry(self._threads, self.counters, raw, engine, engine, remote)

@@ -17,6 +17,7 @@ import tarfile
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from llmgw.agent.engines import _cmake, _toolchain, cache
@@ -260,6 +261,7 @@ class Driver:
         tmp.replace(self.target / name)
 
 
+@dataclass(eq=False)
 class CudaBuild:
     """llama-server with CUDA for this node's GPUs, into the cache; run() returns its path.
 
@@ -272,23 +274,21 @@ class CudaBuild:
     way to get it (a download): it is asked for only once the driver, the tools and the
     toolchain allow a build, so a node that cannot build says why before any download."""
 
-    def __init__(self, version: str, source: Path | Callable[[], Path], cache_dir: Path,
-                 discovery: Discovery, *,
-                 on_progress: Callable[[str], None] = lambda line: None,
-                 jobs: int | None = None, search_path: str | None = None,
-                 pip: _toolchain.Pip | None = None, roots: Iterable[Path] = _toolchain.SYSTEM_ROOTS,
-                 meminfo: Path = MEMINFO) -> None:
-        self.version = version
-        self.source = source
-        self.cache_dir = cache_dir
-        self.discovery = discovery
-        self.on_progress = on_progress
-        self.jobs = jobs
-        self.search_path = search_path
-        self.pip = pip
-        self.roots = tuple(roots)
-        self.meminfo = meminfo
-        self.archs = discovery.cuda_archs()
+    version: str
+    source: Path | Callable[[], Path]
+    cache_dir: Path
+    discovery: Discovery
+    _: KW_ONLY
+    on_progress: Callable[[str], None] = lambda line: None
+    jobs: int | None = None
+    search_path: str | None = None
+    pip: _toolchain.Pip | None = None
+    roots: Iterable[Path] = _toolchain.SYSTEM_ROOTS
+    meminfo: Path = MEMINFO
+
+    def __post_init__(self) -> None:
+        self.roots = tuple(self.roots)
+        self.archs = self.discovery.cuda_archs()
         self._driver: Driver | None = None
         self._stopped = False
 

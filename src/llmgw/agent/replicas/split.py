@@ -46,9 +46,6 @@ class WorkerShare:
     def __init__(self, rpc_server: Path, tls: TLSFiles, *, host: str, main_node: str,
                  profile_args: list[str], log_path: Path, relay_port: int = 0) -> None:
         self.rpc_server = rpc_server
-        self.tls = tls
-        self.host = host
-        self.main_node = main_node
         self.profile_args = profile_args
         self.log_path = log_path
         self.port = free_port(rpc_relay.LOOPBACK)
