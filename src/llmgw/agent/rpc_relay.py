@@ -376,6 +376,22 @@ class _TLS:
             self.sock.sendall(out)
 
 
+def _dial(threads: _Threads, addr: tuple[str, int], other: socket.socket,
+          what: str) -> socket.socket | None:
+    """A connection to addr, held by threads; None where it does not open or threads are
+    closing (then the other leg, other, is closed, and a failure logged as what: why)."""
+    try:
+        sock = socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
+    except OSError as e:
+        log.warning("RPC relay: %s: %s", what, e)
+        threads.close(other)
+        return None
+    if not threads.hold(sock):
+        threads.close(other)
+        return None
+    return sock
+
+
 def _carry(threads: _Threads, counters: Counters, raw: socket.socket, plain: socket.socket,
            a: socket.socket | _TLS, b: socket.socket | _TLS) -> None:
     """A connection admitted: its TLS leg's socket (raw, kept alive) and its loopback leg
@@ -480,16 +496,9 @@ class WorkerRelay:
             log.warning("RPC relay refused %s: %s", peer, why)
             self._threads.close(raw)
             return
-        try:
-            upstream = socket.create_connection((LOOPBACK, self.upstream_port),
-                                                timeout=CONNECT_TIMEOUT_S)
-        except OSError as e:
-            log.warning("RPC relay: rpc-server on %s:%s does not answer: %s", LOOPBACK,
-                        self.upstream_port, e)
-            self._threads.close(raw)
-            return
-        if not self._threads.hold(upstream):
-            self._threads.close(raw)
+        upstream = _dial(self._threads, (LOOPBACK, self.upstream_port), raw,
+                         f"rpc-server on {LOOPBACK}:{self.upstream_port} does not answer")
+        if upstream is None:
             return
         _carry(self._threads, self.counters, raw, upstream, conn, upstream)
 
@@ -536,16 +545,9 @@ class MainRelay:
 
     def _carry(self, engine: socket.socket, _peer: Any, *, worker: Worker,
                ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
-        try:
-            raw = socket.create_connection((worker.host, worker.port),
-                                           timeout=CONNECT_TIMEOUT_S)
-        except OSError as e:
-            log.warning("RPC relay: worker %s at %s:%s: %s", worker.node, worker.host,
-                        worker.port, e)
-            self._threads.close(engine)
-            return
-        if not self._threads.hold(raw):
-            self._threads.close(engine)
+        raw = _dial(self._threads, (worker.host, worker.port), engine,
+                    f"worker {worker.node} at {worker.host}:{worker.port}")
+        if raw is None:
             return
         remote = _TLS(raw, ctx, server_side=False, server_hostname=worker.host)
         try:
