@@ -59,7 +59,7 @@ def test_status_lists_nodes_and_a_ready_replica_as_a_table_and_as_json(host) -> 
     table = llmgw("status", "--mode=local", f"--state-dir={state}")
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
-    assert lines[0].split() == ["NODE", "STATE", "ENGINES", "GPUS", "LAST", "SEEN"]
+    assert lines[0].split() == ["NODE", "STATE", "ENGINES", "GPUS", "LAST", "SEEN", "BEATS", "TO"]
     assert lines[1].split()[:3] == ["node-a", "ready", "llamacpp"]
     replica = next(line for line in lines if line.startswith("r1"))
     assert replica.split()[:4] == ["r1", "tiny", "node-a", "ready"]

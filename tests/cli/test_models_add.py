@@ -142,7 +142,7 @@ def test_a_local_gguf_is_put_in_the_mirror_and_added_with_the_starters_profiles(
     assert done.returncode == 0, done.stderr
     added = model(fleet, "tiny-local")
     assert added["aliases"] == ["tl"] and added["sha256"] == digest
-    assert added["scaling"] == {"min": 0, "max": 2}
+    assert added["scaling"] == {"min": 0, "max": 2, "idle_s": 900}  # the catalog's default idle
     assert added["size_bytes"] == path.stat().st_size and added["geometry"]["block_count"] == 2
     # The starter's profiles for this fleet's GPU class, but not pinned to one machine.
     starter = CATALOG_MODEL.validate_python(

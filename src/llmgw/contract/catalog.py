@@ -227,11 +227,9 @@ def default_profiles(gpu_classes: list[str],
     """The profiles a model gets when nobody wrote its own (the starter, `llmgw models add
     FILE`): one per GPU class, then CPU, each with node_selector when one is given."""
     pin = {"node_selector": dict(node_selector)} if node_selector else {}
-    profiles: list[dict[str, Any]] = [
-        {"name": f"gpu-{c}", "engine": "llamacpp", "gpu_class": c, "priority": 200,
-         "min_memory_gb": 2, **pin, "args": ["--ctx-size", "32768"]}
-        for c in gpu_classes
+    return [
+        *({"name": f"gpu-{c}", "engine": "llamacpp", "gpu_class": c, "priority": 200,
+           "min_memory_gb": 2, **pin, "args": ["--ctx-size", "32768"]} for c in gpu_classes),
+        {"name": "cpu", "engine": "llamacpp", "priority": 100, "min_memory_gb": 2, **pin,
+         "args": ["--ctx-size", "16384"]},
     ]
-    profiles.append({"name": "cpu", "engine": "llamacpp", "priority": 100, "min_memory_gb": 2,
-                     **pin, "args": ["--ctx-size", "16384"]})
-    return profiles

@@ -47,10 +47,10 @@ def node_view(node: NodeRecord, now: float, timeout_s: float,
 # The scheduler views every node every second: what a view takes from an inventory is
 # made once per inventory the store parsed (it hands the same object until the text
 # changes), not once per node and tick.
-_VIEWS: dict[str, tuple[Mapping[str, Any], dict[str, Any]]] = {}
+_VIEWS: dict[str, tuple[Mapping[str, Any], Mapping[str, object]]] = {}
 
 
-def _inventory_view(node_id: str, inv: Mapping[str, Any]) -> dict[str, Any]:
+def _inventory_view(node_id: str, inv: Mapping[str, Any]) -> Mapping[str, object]:
     held = _VIEWS.get(node_id)
     if held is not None and held[0] is inv:
         return held[1]

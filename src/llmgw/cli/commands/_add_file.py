@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +149,7 @@ def _spec(args: argparse.Namespace, file: ModelFile, gpu_classes: list[str]) -> 
             "geometry": dict(file.geometry)}
 
 
-def _check(spec: dict[str, Any], catalog: list[ModelSpec]) -> None:
+def _check(spec: Mapping[str, Any], catalog: list[ModelSpec]) -> None:
     """The catalog's own rules and names, before the mirror changes."""
     try:
         CATALOG_MODEL.validate_python(spec)
