@@ -258,6 +258,18 @@ def test_a_name_taken_or_refused_by_the_catalog_changes_nothing(fleet, tiny_gguf
     assert_refused_alone(fleet, bad, before, "scaling.min (3) is above scaling.max (2)")
 
 
+def test_idle_is_the_models_idle_time_and_a_negative_one_changes_nothing(fleet,
+                                                                       tiny_gguf) -> None:
+    """--idle S is the catalog's scaling.idle_s (load on demand's idle time); one the
+    catalog refuses (negative) is said before the mirror changes (the control)."""
+    before = fleet.snapshot()
+    bad = fleet.llmgw(str(tiny_gguf[0]), "--name", "idle-bad", "--min", "0", "--idle", "-1")
+    assert_refused_alone(fleet, bad, before, "idle_s")
+    done = fleet.llmgw(str(tiny_gguf[0]), "--name", "idle-short", "--min", "0", "--idle", "60")
+    assert done.returncode == 0, done.stderr
+    assert model(fleet, "idle-short")["scaling"] == {"min": 0, "max": 1, "idle_s": 60}
+
+
 def test_a_yaml_spec_still_adds_as_before_and_takes_no_file_options(fleet, tmp_path) -> None:
     spec = tmp_path / "m.yaml"
     spec.write_text("name: from-yaml\nsource: http://127.0.0.1:1/y.gguf\n"
