@@ -178,7 +178,9 @@ def test_unknown_model_404_and_a_model_pinned_nowhere_stays_pending_with_503(hos
         with pytest.raises(openai.InternalServerError) as err:
             client.chat.completions.create(model="pinned-nowhere",
                                            messages=[{"role": "user", "content": "x"}])
-        assert err.value.status_code == 503 and "pending" in str(err.value)
+        # At once, with the scheduler's reason (not after the load wait).
+        assert err.value.status_code == 503 and "cannot be placed" in str(err.value)
+        assert "zone=mars" in str(err.value)
     finally:
         httpx.delete(f"{host.admin_url}/api/v1/models/pinned-nowhere", headers=host.auth)
 

@@ -26,7 +26,6 @@ from llmgw.cli.model_source import (
 from llmgw.contract.catalog import CATALOG_MODEL, ModelSpec, default_profiles, names
 from llmgw.contract.explain import problems
 from llmgw.contract.records import NodeView, PublicReplica, ReplicaRecord
-from llmgw.control.scheduler import place
 from llmgw.errors import Error, Unreachable, shown_url
 from llmgw.host.layout import Layout
 from llmgw.host.services import read_environment_file
@@ -170,6 +169,10 @@ def _said(added: ModelSpec, file: ModelFile, held: str, nodes: list[NodeView],
     lines = [f"added {added['name']}{aliases} from {file.shown}: {file.size / (1 << 20):.1f} "
              f"MiB, sha256 {file.sha256[:16]}…, in the mirror as {held}; scaling {scaling}"]
     models = {m["name"]: m for m in catalog} | {added["name"]: added}
+    # Imported here: the scheduler brings the store (SQLAlchemy), half a second on every
+    # `llmgw` command's start if imported with the module.
+    from llmgw.control.scheduler import place
+
     live: list[ReplicaRecord] = [
         {"id": r["id"], "model": r["model"], "node": r["node"], "profile": r["profile"],
          "state": r["state"], "gpus": r.get("gpus", [])} for r in replicas]
