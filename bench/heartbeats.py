@@ -709,8 +709,10 @@ def main() -> None:
         cp = ControlPlane(Path(tmp) / "cp")
         if set(args.modes.split(",")) - {"spread"}:  # spread starts its own two
             cp.start()
-        old = control_plane(Path(tmp) / "cp-old", args.old_src) if args.old_src else None
+        old = None
         try:
+            if args.old_src:  # inside: a failed start still stops the control plane above
+                old = control_plane(Path(tmp) / "cp-old", args.old_src)
             for mode in args.modes.split(","):
                 if mode == "spread":
                     print("\n| nodes | beats to a / b | b's nodes | longest unheard when b "
