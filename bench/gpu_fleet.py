@@ -430,47 +430,40 @@ def without(argv: list[str], *names: str) -> list[str]:
     return kept
 
 
-def gpu_memory_mib(pids: list[int]) -> dict[str, int] | None:
-    """The GPU memory NVML says each pid holds (None where NVML cannot say)."""
+def _gpu_processes() -> list[tuple[str, int, int]] | None:
+    """(card UUID, pid, MiB) for each process NVML lists on each card (None where NVML
+    cannot say)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            held: dict[str, int] = {}
+            found: list[tuple[str, int, int]] = []
             for i in range(pynvml.nvmlDeviceGetCount()):
                 h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                    if p.pid in pids and p.usedGpuMemory is not None:
-                        held[str(p.pid)] = int(p.usedGpuMemory) >> 20
-            return held
+                uuid = pynvml.nvmlDeviceGetUUID(h)
+                uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+                found += [(uuid, p.pid, int(p.usedGpuMemory) >> 20)
+                          for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                          if p.usedGpuMemory is not None]
+            return found
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - the stand-in and old drivers have no process list
         return None
+
+
+def gpu_memory_mib(pids: list[int]) -> dict[str, int] | None:
+    """The GPU memory NVML says each pid holds (None where NVML cannot say)."""
+    found = _gpu_processes()
+    return None if found is None else {str(pid): mib for _, pid, mib in found if pid in pids}
 
 
 def gpu_memory_by_card(pid: int) -> dict[str, int] | None:
     """The GPU memory NVML says pid holds on each card, by UUID (None where NVML cannot
     say)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            held: dict[str, int] = {}
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                uuid = pynvml.nvmlDeviceGetUUID(h)
-                uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-                for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                    if p.pid == pid and p.usedGpuMemory is not None:
-                        held[uuid] = int(p.usedGpuMemory) >> 20
-            return held
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - the stand-in and old drivers have no process list
-        return None
+    found = _gpu_processes()
+    return None if found is None else {uuid: mib for uuid, p, mib in found if p == pid}
 
 
 def start_default(argv: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:

