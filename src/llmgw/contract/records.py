@@ -102,6 +102,9 @@ class Inventory(TypedDict, total=False):
     replica_state_changes: dict[str, StateChanges]
     replica_logs: dict[str, list[str]]
     given_up: list[GivenUp]
+    # Whether this node's ready engine has llama.cpp's RPC backend (rpc-server beside
+    # llama-server, and --rpc): only such nodes take part in a replica split over nodes.
+    rpc: bool
 
 
 class NodeRecord(TypedDict):
@@ -134,6 +137,21 @@ class NodeView(TypedDict):
 
 
 @with_config(_CLOSED)
+class SplitWorker(TypedDict):
+    """One worker of a replica split over nodes (control/_split.py places it): the layers
+    it holds, and once it reported its relay (agent/rpc_relay.py), where the main node
+    reaches it. addr is the worker's management address (its inventory's `addr`), port its
+    relay's: '' and 0 until the worker has reported. state and err are the worker's last
+    report on its share ('' before any)."""
+
+    node: str
+    layers: int
+    addr: str
+    port: int
+    state: NotRequired[str]
+    err: NotRequired[str]
+
+
 class ReplicaRecord(TypedDict):
     """A replica row; `updated` is set by the store."""
 
@@ -149,6 +167,10 @@ class ReplicaRecord(TypedDict):
     # one card, or the cards one replica is split over (its profile's `gpus`), in the
     # order the engine numbers them. A live replica holds every card listed here.
     gpus: NotRequired[list[str]]
+    # A replica split over nodes (its profile's `nodes`): `node` is its main node, these
+    # its workers in the order the main engine numbers its RPC devices. Absent or empty
+    # for a replica on one node. The replica counts against every node listed.
+    workers: NotRequired[list[SplitWorker]]
     updated: NotRequired[float]
 
 
@@ -177,6 +199,9 @@ class PublicReplica(TypedDict):
     endpoint: str
     updated: float
     gpus: NotRequired[list[str]]
+    # A replica split over nodes: its workers (`node` is its main node), each with its
+    # layers and its last report.
+    workers: NotRequired[list[SplitWorker]]
     # Why it runs on its profile and not a better one of its model on its node (a GPU
     # profile's card too full, taken or lost, the GPU engine not ready): "" on its best.
     # Worked out when asked (control.scheduler.held_back), not stored.
@@ -207,6 +232,9 @@ class ReplicaReport(TypedDict):
     endpoint: NotRequired[str]
     api_key: NotRequired[str]
     pid: NotRequired[int]
+    # A worker's share of a split replica: the port its relay listens on (on its
+    # management address) once rpc-server and the relay are up.
+    relay_port: NotRequired[int]
 
 
 class ReplicaReports(TypedDict):
@@ -243,6 +271,27 @@ class Assignment(TypedDict):
     # The GPUs to run on (NVML UUIDs, in order): empty or absent for a CPU profile; more
     # than one: one engine split layer by layer over them.
     gpus: NotRequired[list[str]]
+    # A replica split over nodes: this node's part in it (absent for a replica on one node).
+    split: NotRequired[SplitMain | SplitShare]
+
+
+class SplitMain(TypedDict):
+    """To the main node of a split replica: its engine runs with `--rpc` to these workers
+    (through the relay's loopback ports), their layers on them and the rest on itself. Sent
+    only once every worker has reported its relay (each port > 0)."""
+
+    role: Literal["main"]
+    workers: list[SplitWorker]
+
+
+class SplitShare(TypedDict):
+    """To a worker of a split replica: run rpc-server for it (its layers' weights come from
+    the main node over RPC) behind a relay that admits the certificate of `main` alone, and
+    report the relay's port (ReplicaReport.relay_port)."""
+
+    role: Literal["worker"]
+    main: str
+    layers: int
 
 
 class HeartbeatAnswer(TypedDict):
