@@ -154,6 +154,7 @@ class SplitWorker(TypedDict):
     err: NotRequired[str]
 
 
+@with_config(_CLOSED)
 class ReplicaRecord(TypedDict):
     """A replica row; `updated` is set by the store."""
 
