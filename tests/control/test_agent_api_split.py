@@ -1,0 +1,91 @@
+"""The agent API's answer for a replica split over nodes (the real store, the agent API's
+heartbeat as the TLS server calls it): each worker gets its share (its layers, its main
+node, rpc-server's threads alone); the main node gets the replica, with every worker's
+relay, only once each has reported its port; a worker's report carries its relay port."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw.contract.records import RecordError
+from llmgw.control.agent_api import AgentAPI
+from llmgw.store import Store
+
+SPEC = {"name": "big", "source": "http://mirror/big.gguf", "sha256": "",
+        "profiles": [{"name": "cpu", "engine": "llamacpp", "gpu_class": "",
+                      "args": ["--threads", "6", "--ctx-size", "4096"], "nodes": "auto"}]}
+SPLIT: dict[str, Any] = {
+    "id": "r1", "model": "big", "node": "a", "profile": "cpu", "state": "pending",
+    "gpus": [], "workers": [{"node": "b", "layers": 12, "addr": "", "port": 0},
+                            {"node": "c", "layers": 8, "addr": "", "port": 0}]}
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Any:
+    store = Store(tmp_path / "control.db")
+    store.add_model(SPEC)  # type: ignore[arg-type]
+    store.put_replica(SPLIT)  # type: ignore[arg-type]
+    yield AgentAPI(store)
+    store.close()
+
+
+def _beat(api: AgentAPI, node: str, *reports: dict[str, Any]) -> list[dict[str, Any]]:
+    body = {"engines": ["llamacpp"], "rpc": True, "addr": f"10.0.0.{ord(node) - 96}",
+            "replicas": list(reports)}
+    return list(api.heartbeat(node, body)["replicas"])  # type: ignore[arg-type]
+
+
+def _relay(port: int) -> dict[str, Any]:
+    return {"id": "r1", "state": "ready", "relay_port": port}
+
+
+def test_each_worker_gets_its_share_with_rpc_servers_threads_alone(api: AgentAPI) -> None:
+    """b's answer: r1 as a worker of main a with 12 layers, its args the profile's
+    --threads alone, no GPUs. The control: a node that is no part of it gets nothing."""
+    (share,) = _beat(api, "b")
+    assert share["split"] == {"role": "worker", "main": "a", "layers": 12}
+    assert (share["id"], share["args"], share["gpus"]) == ("r1", ["--threads", "6"], [])
+    assert _beat(api, "c")[0]["split"]["layers"] == 8
+    assert _beat(api, "d") == []
+
+
+def test_the_main_node_gets_the_replica_only_once_every_worker_has_its_relay_port(
+        api: AgentAPI) -> None:
+    """a gets nothing while b's and then c's relay ports are unknown; once both reported,
+    it gets r1 with both workers (addresses from their inventories, ports from their
+    reports) and the full engine args. The control: a's answer with one port missing."""
+    assert _beat(api, "a") == []
+    _beat(api, "b", _relay(7001))
+    assert _beat(api, "a") == [], "c has not reported its relay yet"
+    _beat(api, "c", {"id": "r1", "state": "starting"})
+    assert _beat(api, "a") == [], "c is starting, with no relay port yet"
+    _beat(api, "c", _relay(7002))
+    (main,) = _beat(api, "a")
+    assert main["split"] == {"role": "main", "workers": [
+        {"node": "b", "layers": 12, "addr": "10.0.0.2", "port": 7001, "state": "ready",
+         "err": ""},
+        {"node": "c", "layers": 8, "addr": "10.0.0.3", "port": 7002, "state": "ready",
+         "err": ""}]}
+    assert main["args"][:4] == ["--threads", "6", "--ctx-size", "4096"]
+    (replica,) = api.store.replicas()
+    assert replica["state"] == "pending", "a worker's report is never the replica's state"
+
+
+def test_a_relay_port_of_the_wrong_type_is_refused_naming_it(api: AgentAPI) -> None:
+    """relay_port must be a number: the beat is refused whole. The control: a number
+    passes."""
+    with pytest.raises(RecordError, match="relay_port"):
+        _beat(api, "b", _relay("seven"))  # type: ignore[arg-type]
+    assert _beat(api, "b", _relay(7001))[0]["split"]["role"] == "worker"
+
+
+def test_a_worker_of_a_stopped_replica_gets_nothing_of_it(api: AgentAPI) -> None:
+    """Once the scheduler stopped r1 (its worker c was lost), c back gets nothing of it:
+    a new replica is placed anew. The control: before, c had its share."""
+    assert _beat(api, "c")[0]["id"] == "r1"
+    api.store.update_replica("r1", state="stopped", err="its worker c is not ready")
+    assert _beat(api, "c", _relay(7002)) == []
+    assert _beat(api, "b", _relay(7001)) == []
