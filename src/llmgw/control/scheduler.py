@@ -354,8 +354,9 @@ def split_need(model: ModelSpec, profile: ProfileSpec) -> int:
     besides."""
     floor = int(profile["min_memory_gb"] * GIB)
     geometry, args = model["geometry"], profile["args"]
-    ctx = int(kv_sizing.arg_value(args, kv_sizing.CTX_FLAGS) or 0) \
-        or geometry.get("context_length", 0) or kv_sizing.DEFAULT_CTX_PER_SLOT
+    given = kv_sizing.arg_value(args, kv_sizing.CTX_FLAGS)
+    ctx = (int(given) if given.isdigit() else 0) or geometry.get("context_length", 0) \
+        or kv_sizing.DEFAULT_CTX_PER_SLOT
     kv = int(kv_sizing.kv_bytes_per_token(geometry, args) * ctx)
     total = model["size_bytes"] + kv + kv_sizing.compute_bytes(geometry, ctx, args)
     return max(floor, total if model["size_bytes"] else 0)
