@@ -194,3 +194,16 @@ def test_the_need_is_the_weights_the_kv_cache_and_a_compute_buffer() -> None:
     m["profiles"][0]["min_memory_gb"] = 30
     assert split_need(m, m["profiles"][0]) == 30 * GIB
     assert RESERVE_BYTES == GIB and MIB == 1024**2
+
+
+def test_a_split_replica_whose_main_engine_failed_is_stopped_at_once() -> None:
+    """The main engine exits when a worker's connection drops (RPC has no failover) and its
+    node reports the replica failed: it is stopped at the next tick, before the lost
+    worker's node times out. The control: a replica on one node that failed is left to
+    its agent, which starts it again."""
+    p = plan([big()], [rpc("a"), rpc("b"), rpc("c")],
+             [split(state="failed") | {"err": "llama-server exited with 1"}])
+    assert p.stop["r1"].startswith("its main node a's engine failed: llama-server exited")
+    one = {"id": "r0", "model": "big", "node": "c", "profile": "cpu", "state": "failed",
+           "gpus": []}
+    assert not plan([big()], [rpc("a"), rpc("b"), rpc("c", 32)], [one]).stop

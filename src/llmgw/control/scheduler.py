@@ -572,13 +572,17 @@ def plan(
 
 
 def split_fault(replica: ReplicaRecord, ready: set[str]) -> str:
-    """Why a split replica cannot go on: its main node or a worker not ready, or a worker
-    that reported its share failed; '' while it may. llama.cpp's RPC has no failover: such
-    a replica is stopped, and a new one (a new id: no worker rejoins the old one) placed
-    where it now fits."""
+    """Why a split replica cannot go on: its main node or a worker not ready, its main
+    engine failed (a lost worker ends it at once), or a worker that reported its share
+    failed; '' while it may. llama.cpp's RPC has no failover: such a replica is stopped,
+    and a new one (a new id: no worker rejoins the old one) placed where it now fits."""
     why = _split.broken(split_nodes(replica), ready)
     if why:
         return why
+    if replica["state"] == ReplicaState.FAILED:
+        return (f"its main node {replica['node']}'s engine failed: "
+                f"{replica.get('err') or 'no reason'}; llama.cpp's RPC has no failover, so "
+                "the replica is stopped and placed again where it now fits")
     for w in replica.get("workers") or []:
         if w.get("state") == ReplicaState.FAILED:
             return (f"its worker {w['node']} failed its share: {w.get('err') or 'no reason'}; "
