@@ -89,3 +89,14 @@ def test_a_worker_of_a_stopped_replica_gets_nothing_of_it(api: AgentAPI) -> None
     api.store.update_replica("r1", state="stopped", err="its worker c is not ready")
     assert _beat(api, "c", _relay(7002)) == []
     assert _beat(api, "b", _relay(7001)) == []
+
+
+def test_a_worker_without_a_management_address_keeps_the_main_waiting(api: AgentAPI) -> None:
+    """A worker whose heartbeat names no address cannot be reached, whatever its port: the
+    main node gets nothing. The control: once its beat names one, the main gets r1."""
+    _beat(api, "b", _relay(7001))
+    api.heartbeat("c", {"engines": ["llamacpp"], "rpc": True, "replicas": [_relay(7002)]})
+    assert _beat(api, "a") == []
+    _beat(api, "c", _relay(7002))
+    assert [w["addr"] for w in _beat(api, "a")[0]["split"]["workers"]] == ["10.0.0.2",
+                                                                         "10.0.0.3"]

@@ -301,7 +301,8 @@ def _reports(node_id: str, raw: Any) -> dict[str, ReplicaUpdate]:
 def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
     """What the node runs: its replicas, and its shares of split replicas it is a worker
     of. A split replica's main node gets it only once every worker reported its relay's
-    port: before that its engine would have nowhere to send its layers."""
+    port (and its heartbeat gave its management address): before that its engine would
+    have nowhere to send its layers."""
     result: list[Assignment] = []
     for r in rows:
         model = r["spec"]
@@ -311,7 +312,7 @@ def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
         if profile is None:
             continue
         share, workers = r.get("share"), r.get("workers") or []
-        if share is None and not all(w["port"] > 0 for w in workers):
+        if share is None and not all(w["port"] > 0 and w["addr"] for w in workers):
             continue
         assignment: Assignment = {
             "id": r["id"], "model": model["name"], "profile": profile["name"],

@@ -651,6 +651,7 @@ class Scheduler:
             log.info("stopping replica %s: %s", rid, why)
         for r in p.add:
             log.info("replica %s of %s: %s", r["id"], r["model"],
-                     f"on {r['node']} ({r['profile']})" if r["node"] else f"waiting: {r['err']}")
+                     f"on {' + '.join(split_nodes(r))} ({r['profile']})" if r["node"]
+                     else f"waiting: {r['err']}")
         self.store.checkpoint()
         return p
