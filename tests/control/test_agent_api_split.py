@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from llmgw.contract.catalog import CATALOG_MODEL
 from llmgw.contract.records import RecordError
 from llmgw.control.agent_api import AgentAPI
 from llmgw.store import Store
@@ -17,6 +18,8 @@ from llmgw.store import Store
 SPEC = {"name": "big", "source": "http://mirror/big.gguf", "sha256": "",
         "profiles": [{"name": "cpu", "engine": "llamacpp", "gpu_class": "",
                       "args": ["--threads", "6", "--ctx-size", "4096"], "nodes": "auto"}]}
+GEOMETRY = {"block_count": 40, "context_length": 8192, "head_count": 32, "head_count_kv": 8,
+            "embedding_length": 4096, "feed_forward_length": 14336}
 SPLIT: dict[str, Any] = {
     "id": "r1", "model": "big", "node": "a", "profile": "cpu", "state": "pending",
     "gpus": [], "workers": [{"node": "b", "layers": 12, "addr": "", "port": 0},
@@ -100,3 +103,57 @@ def test_a_worker_without_a_management_address_keeps_the_main_waiting(api: Agent
     _beat(api, "c", _relay(7002))
     assert [w["addr"] for w in _beat(api, "a")[0]["split"]["workers"]] == ["10.0.0.2",
                                                                          "10.0.0.3"]
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_scheduler_splits_fails_and_places_again_through_the_store(tmp_path: Path) -> None:
+    """End to end over one store: nodes a, b, c (16 GiB, the RPC backend) beat; the
+    scheduler splits big over a + b; b's share and relay port reach a's answer. b goes
+    silent past the node timeout: the replica is stopped saying so and a new one placed
+    over a + c; b, back, gets nothing of the old one. The control: before the timeout the
+    tick changes nothing."""
+    from llmgw.control.scheduler import Scheduler
+
+    clock = Clock()
+    store = Store(tmp_path / "control.db", clock=clock)
+    store.add_model(CATALOG_MODEL.validate_python({**SPEC, "size_bytes": 20 * 1024**3,
+                                                   "geometry": GEOMETRY}))
+    api, scheduler = AgentAPI(store, node_timeout_s=30), Scheduler(store, 30)
+
+    def beat(node: str, *reports: dict[str, Any]) -> list[dict[str, Any]]:
+        body = {"engines": ["llamacpp"], "rpc": True, "memory_mb": 16_384,
+                "addr": f"10.0.0.{ord(node) - 96}", "replicas": list(reports)}
+        return list(api.heartbeat(node, body)["replicas"])  # type: ignore[arg-type]
+
+    for n in "abc":
+        beat(n)
+    (first,) = scheduler.tick().add
+    assert (first["node"], [w["node"] for w in first["workers"]]) == ("a", ["b"])
+    rid = first["id"]
+    (share,) = beat("b", {"id": rid, "state": "ready", "relay_port": 7001})
+    assert share["split"]["role"] == "worker"
+    (main,) = beat("a")
+    assert main["split"]["workers"][0]["port"] == 7001
+    clock.now += 20
+    for n in "ac":
+        beat(n)
+    calm = scheduler.tick()
+    assert not (calm.stop or calm.add)
+    clock.now += 20  # b silent for 40 s
+    for n in "ac":
+        beat(n)
+    p = scheduler.tick()
+    assert p.stop == {rid: "its worker b is not ready: llama.cpp's RPC has no failover, so "
+                           "the replica is stopped and placed again where it now fits"}
+    (again,) = p.add
+    assert again["id"] != rid and [w["node"] for w in again["workers"]] == ["c"]
+    assert beat("b", {"id": rid, "state": "ready", "relay_port": 7001}) == []
+    assert [r["id"] for r in beat("c")] == [again["id"]]
+    store.close()
