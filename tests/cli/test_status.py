@@ -29,3 +29,30 @@ def test_each_node_s_row_names_the_control_plane_it_beats_to() -> None:
     # Negative control: a node recorded by an older control plane says none, as "-".
     older = render([_node("n3", None)], [], time.time()).splitlines()[1]
     assert older.split()[-1] == "-" and "cp1" not in older, older
+
+
+def _replica(rid: str, state: str, workers: list[str], err: str = "",
+             updated: float = 0.0) -> dict:
+    return {"id": rid, "model": "big", "node": "node-a", "profile": "cpu", "state": state,
+            "err": err, "endpoint": "", "updated": updated or time.time(), "gpus": [],
+            **({"workers": [{"node": w, "layers": 10, "addr": "", "port": 0}
+                            for w in workers]} if workers else {})}
+
+
+def test_a_split_replica_shows_its_main_node_and_workers_and_why_it_stopped() -> None:
+    """A split replica's NODE is `main + workers`; one stopped for a lost worker says so
+    under the table for ten minutes, with the nodes it was on. The controls: a replica on
+    one node shows its node alone, and a split one stopped an hour ago is not said."""
+    now = time.time()
+    why = "its worker node-c is not ready: llama.cpp's RPC has no failover"
+    shown = render([], [_replica("r2", "starting", ["node-b"]),
+                        _replica("r1", "stopped", ["node-b", "node-c"], why, now - 30),
+                        _replica("r0", "ready", [])], now)
+    rows = {line.split()[0]: line for line in shown.splitlines() if line.startswith("r")}
+    assert "node-a + node-b " in rows["r2"] and "node-a + node-b," not in rows["r2"]
+    assert rows["r0"].split()[2] == "node-a"
+    assert "r1" not in rows, "a stopped replica has no row"
+    assert f"!! big: split replica r1 on node-a + node-b, node-c stopped 30s ago: {why}" \
+        in shown.splitlines(), shown
+    old = render([], [_replica("r1", "stopped", ["node-b"], why, now - 3600)], now)
+    assert "split replica r1" not in old

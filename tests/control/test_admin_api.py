@@ -247,3 +247,37 @@ def test_status_shows_each_cards_free_memory_or_that_it_stopped_answering() -> N
     # Negative control: an older agent's card (no live figures) shows as before.
     older = render([{**node, "gpus": [card]}], [], 0.0)  # type: ignore[list-item]
     assert "NVIDIA H100 80GB HBM3 79 GB" in older and "free" not in older
+
+
+def test_a_split_replica_is_shown_with_its_workers_and_never_its_key() -> None:
+    """GET /api/v1/replicas's record of a split replica: its main node and its workers with
+    their layers and last reports. The control: a replica on one node has no workers."""
+    from llmgw.control.admin_api import public_replica
+
+    workers = [{"node": "b", "layers": 12, "addr": "10.0.0.2", "port": 7001, "state": "ready",
+                "err": ""}]
+    split = {"id": "r1", "model": "big", "node": "a", "profile": "cpu", "state": "ready",
+             "api_key": "secret", "gpus": [], "workers": workers}
+    shown = public_replica(split)  # type: ignore[arg-type]
+    assert (shown["node"], shown["workers"]) == ("a", workers) and "api_key" not in shown
+    alone = public_replica({**split, "workers": []})  # type: ignore[typeddict-item]
+    assert "workers" not in alone
+
+
+def test_the_admin_api_shows_a_nodes_rpc_backend_and_a_split_replicas_workers(
+        live_control_plane) -> None:
+    """GET /api/v1/nodes says which nodes have llama.cpp's RPC backend; GET
+    /api/v1/replicas lists a split replica's workers. The controls: a node without it
+    says false, a replica on one node lists none."""
+    cp = live_control_plane
+    cp.store.record_heartbeat("a", {"engines": ["llamacpp"], "rpc": True})
+    cp.store.record_heartbeat("b", {"engines": ["llamacpp"]})
+    workers = [{"node": "b", "layers": 12, "addr": "10.0.0.2", "port": 7001}]
+    cp.store.put_replica({"id": "r1", "model": "big", "node": "a", "profile": "cpu",
+                          "state": "ready", "workers": workers})
+    cp.store.put_replica({"id": "r2", "model": "big", "node": "a", "profile": "cpu",
+                          "state": "ready"})
+    nodes = {n["id"]: n for n in cp.admin.get("/api/v1/nodes").json()}
+    assert (nodes["a"]["rpc"], nodes["b"]["rpc"]) == (True, False)
+    replicas = {r["id"]: r for r in cp.admin.get("/api/v1/replicas").json()}
+    assert replicas["r1"]["workers"] == workers and "workers" not in replicas["r2"]

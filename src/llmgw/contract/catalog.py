@@ -24,6 +24,8 @@ from llmgw.model.kv_sizing import SPLIT_MODE_FLAGS, TENSOR_SPLIT_FLAGS, arg_valu
 ENGINES = (CPU_ENGINE,)
 # llama.cpp's most devices (LLAMA_MAX_DEVICES): one replica is split over at most this many.
 MAX_CARDS = 16
+# The most nodes one replica is split over (llama.cpp's RPC backend): a main and its workers.
+MAX_NODES = 8
 # No file://: the agent runs as root and would read any file the catalog named.
 SOURCE_SCHEMES = ("hf:", "https://", "http://")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
@@ -109,6 +111,14 @@ def _card_count(v: object) -> object:
                      "many, the fewest that fit) or auto (as few as fit of all the node's)")
 
 
+def _node_count(v: object) -> object:
+    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_NODES):
+        return v
+    raise ValueError(f"nodes must be a number of nodes from 1 to {MAX_NODES} (1: never split; "
+                     "N: one replica over at most N nodes, the fewest that fit, when no single "
+                     "node holds it) or auto (as few as fit)")
+
+
 @with_config(_STRICT)
 class ProfileSpec(TypedDict):
     """One way to serve the model: on which engine, what hardware, with which arguments."""
@@ -123,6 +133,9 @@ class ProfileSpec(TypedDict):
     # How many of a node's cards one replica may take: at most N (the fewest that fit), or
     # "auto": as many as the node has. More than one splits it layer-wise (control._cards).
     gpus: Annotated[int | Literal["auto"], BeforeValidator(_card_count), Field(default=1)]
+    # How many nodes one replica may be split over when no single node holds it (llama.cpp's
+    # RPC backend, control._split): 1 never splits; N at most N nodes; "auto" as few as fit.
+    nodes: Annotated[int | Literal["auto"], BeforeValidator(_node_count), Field(default=1)]
 
 
 def cards_wanted(profile: ProfileSpec) -> int:
@@ -132,11 +145,25 @@ def cards_wanted(profile: ProfileSpec) -> int:
     return MAX_CARDS if wanted == "auto" else int(wanted)
 
 
+def nodes_wanted(profile: ProfileSpec) -> int:
+    """The most nodes one replica of profile is split over (MAX_NODES for "auto"); 1 for a
+    row stored before profiles said."""
+    wanted = profile.get("nodes", 1)
+    return MAX_NODES if wanted == "auto" else int(wanted)
+
+
 def _split_rules(v: ProfileSpec) -> ProfileSpec:
     wanted, name = v.get("gpus", 1), v["name"]
     if wanted != 1 and not v["gpu_class"]:
         raise ValueError(f"profile {name!r} asks gpus: {wanted} but names no gpu_class; a "
                          "CPU profile runs on the node's CPU: set gpu_class or drop gpus")
+    over = v.get("nodes", 1)
+    if over != 1 and v["gpu_class"]:
+        raise ValueError(f"profile {name!r} asks nodes: {over} with gpu_class "
+                         f"{v['gpu_class']!r}; a split over nodes is placed for CPU profiles "
+                         "only in this release: drop nodes here, or add a CPU profile with "
+                         "nodes beside it (a GPU profile takes several cards of one node "
+                         "with gpus)")
     mode = arg_value(v["args"], SPLIT_MODE_FLAGS)
     if wanted != 1 and mode and mode != "layer":
         raise ValueError(f"profile {name!r} asks gpus: {wanted} with --split-mode {mode}; "

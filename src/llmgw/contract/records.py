@@ -134,6 +134,8 @@ class NodeView(TypedDict):
     control_plane: NotRequired[str]
     # GPU placements this node gave up on (GivenUp), while it reports them.
     given_up: NotRequired[list[GivenUp]]
+    # Its inventory's `rpc`: whether it may take part in a replica split over nodes.
+    rpc: NotRequired[bool]
 
 
 @with_config(_CLOSED)
@@ -152,6 +154,7 @@ class SplitWorker(TypedDict):
     err: NotRequired[str]
 
 
+@with_config(_CLOSED)
 class ReplicaRecord(TypedDict):
     """A replica row; `updated` is set by the store."""
 
@@ -185,6 +188,9 @@ class ReplicaUpdate(TypedDict, total=False):
     endpoint: str
     api_key: str
     gpus: list[str]
+    # A worker's report on its share of a split replica (ReplicaReport.relay_port): the
+    # store puts it in that worker's entry of `workers`, never in a column of its own.
+    relay_port: int
 
 
 class PublicReplica(TypedDict):
@@ -252,9 +258,12 @@ class Heartbeat(Inventory, total=False):
 
 
 class NodeReplica(ReplicaRecord):
-    """A node's replica row as a heartbeat reads it, with its model (None when deleted)."""
+    """A node's replica row as a heartbeat reads it, with its model (None when deleted).
+    share: on a worker of a split replica, its own entry of `workers` (the row's node is
+    the main node); absent on the replica's own node."""
 
     spec: ModelSpec | None
+    share: NotRequired[SplitWorker]
 
 
 class Assignment(TypedDict):

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmgw.contract.catalog import MAX_NODES
+
 GIB = 1024**3
-MAX_NODES = 8
 # What a node keeps for itself beside a share of a split model: the OS, the agent, and
 # rpc-server's or llama-server's own buffers.
 RESERVE_BYTES = 1 * GIB

@@ -49,11 +49,16 @@ log = logging.getLogger("llmgw.admin_api")
 def public_replica(replica: ReplicaRecord, held: str = "") -> PublicReplica:
     """A replica as the admin API shows it: never its api_key; held is why it is not on a
     better profile (scheduler.held_back)."""
-    return {"id": replica["id"], "model": replica["model"], "node": replica["node"],
-            "profile": replica["profile"], "state": replica["state"],
-            "err": replica.get("err", ""), "endpoint": replica.get("endpoint", ""),
-            "updated": replica.get("updated", 0.0), "gpus": replica.get("gpus", []),
-            "held_back": held}
+    public: PublicReplica = {
+        "id": replica["id"], "model": replica["model"], "node": replica["node"],
+        "profile": replica["profile"], "state": replica["state"],
+        "err": replica.get("err", ""), "endpoint": replica.get("endpoint", ""),
+        "updated": replica.get("updated", 0.0), "gpus": replica.get("gpus", []),
+        "held_back": held}
+    if replica.get("workers"):
+        # Split over nodes: node is its main node, these its workers with their reports.
+        public["workers"] = replica.get("workers", [])
+    return public
 
 
 def public_replicas(store: Store, node_timeout_s: float,

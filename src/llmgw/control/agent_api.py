@@ -37,7 +37,7 @@ from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import needed_engine
 from llmgw.host import pki
 from llmgw.http1.limits import Limits
-from llmgw.model.engine_args import engine_args
+from llmgw.model.engine_args import engine_args, rpc_server_args
 from llmgw.store import Store, StoreError
 from llmgw.store.nodes import REWRITE_EVERY_S
 
@@ -289,12 +289,20 @@ def _reports(node_id: str, raw: Any) -> dict[str, ReplicaUpdate]:
     type is a RecordError naming it, and the heartbeat is refused whole."""
     reports = checked(REPORTS, {"replicas": raw or []},
                       f"node {node_id}'s replica reports")["replicas"]
-    return {r["id"]: {"state": ReplicaState(r["state"]), "err": r.get("err", ""),
-                      "endpoint": r.get("endpoint", ""), "api_key": r.get("api_key", "")}
-            for r in reports}
+    found: dict[str, ReplicaUpdate] = {}
+    for r in reports:
+        found[r["id"]] = {"state": ReplicaState(r["state"]), "err": r.get("err", ""),
+                          "endpoint": r.get("endpoint", ""), "api_key": r.get("api_key", "")}
+        if "relay_port" in r:  # a worker's share of a split replica: its relay
+            found[r["id"]]["relay_port"] = r["relay_port"]
+    return found
 
 
 def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
+    """What the node runs: its replicas, and its shares of split replicas it is a worker
+    of. A split replica's main node gets it only once every worker reported its relay's
+    port (and its heartbeat gave its management address): before that its engine would
+    have nowhere to send its layers."""
     result: list[Assignment] = []
     for r in rows:
         model = r["spec"]
@@ -303,14 +311,25 @@ def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
         profile = next((p for p in model["profiles"] if p["name"] == r["profile"]), None)
         if profile is None:
             continue
-        result.append({
+        share, workers = r.get("share"), r.get("workers") or []
+        if share is None and not all(w["port"] > 0 and w["addr"] for w in workers):
+            continue
+        assignment: Assignment = {
             "id": r["id"], "model": model["name"], "profile": profile["name"],
             "engine": needed_engine(profile), "gpu_class": profile["gpu_class"],
             "source": model["source"], "sha256": model["sha256"],
             "args": engine_args(model, profile),
             # The GPUs the scheduler counted this replica on: the agent holds it to them.
             "gpus": list(r.get("gpus") or []),
-        })
+        }
+        if share is not None:
+            # rpc-server takes the profile's threads alone (engine_args.RPC_SERVER_FLAGS).
+            assignment["args"], assignment["gpus"] = rpc_server_args(profile["args"]), []
+            assignment["split"] = {"role": "worker", "main": r["node"],
+                                   "layers": share["layers"]}
+        elif workers:
+            assignment["split"] = {"role": "main", "workers": [{**w} for w in workers]}
+        result.append(assignment)
     return result
 
 

@@ -66,6 +66,7 @@ def _inventory_view(node_id: str, inv: Mapping[str, Any]) -> Mapping[str, object
         "warnings": list(inv.get("warnings", [])),
         "control_plane": inv.get("control_plane", ""),
         "given_up": list(inv.get("given_up", [])),
+        "rpc": inv.get("rpc") is True,
     }
     if len(_VIEWS) > 2 * _MOST_VIEWS:  # nodes removed long ago: start again
         _VIEWS.clear()

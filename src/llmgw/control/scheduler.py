@@ -24,7 +24,7 @@ from llmgw.contract import (
     NodeState,
     ReplicaState,
 )
-from llmgw.contract.catalog import cards_wanted
+from llmgw.contract.catalog import cards_wanted, nodes_wanted
 from llmgw.contract.records import (
     GivenUp,
     Gpu,
@@ -32,8 +32,9 @@ from llmgw.contract.records import (
     NodeView,
     ProfileSpec,
     ReplicaRecord,
+    SplitWorker,
 )
-from llmgw.control import _cards, _demand
+from llmgw.control import _cards, _demand, _split
 from llmgw.control._cards import card_name as _card_name
 from llmgw.control._cards import free_bytes as _free_bytes
 from llmgw.control.nodes import gpu_engine_switched_off, node_view
@@ -56,6 +57,8 @@ class Plan:
     stop: dict[str, str] = field(default_factory=dict)
     # unplaced id → (node, profile, the GPUs it gets)
     place: dict[str, tuple[str, str, list[str]]] = field(default_factory=dict)
+    # placed id → its workers, where place puts it over several nodes (node: its main)
+    split: dict[str, list[SplitWorker]] = field(default_factory=dict)
     waiting: dict[str, str] = field(default_factory=dict)  # unplaced id → why
     # Replicas stopped to give memory back: idle, or to make room for a model requests wait
     # for (each also in stop).
@@ -64,12 +67,14 @@ class Plan:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a replica goes: node, profile and its GPUs (NVML UUIDs), or why it cannot."""
+    """Where a replica goes: node, profile and its GPUs (NVML UUIDs), or why it cannot.
+    Split over nodes: node is its main node, workers the others with their layers."""
 
     node: str = ""
     profile: str = ""
     gpus: list[str] = field(default_factory=list)
     why: str = ""
+    workers: list[SplitWorker] = field(default_factory=list)
 
 
 def _labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -115,7 +120,8 @@ class _Used:
     holders: dict[str, str] = field(default_factory=dict)
 
 
-def _why_not(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
+def _why_not(profile: ProfileSpec, node: NodeView, used: _Used,
+             model: ModelSpec | None = None) -> str:
     """Why profile cannot run on node now for a reason other than its GPUs, or ''."""
     if node["state"] != NodeState.READY:
         return f"{node['id']} is {node['state']}"
@@ -134,7 +140,21 @@ def _why_not(profile: ProfileSpec, node: NodeView, used: _Used) -> str:
     need_mb = profile["min_memory_gb"] * 1024
     if not profile["gpu_class"] and node.get("memory_mb", 0) - used.memory_mb < need_mb:
         return f"{node['id']} has under {profile['min_memory_gb']} GB of memory free"
+    whole = cpu_need_mb(model, profile) if model is not None else need_mb
+    if not profile["gpu_class"] and node.get("memory_mb", 0) - used.memory_mb < whole:
+        return (f"{node['id']} has {_gib((node.get('memory_mb', 0) - used.memory_mb) * MIB)} "
+                f"of memory free and {model['name'] if model else 'it'} needs "
+                f"{_gib(whole * MIB)} on one node")
     return ""
+
+
+def cpu_need_mb(model: ModelSpec, profile: ProfileSpec) -> float:
+    """The memory (MB) a CPU replica holds on its node: the profile's min_memory_gb; for a
+    profile that may split over nodes, what the whole model takes (split_need) when more."""
+    floor = profile["min_memory_gb"] * 1024
+    if nodes_wanted(profile) < 2:
+        return floor
+    return max(floor, split_need(model, profile) / MIB)
 
 
 def _free_cards(profile: ProfileSpec, node: NodeView, used: _Used) -> list[Gpu]:
@@ -259,19 +279,25 @@ def given_up(replica: ReplicaRecord, node: NodeView | None) -> GivenUp | None:
 def _usage(node_id: str, replicas: list[ReplicaRecord], models: dict[str, ModelSpec]) -> _Used:
     used = _Used()
     for r in replicas:
-        if r["node"] != node_id or r["state"] not in LIVE_REPLICA_STATES:
+        workers = r.get("workers")
+        if r["state"] not in LIVE_REPLICA_STATES or (
+                r["node"] != node_id and not any(w["node"] == node_id for w in workers or ())):
             continue
-        profile = _profile(models.get(r["model"]), r["profile"])
-        if profile is None:
+        model = models.get(r["model"])
+        profile = _profile(model, r["profile"])
+        if profile is None or model is None:
             continue
-        if profile["gpu_class"] and r.get("gpus"):
+        if workers:
+            # A split replica holds its share on each node it uses, main and workers.
+            used.memory_mb += _split_shares(r, model, profile).get(node_id, 0) / MIB
+        elif profile["gpu_class"] and r.get("gpus"):
             used.uuids.update(r.get("gpus") or [])
             used.holders.update({u: f"replica {r['id']} of {r['model']}"
                                  for u in r.get("gpus") or []})
         elif profile["gpu_class"]:
             used.by_class[profile["gpu_class"]] = used.by_class.get(profile["gpu_class"], 0) + 1
         else:
-            used.memory_mb += profile["min_memory_gb"] * 1024
+            used.memory_mb += cpu_need_mb(model, profile)
     return used
 
 
@@ -298,7 +324,7 @@ def place(
         # Spread: nodes without a replica of this model first.
         for node in sorted(nodes, key=lambda n: (n["id"] in hosting, n["id"])):
             used = _usage(node["id"], replicas, models)
-            why = _why_not(profile, node, used)
+            why = _why_not(profile, node, used, model)
             gpus: list[str] = []
             if not why and profile["gpu_class"]:
                 held = _held_back(model, profile, node)
@@ -311,7 +337,93 @@ def place(
             reasons.append(f"{profile['name']}: {why}")
     if not nodes:
         return Placement(why="no node has joined this control plane yet")
-    return Placement(why="no ready node fits any profile (" + "; ".join(reasons) + ")")
+    split, why = _place_split(model, nodes, replicas, models)
+    if split is not None:
+        return split
+    return Placement(why="no ready node fits any profile (" + "; ".join(reasons) + ")"
+                     + (f"; split over nodes: {why}" if why else ""))
+
+
+# --- one replica over several nodes (control/_split.py places it) ---
+
+
+def split_need(model: ModelSpec, profile: ProfileSpec) -> int:
+    """The bytes a CPU replica split over nodes takes in all: its weights, the KV cache of
+    its whole context (the profile's --ctx-size, else the model's) and a batch's compute
+    buffer; at least the profile's min_memory_gb. Each node keeps _split.RESERVE_BYTES
+    besides."""
+    floor = int(profile["min_memory_gb"] * GIB)
+    geometry, args = model["geometry"], profile["args"]
+    given = kv_sizing.arg_value(args, kv_sizing.CTX_FLAGS)
+    ctx = (int(given) if given.isdigit() else 0) or geometry.get("context_length", 0) \
+        or kv_sizing.DEFAULT_CTX_PER_SLOT
+    kv = int(kv_sizing.kv_bytes_per_token(geometry, args) * ctx)
+    total = model["size_bytes"] + kv + kv_sizing.compute_bytes(geometry, ctx, args)
+    return max(floor, total if model["size_bytes"] else 0)
+
+
+def _split_shares(replica: ReplicaRecord, model: ModelSpec,
+                  profile: ProfileSpec) -> dict[str, int]:
+    """The bytes a split replica holds on each of its nodes: its need, shared by layers
+    (the main node holds the layers its workers do not)."""
+    workers = replica.get("workers") or []
+    layers = max(model["geometry"].get("block_count", 0), 1)
+    need = split_need(model, profile)
+    held = sum(w["layers"] for w in workers)
+    shares = {w["node"]: need * w["layers"] // layers for w in workers}
+    shares[replica["node"]] = need * max(layers - held, 0) // layers
+    return shares
+
+
+def split_nodes(replica: ReplicaRecord) -> list[str]:
+    """The nodes a replica runs on: its node (a split one's main) and then its workers."""
+    return [replica["node"], *(w["node"] for w in replica.get("workers") or [])]
+
+
+def _place_split(model: ModelSpec, nodes: list[NodeView], replicas: list[ReplicaRecord],
+                 models: dict[str, ModelSpec]) -> tuple[Placement | None, str]:
+    """The model over several nodes on its best profile that allows it (nodes > 1), when
+    no single node holds it; (None, why not) for each profile that allows it, or '' for
+    a model none of whose profiles does."""
+    reasons: list[str] = []
+    for profile in sorted(model["profiles"], key=lambda p: -p["priority"]):
+        if nodes_wanted(profile) < 2 or profile["gpu_class"]:
+            continue
+        where, why = _split_on(model, profile, nodes, replicas, models)
+        if where is not None:
+            return where, ""
+        reasons.append(f"{profile['name']}: {why}")
+    return None, "; ".join(reasons)
+
+
+def _split_on(model: ModelSpec, profile: ProfileSpec, nodes: list[NodeView],
+              replicas: list[ReplicaRecord],
+              models: dict[str, ModelSpec]) -> tuple[Placement | None, str]:
+    layers = model["geometry"].get("block_count", 0)
+    if not model["size_bytes"] or not layers:
+        return None, (f"{model['name']}'s size and layer count were not read from its GGUF "
+                      "header, so its layers cannot be shared out")
+    able = [n for n in nodes if n.get("rpc") and n["state"] == NodeState.READY]
+    if not able:
+        return None, ("no ready node has llama.cpp's RPC backend (a node says rpc: true once "
+                      "its engine is the source build with GGML_RPC=ON: engine.prebuilt: off "
+                      "in its agent.yaml)")
+    candidates: list[_split.Candidate] = []
+    for node in able:
+        used = _usage(node["id"], replicas, models)
+        if _why_not({**profile, "min_memory_gb": 0}, node, used):
+            continue
+        free = int((node.get("memory_mb", 0) - used.memory_mb) * MIB)
+        candidates.append(_split.Candidate(node["id"], free))
+    if len(candidates) < 2:
+        return None, (f"{len(candidates)} ready node(s) with llama.cpp's RPC backend take "
+                      f"{profile['name']} (its engine, its node_selector); a split needs 2")
+    found = _split.place_split(split_need(model, profile), layers, candidates,
+                               nodes_wanted(profile))
+    if not found.main:
+        return None, found.why
+    return Placement(found.main, profile["name"], [], workers=[
+        {"node": n, "layers": k, "addr": "", "port": 0} for n, k in found.workers]), ""
 
 
 def held_back(replica: ReplicaRecord, models: dict[str, ModelSpec], nodes: list[NodeView],
@@ -341,9 +453,12 @@ def held_back(replica: ReplicaRecord, models: dict[str, ModelSpec], nodes: list[
 
 
 def _new_replica(model: ModelSpec, where: Placement) -> ReplicaRecord:
-    return {"id": "r-" + secrets.token_hex(4), "model": model["name"], "node": where.node,
-            "profile": where.profile, "state": ReplicaState.PENDING, "err": where.why,
-            "gpus": where.gpus}
+    new: ReplicaRecord = {"id": "r-" + secrets.token_hex(4), "model": model["name"],
+                          "node": where.node, "profile": where.profile,
+                          "state": ReplicaState.PENDING, "err": where.why, "gpus": where.gpus}
+    if where.workers:
+        new["workers"] = where.workers
+    return new
 
 
 def _moving(model: ModelSpec, mine: list[ReplicaRecord]) -> bool:
@@ -401,11 +516,14 @@ def plan(
     by_name = {m["name"]: m for m in models}
     by_id = {n["id"]: n for n in nodes}
     states = {n["id"]: n["state"] for n in nodes}
+    ready = {n for n, state in states.items() if state == NodeState.READY}
     live = [r for r in replicas if r["state"] in LIVE_REPLICA_STATES]
     for r in live:
         gave_up = given_up(r, by_id.get(r["node"]))
         if r["model"] not in by_name:
             result.stop[r["id"]] = f"{r['model']} was deleted from the catalog"
+        elif r.get("workers") and (fault := split_fault(r, ready)):
+            result.stop[r["id"]] = fault
         elif gave_up is not None:
             # Its node stopped trying it: the model goes to its next profile meanwhile.
             result.stop[r["id"]] = (
@@ -436,6 +554,11 @@ def plan(
                                        result)
             if rid and where.node:
                 result.place[rid] = (where.node, where.profile, where.gpus)
+                if where.workers:
+                    result.split[rid] = where.workers
+                    taken.append({**next(r for r in mine if r["id"] == rid),
+                                  "node": where.node, "profile": where.profile,
+                                  "workers": where.workers})
             elif rid:
                 result.waiting[rid] = where.why
             else:
@@ -446,6 +569,26 @@ def plan(
         if moved is not None:
             result.add.append(moved)
     return result
+
+
+def split_fault(replica: ReplicaRecord, ready: set[str]) -> str:
+    """Why a split replica cannot go on: its main node or a worker not ready, its main
+    engine failed (a lost worker ends it at once), or a worker that reported its share
+    failed; '' while it may. llama.cpp's RPC has no failover: such a replica is stopped,
+    and a new one (a new id: no worker rejoins the old one) placed where it now fits."""
+    why = _split.broken(split_nodes(replica), ready)
+    if why:
+        return why
+    if replica["state"] == ReplicaState.FAILED:
+        return (f"its main node {replica['node']}'s engine failed: "
+                f"{replica.get('err') or 'no reason'}; llama.cpp's RPC has no failover, so "
+                "the replica is stopped and placed again where it now fits")
+    for w in replica.get("workers") or []:
+        if w.get("state") == ReplicaState.FAILED:
+            return (f"its worker {w['node']} failed its share: {w.get('err') or 'no reason'}; "
+                    "llama.cpp's RPC has no failover, so the replica is stopped and placed "
+                    "again where it now fits")
+    return ""
 
 
 # --- models on demand (control/_demand.py decides; these apply it to a plan) ---
@@ -508,6 +651,7 @@ class Scheduler:
             log.info("stopping replica %s: %s", rid, why)
         for r in p.add:
             log.info("replica %s of %s: %s", r["id"], r["model"],
-                     f"on {r['node']} ({r['profile']})" if r["node"] else f"waiting: {r['err']}")
+                     f"on {' + '.join(split_nodes(r))} ({r['profile']})" if r["node"]
+                     else f"waiting: {r['err']}")
         self.store.checkpoint()
         return p

@@ -44,6 +44,9 @@ replicas = sa.Table(
     sa.Column("updated", Time, nullable=False),
     # The GPUs the scheduler assigned (NVML UUIDs, a JSON list).
     sa.Column("gpus", sa.Text, nullable=False, server_default="[]"),
+    # A replica split over nodes: its workers (contract.records.SplitWorker, a JSON list);
+    # `node` is its main node.
+    sa.Column("workers", sa.Text, nullable=False, server_default="[]"),
     sa.Index("replicas_by_model", "model"),
     sa.Index("replicas_by_node", "node"),
 )

@@ -20,6 +20,7 @@ from llmgw.contract.records import (
     NodeReplica,
     RecordError,
     ReplicaUpdate,
+    SplitWorker,
     checked,
 )
 
@@ -111,6 +112,36 @@ _REPORTED = (replicas.update()
                     replicas.c.state != ReplicaState.STOPPED))
 
 
+def _worker_entry(share: SplitWorker, report: ReplicaUpdate, addr: str) -> SplitWorker:
+    """A worker's entry in a split replica's `workers`, as its report leaves it."""
+    entry: SplitWorker = {**share, "state": str(report.get("state", share.get("state", ""))),
+                          "err": report.get("err", "")}
+    port = report.get("relay_port")
+    if port is not None:
+        entry["port"] = port
+        entry["addr"] = addr if port else ""
+    return entry
+
+
+def _write_share(conn: Connection, rid: str, entry: SplitWorker) -> None:
+    """One worker's entry written into its replica's `workers`, the row locked while it is
+    read and written (two workers beating at once to two control planes keep both); a
+    replica stopped, or placed anew without this worker, is left as it is."""
+    row = conn.execute(sa.select(replicas.c.workers).where(
+        replicas.c.id == rid, replicas.c.state != ReplicaState.STOPPED)
+        .with_for_update()).first()
+    if row is None:
+        return
+    workers: list[SplitWorker] = json.loads(row.workers or "[]")
+    mine = [i for i, w in enumerate(workers) if w["node"] == entry["node"]]
+    if not mine:
+        return
+    workers[mine[0]] = entry
+    # Not `updated`: the replica's time is its main's (its uptime, its last report).
+    conn.execute(replicas.update().where(replicas.c.id == rid).values(
+        workers=json.dumps(workers)))
+
+
 class NodeStore(Aggregate):
     # The scheduler reads every node every second: an inventory is fetched and parsed again
     # only when its text changed (first_seen, inv_version), so thousands of nodes hold the
@@ -169,7 +200,8 @@ class NodeStore(Aggregate):
             self._beats[node_id] = _Beat(inventory, text, serial, now, now)
             self._due.discard(node_id)
         self._flush_due()
-        return self._take_reports(node_id, reports)
+        addr = inventory.get("addr")
+        return self._take_reports(node_id, reports, addr if isinstance(addr, str) else "")
 
     def _flush_due(self, force: bool = False) -> None:
         """Write the rows due in one transaction, once every FLUSH_EVERY_S (or now)."""
@@ -187,24 +219,43 @@ class NodeStore(Aggregate):
                 self._due |= due  # for the next flush: the store may be back by then
                 raise
 
-    def _take_reports(self, node_id: str,
-                      reports: Mapping[str, ReplicaUpdate]) -> list[NodeReplica]:
+    def _take_reports(self, node_id: str, reports: Mapping[str, ReplicaUpdate],
+                      addr: str) -> list[NodeReplica]:
+        """The node's reports on its replicas written where they changed something: on its
+        own (it is their node, or main node) their state, err, endpoint and api_key; on a
+        split replica it is a worker of, its own entry in `workers` alone (its state, err,
+        relay port and management address), never the replica's state: that is the
+        main's."""
         changed: list[tuple[str, ReplicaUpdate]] = []
+        shares: dict[str, SplitWorker] = {}
         found: list[NodeReplica] = []
         for held in self._live().get(node_id, ()):
             record: NodeReplica = {**held}
             report = reports.get(record["id"])
+            share = record.get("share")
+            if share is not None:
+                if report:
+                    entry = _worker_entry(share, report, addr)
+                    if entry != share:
+                        record["share"] = shares[record["id"]] = entry
+                found.append(record)
+                continue
+            if report and "relay_port" in report:  # a worker's word, not its main's
+                report = {**report}
+                report.pop("relay_port")
             if report and any(record.get(k) != v for k, v in report.items()):
                 record.update(report)
                 record["updated"] = self.clock()
                 changed.append((record["id"], report))
             found.append(record)
-        if changed:
+        if changed or shares:
             now = self.clock()
             with self.db.tx() as conn:
                 for rid, report in changed:
                     conn.execute(_REPORTED.values(**replica_columns(report), updated=now),
                                  {"rid": rid})
+                for rid, entry in shares.items():
+                    _write_share(conn, rid, entry)
         return found
 
     def _live(self) -> dict[str, list[NodeReplica]]:
@@ -222,7 +273,11 @@ class NodeStore(Aggregate):
             text = row["spec"]
             spec = (specs.get(text) or specs.setdefault(text, stored_spec(text))) \
                 if text else None
-            by_node.setdefault(row["node"], []).append({**replica_row(row), "spec": spec})
+            record: NodeReplica = {**replica_row(row), "spec": spec}
+            by_node.setdefault(row["node"], []).append(record)
+            # A split replica is its workers' too: each reads it with its own entry.
+            for worker in record.get("workers") or ():
+                by_node.setdefault(worker["node"], []).append({**record, "share": worker})
         self._assigned = _Assigned(at, writes, by_node)
         return by_node
 

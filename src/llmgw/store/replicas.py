@@ -17,6 +17,7 @@ from llmgw.contract.records import (
     REPLICA_UPDATE,
     ModelSpec,
     ReplicaRecord,
+    SplitWorker,
     checked,
 )
 
@@ -24,17 +25,22 @@ from ._db import Aggregate, insert
 from ._schema import replicas
 from .control_planes import Lease, fence
 
-_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint", "api_key", "gpus")
-_UPDATABLE = frozenset(_FIELDS) - {"id", "model"}
+_FIELDS = ("id", "model", "node", "profile", "state", "err", "endpoint", "api_key", "gpus",
+           "workers")
+_UPDATABLE = frozenset(_FIELDS) - {"id", "model", "workers"}
+# Columns held as JSON text.
+_JSON = frozenset({"gpus", "workers"})
 
 
 class PlanChanges(Protocol):
     """What a scheduler's plan changes (scheduler.Plan): replicas to add, to stop (id →
-    why), to place (id → node, profile, GPUs) and still waiting (id → why)."""
+    why), to place (id → node, profile, GPUs; with its workers in split, when it is split
+    over nodes) and still waiting (id → why)."""
 
     add: list[ReplicaRecord]
     stop: dict[str, str]
     place: dict[str, tuple[str, str, list[str]]]
+    split: dict[str, list[SplitWorker]]
     waiting: dict[str, str]
 
 
@@ -93,6 +99,7 @@ class ReplicaStore(Aggregate):
                     set_={k: row.excluded[k] for k in [*values, "updated"] if k != "id"}))
             for rid, (node, profile, gpus) in plan.place.items():
                 conn.execute(by_id.values(node=node, profile=profile, gpus=json.dumps(gpus),
+                                          workers=json.dumps(plan.split.get(rid, [])),
                                           state=ReplicaState.PENDING, err="", updated=now),
                              {"rid": rid})
             for rid, why in plan.waiting.items():
@@ -112,16 +119,22 @@ class ReplicaStore(Aggregate):
 
 
 def replica_columns(fields: Mapping[str, object]) -> dict[str, object]:
-    """A record's fields as the replicas table holds them: gpus as JSON text."""
-    return {k: json.dumps(v or []) if k == "gpus" else v for k, v in fields.items()}
+    """A record's fields as the replicas table holds them: gpus and workers as JSON text."""
+    return {k: json.dumps(v or []) if k in _JSON else v for k, v in fields.items()}
 
 
 def replica_row(row: RowMapping) -> ReplicaRecord:
-    """A replicas row as a record, not checked (its gpus column is JSON text)."""
-    return {"id": row["id"], "model": row["model"], "node": row["node"],
-            "profile": row["profile"], "state": row["state"], "err": row["err"],
-            "endpoint": row["endpoint"], "api_key": row["api_key"],
-            "gpus": json.loads(row["gpus"] or "[]"), "updated": row["updated"]}
+    """A replicas row as a record, not checked (its gpus and workers columns are JSON
+    text); workers only for a replica split over nodes."""
+    record: ReplicaRecord = {
+        "id": row["id"], "model": row["model"], "node": row["node"],
+        "profile": row["profile"], "state": row["state"], "err": row["err"],
+        "endpoint": row["endpoint"], "api_key": row["api_key"],
+        "gpus": json.loads(row["gpus"] or "[]"), "updated": row["updated"]}
+    workers = row["workers"]
+    if workers and workers != "[]":
+        record["workers"] = json.loads(workers)
+    return record
 
 
 def stored_spec(text: str) -> ModelSpec:

@@ -56,7 +56,7 @@ def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
            models: Sequence[Mapping[str, Any]] | None = None) -> str:
     node_rows = [[n["id"], n["state"], ",".join(n["engines"]) or "-", _gpus(n["gpus"]),
                   ago(now - n["last_seen"]), n.get("control_plane") or "-"] for n in nodes]
-    replica_rows = [[r["id"], r["model"], r["node"] or "-", r["state"], _uptime(r, now),
+    replica_rows = [[r["id"], r["model"], placed_on(r), r["state"], _uptime(r, now),
                      r["err"][:60]] for r in replicas if r["state"] != ReplicaState.STOPPED]
     # What a person must act on or wait for (a GPU engine being made or failed, a card
     # without its driver), as the agent says it: under the table, one line each.
@@ -70,6 +70,7 @@ def render(nodes: list[NodeView], replicas: list[PublicReplica], now: float,
         table(["REPLICA", "MODEL", "NODE", "STATE", "UPTIME", "ERROR"], replica_rows,
               "no replicas"),
         *held_back_lines(replicas),
+        *split_down_lines(replicas, now),
         *(["", render_drift(drift, now)] if drift is not None else []),
         *(["", render_control_planes(control_planes, now)] if control_planes is not None
           else []),
@@ -83,6 +84,28 @@ def render_models(models: Sequence[Mapping[str, Any]]) -> str:
              f"{m['scaling'].get('idle_s', 0)} s" if m["scaling"].get("idle_s") else "never"]
             for m in models]
     return table(["MODEL", "STATE", "REPLICAS", "IDLE AFTER"], rows, "no models")
+
+
+def placed_on(replica: Mapping[str, Any]) -> str:
+    """Where a replica runs: its node, or a split one's main node + its workers
+    (`node-a + node-b, node-c`); '-' before it is placed."""
+    workers = [w["node"] for w in replica.get("workers") or []]
+    main = replica.get("node") or "-"
+    return f"{main} + {', '.join(workers)}" if workers else main
+
+
+# How long a split replica stopped for a fault stays said under the table.
+SPLIT_DOWN_SHOWN_S = 600.0
+
+
+def split_down_lines(replicas: list[PublicReplica], now: float) -> list[str]:
+    """A `!!` line for each split replica stopped in the last SPLIT_DOWN_SHOWN_S: which
+    nodes it was on and why it stopped (a lost worker, a failed share); the scheduler
+    places a new one (a new id) where it now fits."""
+    return [f"!! {r['model']}: split replica {r['id']} on {placed_on(r)} stopped "
+            f"{ago(now - r['updated'])}: {r['err']}" for r in replicas
+            if r.get("workers") and r["state"] == ReplicaState.STOPPED
+            and now - r["updated"] <= SPLIT_DOWN_SHOWN_S]
 
 
 def held_back_lines(replicas: list[PublicReplica]) -> list[str]:

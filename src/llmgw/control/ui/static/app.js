@@ -104,9 +104,23 @@ function drawNodes(nodes) {
   $("nodes").replaceChildren(...(cards.length ? cards : [el("p", "no nodes", "empty")]));
 }
 
+// Where a replica runs: its node, or a split one's main node + its workers.
+function placedOn(r) {
+  const workers = (r.workers || []).map((w) => w.node);
+  return workers.length ? `${r.node} + ${workers.join(", ")}` : (r.node || "–");
+}
+
+// A split replica stopped for a fault stays shown this long, with why (a lost worker).
+const SPLIT_DOWN_SHOWN_S = 600;
+
+function shown(r) {
+  if (r.state !== "stopped") return true;
+  return (r.workers || []).length > 0 && Date.now() / 1000 - r.updated <= SPLIT_DOWN_SHOWN_S;
+}
+
 function drawModels(models, replicas) {
   const parts = models.map((m) => {
-    const mine = replicas.filter((r) => r.model === m.name && r.state !== "stopped");
+    const mine = replicas.filter((r) => r.model === m.name && shown(r));
     const box = el("div");
     box.dataset.model = m.name;
     const title = el("h3", m.name);
@@ -119,7 +133,7 @@ function drawModels(models, replicas) {
     box.appendChild(title);
     box.appendChild(table(["REPLICA", "NODE", "PROFILE", "STATE", "SINCE", "WHY"], mine.map((r) => ({
       data: { replica: r.id, state: r.state },
-      cells: [r.id, r.node || "–", r.profile || "–", stateEl("span", r.state), ago(r.updated),
+      cells: [r.id, placedOn(r), r.profile || "–", stateEl("span", r.state), ago(r.updated),
               el("span", r.err || r.held_back || "", "why")],
     })), "no replicas"));
     return box;
