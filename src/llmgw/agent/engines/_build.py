@@ -271,8 +271,8 @@ class CudaBuild:
     version, CUDA major and architecture set (llmgw.agent.engines.cache.cuda_build), one build of
     each at a time. It has llama.cpp's RPC backend and installs rpc-server beside
     llama-server (in the `-rpc` folder); a build from before that, found in the cache, is
-    used as it is (no rpc-server) until that folder is removed. Every failure is a BuildError with a one-line reason; stop() ends a
-    running build. The source may be a
+    used as it is (no rpc-server) until that folder is removed. Every failure is a
+    BuildError with a one-line reason; stop() ends a running build. The source may be a
     way to get it (a download): it is asked for only once the driver, the tools and the
     toolchain allow a build, so a node that cannot build says why before any download."""
 
