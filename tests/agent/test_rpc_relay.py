@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import serialization
 from llmgw.agent import rpc_relay
 from llmgw.agent.client import AgentClient
 from llmgw.agent.replicas.split import MainShare, WorkerShare
-from llmgw.agent.revocation import RevocationError, Revocations
+from llmgw.agent.revocation import RevocationError, Revocations, kept_fresh
 from llmgw.agent.rpc_relay import MainRelay, Worker, WorkerRelay
 from llmgw.config import TLSFiles
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
@@ -627,8 +627,9 @@ def test_a_list_that_revokes_a_carried_peer_closes_its_connection_on_both_sides(
     """A connection carried main-1 -> worker-1 ends (EOF at the engine and at the
     upstream) once a newer list revoking main-1 is taken by the worker's agent, and the
     main's relay closes its connection to worker-1 once its agent takes a list revoking
-    worker-1, and refuses the next (not carried: the engine's bytes never leave). The controls: the same connections stay open (a read
-    waits) while the lists taken revoke neither, here one revoking another node."""
+    worker-1, and refuses the next (not carried: the engine's bytes never leave). The
+    controls: the same connections stay open (a read waits) while the lists taken revoke
+    neither, here one revoking another node."""
     up = Upstream(socket.create_server(("127.0.0.1", 0)), False, [])
     threading.Thread(target=up.serve, daemon=True).start()
     at_worker = Revocations(cluster.files["worker-1"].ca)
@@ -703,5 +704,27 @@ def test_a_list_not_signed_by_the_cluster_ca_is_refused_and_the_held_one_stays(
         assert not revocations.revoked(main_1) and revocations.crl_file() is None
         assert revocations.update(pki.make_crl(cluster.ca, [_serial(cluster.files["main-1"])]))
         assert revocations.revoked(main_1)
+    finally:
+        revocations.stop()
+
+
+def test_the_agents_list_is_kept_fresh_from_the_control_plane(
+        cluster: Cluster, control_plane: ControlPlane) -> None:
+    """kept_fresh (what run_agent starts) fetches the list at once and again every
+    every_s: a node removed on the control plane afterwards is revoked in the agent's list
+    within a few periods, and a listener (a relay) is told. The control: before the
+    removal the list held revokes nothing."""
+    main_1 = pki.load_cert(cluster.files["main-1"].cert)
+    told = threading.Event()
+    revocations = kept_fresh(control_plane.client.revocation_list,
+                             cluster.files["worker-1"].ca, every_s=0.2)
+    revocations.on_change(told.set)
+    try:
+        _wait("the first list", lambda: revocations.crl_file() is not None, timeout=10)
+        assert not revocations.revoked(main_1) and not told.is_set()
+        control_plane.server.revoke([_serial(cluster.files["main-1"])])
+        _wait("main-1 to be revoked in the agent's list", lambda: revocations.revoked(main_1),
+              timeout=10, last=lambda: revocations.serials)
+        assert told.wait(5)
     finally:
         revocations.stop()

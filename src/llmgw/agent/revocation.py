@@ -130,3 +130,12 @@ class Revocations:
             self._thread.join(5)
         self._dir.cleanup()
 
+
+
+def kept_fresh(fetch: Callable[[], bytes], ca_file: str,
+               every_s: float = REFRESH_S) -> Revocations:
+    """The agent's list: fetch (its AgentClient's revocation_list) now and every every_s;
+    stop() it when the agent stops."""
+    revocations = Revocations(ca_file)
+    revocations.keep_fresh(fetch, every_s)
+    return revocations
