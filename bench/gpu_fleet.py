@@ -75,6 +75,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import gpu_rpc  # noqa: E402
 from llmgw.agent.engines.cpu import PINNED_VERSION  # noqa: E402
 from llmgw.config import load_server  # noqa: E402
 from llmgw.contract import CUDA_ENGINE  # noqa: E402
@@ -84,8 +85,6 @@ from llmgw.host.services._supervisor import Supervisor  # noqa: E402
 from tests.hosts import ThrowawayHost  # noqa: E402
 from tests.loadgen import one_request  # noqa: E402
 from tests.standin_cuda_server import H200, standin_cuda_server  # noqa: E402
-
-from bench import gpu_rpc  # noqa: E402
 
 STANDIN = ROOT / "tests" / "standin_nvml"
 # Two cards, so the rehearsal takes the split step too.
@@ -557,8 +556,13 @@ def main(argv: list[str] | None = None) -> int:
             copy_logs(host, cache, args.out)
             if not args.keep:
                 host.down()
-    if report.left_s(args.budget_s) > RPC_NEEDS_S or args.rpc_only:
+    left = report.left_s(args.budget_s)
+    if left > RPC_NEEDS_S or args.rpc_only:
         rpc_step(args, report, gpu_check, cache, model, shape, work)
+    else:
+        report.step("rpc", {"skipped": f"{left:.0f} s of the budget left, under the "
+                                       f"{RPC_NEEDS_S:.0f} s it needs: run `scripts/gpu-check "
+                                       "--fleet --rpc-only --out DIR` on the same machine"})
     return finish(report, rc)
 
 
