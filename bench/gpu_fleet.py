@@ -706,6 +706,9 @@ def finish(report: Report, rc: int) -> int:
         "split_gpus": d.get("split", {}).get("gpus"),
         "split_tokens_per_s_1": d.get("split", {}).get("tokens_per_s_1"),
         "rpc_answer_equal": rpc.get("answer_equal"),
+        "rpc_same_tokens": rpc.get("tokens", {}).get("same_tokens"),
+        "rpc_max_logprob_diff": rpc.get("tokens", {}).get("max_logprob_diff"),
+        "rpc_gap_at_parting": rpc.get("tokens", {}).get("gap_at_parting"),
         "rpc_layers_offloaded": rpc.get("layers_offloaded"),
         "rpc_buffers_mib": rpc.get("rpc_buffers_mib"),
         "rpc_server_devices": rpc.get("rpc_server_devices"),
@@ -720,7 +723,10 @@ def finish(report: Report, rc: int) -> int:
                                          for r in (one.get("ratio"), wide.get("ratio"))),
                   "sized_ge_3x": (slots.get("ratio") or 0) >= 3,
                   **({"split_on_2_gpus": bool(d["split"].get("ok"))} if "split" in d else {}),
-                  **({"rpc_same_answer": bool(rpc.get("answer_equal"))} if rpc else {})},
+                  **({"rpc_matches_unsplit": bool(rpc.get("tokens", {}).get("matches"))}
+                     if rpc else {}),
+                  **({"rpc_worker_on_gpu": rpc["held_on_gpu"]}
+                     if rpc.get("held_on_gpu") is not None else {})},
         "elapsed_s": d.get("elapsed_s"), "rc": rc,
     }
     (report.out / "gpu-check.json").write_text(json.dumps(line) + "\n")

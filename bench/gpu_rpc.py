@@ -46,6 +46,11 @@ from llmgw.host.netaddr import free_port
 WORKER_ADDR = "127.0.0.2"
 MAIN, WORKER = "main-1", "worker-1"
 LISTEN_WAIT_S = 30.0
+# Log-probabilities of the same token, split and unsplit, may differ by the rounding of
+# another device's sums (and another order of them); a tie nearer than TIE_NATS may then
+# go either way.
+LOGPROB_TOLERANCE = 0.01
+TIE_NATS = 0.01
 
 
 def certificates(directory: Path) -> tuple[dict[str, TLSFiles], pki.KeyPair]:
@@ -119,6 +124,36 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(5)
 
 
+def _gap(item: dict[str, Any]) -> float | None:
+    """How far the chosen token's log-probability is above the runner-up's (nats)."""
+    top = sorted((float(t["logprob"]) for t in item.get("top_logprobs", [])), reverse=True)
+    return round(top[0] - top[1], 6) if len(top) >= 2 else None
+
+
+def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
+    """Two answers token by token (llama.cpp's completion_probabilities, n_probs 2): how
+    many tokens they share from the start, the largest log-probability difference over
+    those, and where they part, how near a tie the unsplit answer (a) was there: random
+    weights give near-uniform logits, where another device's rounding may choose the
+    runner-up. matches: the same tokens throughout, or parted only at a near tie (gap at
+    most TIE_NATS) with log-probabilities within LOGPROB_TOLERANCE before it."""
+    same, worst = 0, 0.0
+    for x, y in zip(a, b, strict=False):
+        if x.get("id", x.get("token")) != y.get("id", y.get("token")):
+            break
+        worst = max(worst, abs(float(x["logprob"]) - float(y["logprob"])))
+        same += 1
+    found: dict[str, Any] = {"tokens": len(a), "same_tokens": same,
+                             "max_logprob_diff": round(worst, 6)}
+    whole = same == len(a) == len(b) and bool(a)
+    if not whole and same < min(len(a), len(b)):
+        found["gap_at_parting"] = gap = _gap(a[same])
+        found["parted_at_near_tie"] = gap is not None and gap <= TIE_NATS
+    found["matches"] = whole or (bool(found.get("parted_at_near_tie"))
+                                 and worst <= LOGPROB_TOLERANCE)
+    return found
+
+
 def parted_at(a: str, b: str) -> int | None:
     """The first character where a and b differ (None where they are the same text)."""
     if a == b:
@@ -134,7 +169,7 @@ def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model
     module's docstring). gpu_memory(pids) is NVML's memory by pid (bench/gpu_fleet.py's)."""
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
-    unsplit = gpu_check.serve_once(str(cpu_engine), model, out, "rpc-unsplit", [])
+    unsplit = gpu_check.serve_once(str(cpu_engine), model, out, "rpc-unsplit", [], n_probs=2)
     files, ca = certificates(work / "pki")
     revocations = Revocations(files[WORKER].ca)
     # The empty list of this CA, so the worker's handshake checks revocation as an agent's.
@@ -153,7 +188,8 @@ def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model
             return {"rpc_server_gpu_mib": None if memory is None else memory.get(str(proc.pid))}
 
         split = gpu_check.serve_once(str(cpu_engine), model, out, "rpc-split",
-                                     rpc_relay.main_flags(main.endpoints(), layers), held)
+                                     rpc_relay.main_flags(main.endpoints(), layers), held,
+                                     n_probs=2)
         alive = proc.poll() is None
     finally:
         main.stop()
@@ -164,16 +200,24 @@ def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model
     a, b = unsplit.get("content") or "", split.get("content") or ""
     rpc_buffers = {kind: {dev: mib for dev, mib in by_device.items() if dev.startswith("RPC")}
                    for kind, by_device in split.get("buffers_mib", {}).items()}
+    devices = rpc_devices(text)
+    held_mib = split.get("rpc_server_gpu_mib")
     return {
+        # On a GPU: the rpc-server serves a CUDA device, the engine gave it a model buffer,
+        # and NVML has its process holding memory (None where NVML cannot say: rehearsed).
+        "held_on_gpu": None if gpu_memory is None else bool(
+            any(d.startswith("CUDA") for d in devices) and rpc_buffers.get("model")
+            and (held_mib or 0) > 0),
         "answer_equal": a == b and bool(a), "parted_at": parted_at(a, b),
         "answer_chars": len(a),
+        "tokens": compare(unsplit.get("probs", []), split.get("probs", [])),
         "layers_to_rpc_flag": layers, "layers_offloaded": split.get("layers_offloaded"),
         "rpc_buffers_mib": {k: v for k, v in rpc_buffers.items() if v},
         "buffers_mib": split.get("buffers_mib"),
-        "rpc_server_devices": rpc_devices(text),
+        "rpc_server_devices": devices,
         "rpc_server_connections": text.count("Accepted client connection"),
         "rpc_server_alive_after": alive,
-        "rpc_server_gpu_mib": split.get("rpc_server_gpu_mib"),
+        "rpc_server_gpu_mib": held_mib,
         "relay": {"carried": main.counters.carried, "refused": main.counters.refused
                   + worker.counters.refused, "bytes_to_worker": worker.counters.bytes_in,
                   "bytes_from_worker": worker.counters.bytes_out,

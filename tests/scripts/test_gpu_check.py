@@ -355,7 +355,8 @@ def test_the_rpc_case_answers_as_the_unsplit_model_through_the_tls_relay(
     and the goal is false."""
     line = _rpc_only(tmp_path, *rpc_engine)
     assert line["rpc_failed"] is None, line
-    assert line["rpc_answer_equal"] is True and line["goals"]["rpc_same_answer"] is True
+    assert line["rpc_answer_equal"] is True and line["goals"]["rpc_matches_unsplit"] is True
+    assert line["rpc_same_tokens"] == 256 and line["rpc_max_logprob_diff"] <= 0.01
     assert line["rpc_layers_offloaded"] == "2/3"
     (held,) = line["rpc_buffers_mib"]["model"].values()
     assert held > 0
@@ -370,7 +371,7 @@ def test_the_rpc_case_answers_as_the_unsplit_model_through_the_tls_relay(
     broken.mkdir()
     line = _rpc_only(broken, rpc_engine[0], "/bin/false")
     assert "rpc-server" in line["rpc_failed"] and "exited 1" in line["rpc_failed"]
-    assert line["goals"]["rpc_same_answer"] is False
+    assert line["goals"]["rpc_matches_unsplit"] is False
 
 
 def test_the_rpc_servers_devices_and_where_two_answers_part_are_read() -> None:
@@ -408,14 +409,41 @@ def test_the_fleets_line_has_an_rpc_goal_only_where_the_rpc_case_ran(tmp_path: P
     f = fleet()
     report = f.Report(tmp_path)
     f.finish(report, 0)
-    assert "rpc_same_answer" not in json.loads((tmp_path / "gpu-check.json").read_text())["goals"]
+    goals = json.loads((tmp_path / "gpu-check.json").read_text())["goals"]
+    assert "rpc_matches_unsplit" not in goals
     report.data["rpc"] = {"answer_equal": True, "split_tokens_per_s": 20.0,
-                          "unsplit_tokens_per_s": 40.0, "split_unsplit": 0.5}
+                          "unsplit_tokens_per_s": 40.0, "split_unsplit": 0.5,
+                          "tokens": {"matches": True, "same_tokens": 256}}
     f.finish(report, 0)
     line = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert line["goals"]["rpc_same_answer"] is True and line["rpc_split_unsplit"] == 0.5
-    # Negative control: answers that part make the goal false.
-    report.data["rpc"]["answer_equal"] = False
+    assert line["goals"]["rpc_matches_unsplit"] is True and line["rpc_split_unsplit"] == 0.5
+    # Negative control: answers that part (not at a tie) make the goal false.
+    report.data["rpc"]["tokens"]["matches"] = False
     f.finish(report, 0)
-    assert json.loads((tmp_path / "gpu-check.json").read_text())["goals"]["rpc_same_answer"] \
-        is False
+    goals = json.loads((tmp_path / "gpu-check.json").read_text())["goals"]
+    assert goals["rpc_matches_unsplit"] is False
+
+
+def _token(tid: int, logprob: float, runner_up: float) -> dict:
+    return {"id": tid, "logprob": logprob,
+            "top_logprobs": [{"id": tid, "logprob": logprob},
+                             {"id": tid + 1, "logprob": runner_up}]}
+
+
+def test_split_and_unsplit_answers_match_token_by_token_or_part_only_at_a_near_tie() -> None:
+    """The same tokens with log-probabilities within the tolerance match; answers that
+    part where the unsplit one's top two were a near tie (0.004 nats) match too. The
+    negative controls: parting where the choice was clear (2 nats), or a shared prefix
+    whose log-probabilities differ by 0.5, do not."""
+    r = gpu_rpc()
+    a = [_token(1, -1.0, -3.0), _token(5, -2.000, -2.004)]
+    b = [_token(1, -1.001, -3.0), _token(9, -2.001, -2.002)]
+    assert r.compare(a, a) == {"tokens": 2, "same_tokens": 2, "max_logprob_diff": 0.0,
+                               "matches": True}
+    found = r.compare(a, b)
+    assert found["same_tokens"] == 1 and found["gap_at_parting"] == 0.004
+    assert found["parted_at_near_tie"] and found["matches"]
+    clear = [_token(1, -1.0, -3.0), _token(5, -0.1, -2.1)]
+    assert not r.compare(clear, b)["matches"]
+    off = [_token(1, -1.5, -3.0), _token(5, -2.000, -2.004)]
+    assert not r.compare(off, b)["matches"]
