@@ -28,6 +28,7 @@ import datetime as dt
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -164,7 +165,8 @@ def parted_at(a: str, b: str) -> int | None:
 
 def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model: Path,
              n_layer: int, out: Path, work: Path,
-             gpu_memory: Any = None) -> dict[str, Any]:
+             gpu_memory: Callable[[list[int]], dict[str, int] | None] | None = None
+             ) -> dict[str, Any]:
     """The case run once: unsplit, then split through the relays; what it found (see the
     module's docstring). gpu_memory(pids) is NVML's memory by pid (bench/gpu_fleet.py's)."""
     started = time.monotonic()

@@ -29,6 +29,7 @@ from llmgw.agent.revocation import RevocationError, Revocations, kept_fresh
 from llmgw.agent.rpc_relay import MainRelay, Worker, WorkerRelay
 from llmgw.config import TLSFiles
 from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.errors import Unreachable
 from llmgw.host import pki
 from llmgw.store import Store
 from tests.tiny_gguf import write_tiny_gguf
@@ -726,5 +727,31 @@ def test_the_agents_list_is_kept_fresh_from_the_control_plane(
         _wait("main-1 to be revoked in the agent's list", lambda: revocations.revoked(main_1),
               timeout=10, last=lambda: revocations.serials)
         assert told.wait(5)
+    finally:
+        revocations.stop()
+
+
+def test_a_control_plane_away_leaves_the_held_list_in_force_and_is_said_once(
+        cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """A fetch that fails keeps the list held (main-1 stays revoked) and is logged once
+    for a run of failures, then once more when a fetch succeeds again. The control: the
+    list held revokes main-1 before the failures, so its staying so is the list's doing."""
+    revocations = Revocations(cluster.files["worker-1"].ca)
+    main_1 = pki.load_cert(cluster.files["main-1"].cert)
+    crl = pki.make_crl(cluster.ca, [_serial(cluster.files["main-1"])])
+
+    def away() -> bytes:
+        raise Unreachable("the control plane at https://cp:7443 did not answer")
+
+    try:
+        assert revocations.refresh(lambda: crl) and revocations.revoked(main_1)
+        with caplog.at_level("INFO", logger="llmgw.agent.revocation"):
+            for _ in range(3):
+                assert not revocations.refresh(away)
+            assert revocations.revoked(main_1)
+            assert not revocations.refresh(lambda: crl)
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and "did not answer" in said[0] and "stays in force" in said[0]
+        assert "fresh again (1 revoked)" in said[1]
     finally:
         revocations.stop()

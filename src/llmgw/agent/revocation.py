@@ -49,6 +49,8 @@ class Revocations:
         self._taken = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._failing = False
+        self._every_s = REFRESH_S
 
     def revoked(self, cert: x509.Certificate) -> bool:
         return cert.serial_number in self._serials
@@ -104,17 +106,26 @@ class Revocations:
         return bool(added)
 
     def refresh(self, fetch: Callable[[], bytes]) -> bool:
-        """fetch() (the control plane's list) taken; False, logged, when it fails: the list
-        held stays in force."""
+        """fetch() (the control plane's list) taken; False when it fails: the list held
+        stays in force, and the log says so once a run of failures (and when it ends)."""
         try:
-            return self.update(fetch())
+            changed = self.update(fetch())
         except Exception as e:  # noqa: BLE001 - a control plane away must not stop the loop
-            log.warning("could not refresh the cluster's revocation list: %s; the one held "
-                        "(%d serials) stays in force", e, len(self._serials))
+            if not self._failing:
+                log.warning("could not refresh the cluster's revocation list: %s; the one "
+                            "held (%d revoked) stays in force, and it is asked for again "
+                            "every %.0f s", e, len(self._serials), self._every_s)
+            self._failing = True
             return False
+        if self._failing:
+            log.info("the cluster's revocation list is fresh again (%d revoked)",
+                     len(self._serials))
+        self._failing = False
+        return changed
 
     def keep_fresh(self, fetch: Callable[[], bytes], every_s: float = REFRESH_S) -> None:
         """refresh(fetch) now and every every_s in a thread of its own, until stop()."""
+        self._every_s = every_s
         def loop() -> None:
             while True:
                 self.refresh(fetch)
