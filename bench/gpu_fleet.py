@@ -29,16 +29,24 @@ In one call of at most ten minutes, on a machine that reaches no network:
    engine's command line and CUDA_VISIBLE_DEVICES (/proc) must name the replica's two
    cards with --split-mode layer, and on a GPU NVML must show it holding memory on each
    of them (goal: all of it); its tokens/s at 1 stream, as information.
+8. The RPC case (bench/gpu_rpc.py), once the host is down, where RPC_NEEDS_S of the budget
+   is left (or alone, with --rpc-only: no host; the newest CUDA build's rpc-server on this
+   machine, else one built now): the CPU llama-server carried by --prepare as the main
+   engine, the CUDA build's rpc-server (GGML_RPC=ON) as a worker holding the model's last
+   half, through the agents' TLS relay with certificates made now; the answer at
+   temperature 0 against the unsplit one's, what the rpc-server holds, tokens/s split
+   against unsplit (goal: the same answer).
 
 Each step is written to OUT/fleet.json as it ends (a run cut off still says how far it
 got); the last line printed is the whole result, also OUT/gpu-check.json. OUT gets at
-most 8 files: fleet.json, gpu-check.json, provision.log, agent.log, cuda-build.log,
-default-slots.log, nvml.json.
+most 11 files: fleet.json, gpu-check.json, provision.log, agent.log, cuda-build.log,
+default-slots.log, nvml.json, rpc-server.log, serve-rpc-unsplit.log, serve-rpc-split.log.
 
 --dry-run ENGINE rehearses all of it on a machine without a GPU: the stand-in NVML
 (tests/standin_nvml, two H200s on a CUDA 13.0 driver), provision with --engine-cuda off,
 then engine.cuda_server set to a wrapper of the CPU llama-server ENGINE (it drops the GPU
-flags) and the agent restarted: the same move, load and measurements, on CPU.
+flags) and the agent restarted: the same move, load and measurements, on CPU; the RPC
+case's rpc-server is the CPU build's beside ENGINE (its `-rpc` folder's).
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import gpu_rpc  # noqa: E402
 from llmgw.agent.engines.cpu import PINNED_VERSION  # noqa: E402
 from llmgw.config import load_server  # noqa: E402
 from llmgw.contract import CUDA_ENGINE  # noqa: E402
@@ -88,6 +97,9 @@ AFTER_MOVE = 5
 # 19) and stretch it; the move itself comes after the check, a heartbeat later.
 START_AT = ("checking", "ready", "failed")
 MAX_TOKENS = 256
+# What step 8, the RPC case, takes at most on the device (two loads and two answers of
+# the 270M-class model): it runs only with this much of the budget left, or --rpc-only.
+RPC_NEEDS_S = 60.0
 PROMPT = "Count from one to one hundred, in words, one number a line."
 
 
@@ -509,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=530.0,
                         help="the whole run's time; later steps are left out past it")
     parser.add_argument("--keep", action="store_true", help="leave the host up")
+    parser.add_argument("--rpc-only", action="store_true",
+                        help="only the RPC case (step 8): no host provisioned")
     args = parser.parse_args(argv)
     report = Report(args.out)
     gpu_check = load_gpu_check()
@@ -529,16 +543,56 @@ def main(argv: list[str] | None = None) -> int:
     work = gpu_check.LOCAL / f"fleet-{time.strftime('%Y%m%d-%H%M%S')}"
     cache = work / "cache"
     seed_cache(cache, args.tree, args.cpu_engine)
-    model = gpu_check.model_file(json.loads(args.model_shape))
+    shape = json.loads(args.model_shape)
+    model = gpu_check.model_file(shape)
     report.step("model", {"path": str(model), "bytes": model.stat().st_size})
     env["XDG_CACHE_HOME"] = str(cache)
-    host = ThrowawayHost(work / "state")
+    rc = 0
+    if not args.rpc_only:
+        host = ThrowawayHost(work / "state")
+        try:
+            rc = run(args, report, host, model, env, gpu_check)
+        finally:
+            copy_logs(host, cache, args.out)
+            if not args.keep:
+                host.down()
+    left = report.left_s(args.budget_s)
+    if left > RPC_NEEDS_S or args.rpc_only:
+        rpc_step(args, report, gpu_check, cache, model, shape, work)
+    else:
+        report.step("rpc", {"skipped": f"{left:.0f} s of the budget left, under the "
+                                       f"{RPC_NEEDS_S:.0f} s it needs: run `scripts/gpu-check "
+                                       "--fleet --rpc-only --out DIR` on the same machine"})
+    return finish(report, rc)
+
+
+def rpc_step(args: argparse.Namespace, report: Report, gpu_check: ModuleType, cache: Path,
+             model: Path, shape: dict[str, Any], work: Path) -> None:
+    """Step 8: the RPC case (bench/gpu_rpc.py), with the CUDA build's rpc-server (the one
+    the fleet's agent built; with --rpc-only, the newest one this machine has, else one
+    built now) or, rehearsed, the CPU build's beside the --dry-run engine."""
+    if args.dry_run:
+        rpc_server: Path | None = Path(args.dry_run).parent / "rpc-server"
+    else:
+        roots = [cache / "llmgw"]
+        if args.rpc_only:
+            roots += [*sorted(gpu_check.LOCAL.glob("fleet-*/cache/llmgw")), gpu_check.CACHE]
+        rpc_server = gpu_rpc.find_rpc_server(roots)
+        if rpc_server is None and args.rpc_only:
+            gpu_check.build(args.out)
+            rpc_server = gpu_rpc.find_rpc_server([gpu_check.CACHE])
+    if rpc_server is None or not rpc_server.is_file():
+        report.step("rpc", {"skipped": f"no rpc-server of a CUDA build with GGML_RPC found "
+                                       f"({rpc_server or 'none in ' + str(cache)})"})
+        return
+    engine = cache / "llmgw" / "engines" / "llamacpp" / PINNED_VERSION / "llama-server"
     try:
-        return run(args, report, host, model, env, gpu_check)
-    finally:
-        copy_logs(host, cache, args.out)
-        if not args.keep:
-            host.down()
+        report.step("rpc", gpu_rpc.rpc_case(
+            gpu_check, rpc_server=rpc_server, cpu_engine=engine, model=model,
+            n_layer=int(shape["n_layer"]), out=args.out, work=work,
+            gpu_memory=None if args.dry_run else gpu_memory_mib))
+    except Exception as e:  # noqa: BLE001 - the line says what failed; the rest stands
+        report.step("rpc", {"failed": f"{type(e).__name__}: {e}"[:800]})
 
 
 def run(args: argparse.Namespace, report: Report, host: ThrowawayHost, model: Path,
@@ -554,7 +608,7 @@ def run(args: argparse.Namespace, report: Report, host: ThrowawayHost, model: Pa
                               "failed": provisioned.failed()[:3],
                               "warnings": provisioned.lines("warn")[:3]})
     if provisioned.returncode != 0:
-        return finish(report, 1)
+        return 1
     if args.dry_run:
         gpu_engine = standin_gpu_engine(host.state_dir.parent / "cuda", args.dry_run)
         agent_yaml = host.state_dir / "etc" / "agent.yaml"
@@ -572,7 +626,7 @@ def run(args: argparse.Namespace, report: Report, host: ThrowawayHost, model: Pa
         time.sleep(0.5)
     report.step("gpu_engine_near", {**build, "s": round(time.monotonic() - built_from, 1)})
     if build.get("state") == "failed" or report.left_s(args.budget_s) <= 120:
-        return finish(report, 1)
+        return 1
 
     model_name = live_replicas(host)[0]["model"]
     moved = report.step("move", move_under_load(host, model_name,
@@ -580,7 +634,7 @@ def run(args: argparse.Namespace, report: Report, host: ThrowawayHost, model: Pa
     report.step("gpu_engine", {**engine_states(host).get(CUDA_ENGINE, {}),
                                "ready_after_s": round(time.monotonic() - built_from, 1)})
     if not moved["moved"]:
-        return finish(report, 1)
+        return 1
 
     replica = ready_replica(host)
     direct = Side("direct", replica["endpoint"], replica["api_key"])
@@ -599,7 +653,7 @@ def run(args: argparse.Namespace, report: Report, host: ThrowawayHost, model: Pa
              "device_flag": flag(argv, "--device", "-dev"), "argv": redacted(argv[1:])}
     report.step("sized", sized)
     if report.left_s(args.budget_s) < 2 * args.rounds * args.seconds + 60:
-        return finish(report, 0)
+        return 0
     port = free_port()
     log = args.out / "default-slots.log"
     proc = start_default(argv, port, log)
@@ -622,7 +676,7 @@ def run(args: argparse.Namespace, report: Report, host: ThrowawayHost, model: Pa
         report.step("split", split_over_two(host, bool(args.dry_run),
                                             min(120.0, report.left_s(args.budget_s) - 40),
                                             args.seconds))
-    return finish(report, 0)
+    return 0
 
 
 def finish(report: Report, rc: int) -> int:
@@ -632,6 +686,7 @@ def finish(report: Report, rc: int) -> int:
     wide = next((v for k, v in d.items() if k.startswith("gateway_vs_direct_")
                  and k != "gateway_vs_direct_1"), {})
     slots = d.get("sized_vs_default", {})
+    rpc = d.get("rpc", {})
     gpus = d.get("nvml", {}).get("gpus", [])
     line = {
         "gpu": gpus[0]["name"] if gpus else None, "driver": d.get("nvml", {}).get("driver"),
@@ -650,12 +705,28 @@ def finish(report: Report, rc: int) -> int:
         "moved_under_load": move.get("under_load"),
         "split_gpus": d.get("split", {}).get("gpus"),
         "split_tokens_per_s_1": d.get("split", {}).get("tokens_per_s_1"),
+        "rpc_answer_equal": rpc.get("answer_equal"),
+        "rpc_same_tokens": rpc.get("tokens", {}).get("same_tokens"),
+        "rpc_max_logprob_diff": rpc.get("tokens", {}).get("max_logprob_diff"),
+        "rpc_gap_at_parting": rpc.get("tokens", {}).get("gap_at_parting"),
+        "rpc_layers_offloaded": rpc.get("layers_offloaded"),
+        "rpc_buffers_mib": rpc.get("rpc_buffers_mib"),
+        "rpc_server_devices": rpc.get("rpc_server_devices"),
+        "rpc_server_gpu_mib": rpc.get("rpc_server_gpu_mib"),
+        "rpc_split_tokens_per_s": rpc.get("split_tokens_per_s"),
+        "rpc_unsplit_tokens_per_s": rpc.get("unsplit_tokens_per_s"),
+        "rpc_split_unsplit": rpc.get("split_unsplit"),
+        "rpc_failed": rpc.get("failed") or rpc.get("skipped"),
         "goals": {"no_failed_request": move.get("failed") == 0 and bool(move.get("moved"))
                   and bool(move.get("under_load")),
                   "gateway_ge_0.95": all(r is not None and r >= 0.95
                                          for r in (one.get("ratio"), wide.get("ratio"))),
                   "sized_ge_3x": (slots.get("ratio") or 0) >= 3,
-                  **({"split_on_2_gpus": bool(d["split"].get("ok"))} if "split" in d else {})},
+                  **({"split_on_2_gpus": bool(d["split"].get("ok"))} if "split" in d else {}),
+                  **({"rpc_matches_unsplit": bool(rpc.get("tokens", {}).get("matches"))}
+                     if rpc else {}),
+                  **({"rpc_worker_on_gpu": rpc["held_on_gpu"]}
+                     if rpc.get("held_on_gpu") is not None else {})},
         "elapsed_s": d.get("elapsed_s"), "rc": rc,
     }
     (report.out / "gpu-check.json").write_text(json.dumps(line) + "\n")

@@ -20,6 +20,7 @@ Error
  ├── agent.sizing.DoesNotFit (a GPU replica's cards have no room for one slot now)
  ├── agent.join.JoinError
  ├── agent.rpc_relay.RelayError (a split replica's relay or rpc-server could not start)
+ ├── agent.revocation.RevocationError (a revocation list not of this cluster's CA)
  ├── cli.control_plane_join.ControlPlaneJoinError (a bundle that does not open, a fleet on SQLite)
  ├── store.StoreError (a read or a write the store could not do: away, busy, broken)
  │    └── store.StoreConflict (a unique key refused a write: the name is taken)

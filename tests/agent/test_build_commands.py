@@ -35,6 +35,7 @@ def test_cuda_configure_targets_the_architectures_given_never_native() -> None:
     assert d["CMAKE_CUDA_ARCHITECTURES"] == "90;80"
     assert not any("native" in a for a in args)
     assert d["GGML_CUDA"] == "ON" and d["GGML_NATIVE"] == "OFF"
+    assert d["GGML_RPC"] == "ON", "rpc-server serves the node's GPUs to a main node"
     assert d["CMAKE_CUDA_COMPILER"] == "/usr/local/cuda/bin/nvcc"
     assert d["CUDAToolkit_ROOT"] == "/usr/local/cuda-13.0"
     assert d["GGML_CUDA_NO_VMM"] == "ON", "no libcuda link: the wheels ship no stub"
@@ -127,6 +128,9 @@ if [ "$1" = "--build" ]; then
   echo "[1/2] Building CUDA object ggml-cuda.cu.o"; echo "[2/2] Linking llama-server"
   mkdir -p "$2/bin"; printf '#!/bin/sh\\necho version: 1\\n' > "$2/bin/llama-server"
   chmod +x "$2/bin/llama-server"
+  case "$*" in *ggml-rpc-server*) if [ -z "$FAKE_CMAKE_NO_RPC" ]; then
+    printf '#!/bin/sh\\n' > "$2/bin/ggml-rpc-server"; chmod +x "$2/bin/ggml-rpc-server"; fi;;
+  esac
 fi
 """
 
@@ -164,14 +168,16 @@ def test_a_cuda_build_configures_builds_and_caches_for_its_architectures(
         tmp_path: Path, stand_ins: dict[str, Path]) -> None:
     lines: list[str] = []
     binary = _cuda_build(tmp_path, stand_ins, lines).run()
-    target = tmp_path / "cache" / "engines" / "llamacpp" / "0.3.36-cuda13-sm90_80"
+    target = tmp_path / "cache" / "engines" / "llamacpp" / "0.3.36-cuda13-sm90_80-rpc"
     assert binary == target / "llama-server" and os.access(binary, os.X_OK)
+    assert os.access(target / "rpc-server", os.X_OK), "rpc-server installed beside it"
     configure, build = stand_ins["calls"].read_text().splitlines()
     assert "-DCMAKE_CUDA_ARCHITECTURES=90;80" in configure.split()
+    assert "-DGGML_RPC=ON" in configure.split()
     assert f"-DCMAKE_CUDA_COMPILER={tmp_path / 'cuda-13.0' / 'bin' / 'nvcc'}" in configure
     assert "-DCUDA_cublas_LIBRARY=" in configure, "this machine's toolkit completed"
     jobs = min(os.cpu_count() or 1, 3)  # 8 GiB available: three 2.5 GiB nvcc jobs at most
-    assert build.endswith(f"--target llama-server -j {jobs}")
+    assert build.endswith(f"--target llama-server ggml-rpc-server -j {jobs}")
     assert f"0% ({jobs} jobs)" in lines
     log = (target / "build.log").read_text()
     assert log.count("nice -n 19 cmake") == 2
@@ -193,8 +199,48 @@ def test_a_failing_cuda_build_is_one_line_naming_cmake_and_its_log(
     assert "\n" not in message
     assert message.startswith("`cmake -S ")
     assert "CMake Error: CUDA::cublas not found" in message and "build.log" in message
-    assert not (tmp_path / "cache" / "engines" / "llamacpp" / "0.3.36-cuda13-sm90_80" /
+    assert not (tmp_path / "cache" / "engines" / "llamacpp" / "0.3.36-cuda13-sm90_80-rpc" /
                 "llama-server").exists()
+
+
+def test_a_cuda_build_without_rpc_server_is_a_build_error_and_not_cached(
+        tmp_path: Path, stand_ins: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build whose rpc-server target made nothing fails naming the missing file, and
+    leaves no llama-server in the cache (it would be taken for a whole build). The
+    control is the test above: the same build making both is cached."""
+    monkeypatch.setenv("FAKE_CMAKE_NO_RPC", "1")
+    with pytest.raises(BuildError, match=r"the CUDA build finished without .*ggml-rpc-server"):
+        _cuda_build(tmp_path, stand_ins, []).run()
+    target = tmp_path / "cache" / "engines" / "llamacpp" / "0.3.36-cuda13-sm90_80-rpc"
+    assert not (target / "llama-server").exists()
+
+
+def _fake_binary(folder: Path, name: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("#!/bin/sh\necho version: 1\n")
+    (folder / name).chmod(0o755)
+    return folder / name
+
+
+def test_an_earlier_cuda_build_serves_until_the_rpc_build_is_in_the_cache(
+        tmp_path: Path, stand_ins: dict[str, Path]) -> None:
+    """A CUDA build from before the RPC backend (<version>-cuda13-sm90_80/) is found and
+    used as it is: nothing is built, and it has no rpc-server. Once the -rpc folder holds
+    a build, that one is found. The control: with the earlier folder removed, run() builds
+    into the -rpc folder (cmake runs)."""
+    builds = tmp_path / "cache" / "engines" / "llamacpp"
+    old = _fake_binary(builds / "0.3.36-cuda13-sm90_80", "llama-server")
+    runner = _cuda_build(tmp_path, stand_ins, [])
+    assert runner.cached() == old and runner.run() == old
+    assert not stand_ins["calls"].exists(), "an earlier build serves: nothing built"
+    assert not (old.parent / "rpc-server").exists()
+    new = _fake_binary(builds / "0.3.36-cuda13-sm90_80-rpc", "llama-server")
+    assert runner.cached() == new
+    for made in (old, new):
+        made.unlink()
+    assert _cuda_build(tmp_path, stand_ins, []).run() == new
+    assert len(stand_ins["calls"].read_text().splitlines()) == 2, "built: configure, build"
+    assert (new.parent / "rpc-server").is_file()
 
 
 def test_a_toolchain_that_cannot_be_had_is_a_build_error(

@@ -26,6 +26,8 @@ def test_the_folders_are_where_existing_caches_have_them() -> None:
     assert cache.cpu_build(root, "0.3.36", rpc=True) == root / "engines/llamacpp/0.3.36-rpc"
     assert cache.cuda_build(root, "0.3.36", ["90", "80"], 13) == \
         root / "engines/llamacpp/0.3.36-cuda13-sm90_80"
+    assert cache.cuda_build(root, "0.3.36", ["90", "80"], 13, rpc=True) == \
+        root / "engines/llamacpp/0.3.36-cuda13-sm90_80-rpc"
     assert cache.prebuilt(root, "xllamacpp", "0.2.0") == root / "engines/xllamacpp/0.2.0"
     assert cache.toolchains(root) == root / "cuda"
     assert cache.sdist(root, "0.3.36") == root / "sources/llama_cpp_python-0.3.36.tar.gz"

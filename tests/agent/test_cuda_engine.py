@@ -140,6 +140,24 @@ def test_a_configured_cuda_server_is_checked_and_used_without_a_build(tmp_path: 
     assert e.found is not None and e.found.origin == "configured"
 
 
+def test_the_cuda_builds_rpc_server_is_the_engines_and_a_configured_one_has_none(
+        tmp_path: Path) -> None:
+    """A built engine with rpc-server beside its llama-server offers it (the node's GPUs
+    for a main node's --rpc); the controls: the same build without rpc-server (one from
+    before the RPC backend) offers none, nor does a configured cuda_server with an
+    rpc-server beside it (llmgw cannot know what that binary was built with)."""
+    built = lister(tmp_path / "built-rpc", {"GPU-aaaa": "NVIDIA H100 80GB HBM3"})
+    e = cuda_engine(tmp_path, lambda on_progress: built, [H100])
+    assert e.provision()["state"] == EngineState.READY and e.rpc_server is None
+    rpc = built.parent / cache.RPC_SERVER
+    rpc.write_text("#!/bin/sh\n")
+    rpc.chmod(0o755)
+    assert e.provision()["state"] == EngineState.READY and e.rpc_server == rpc
+    configured = cuda_engine(tmp_path, never, [H100], cuda_server=str(built))
+    assert configured.provision()["state"] == EngineState.READY
+    assert configured.rpc_server is None
+
+
 def test_a_configured_cuda_server_that_is_not_there_says_which_key(tmp_path: Path) -> None:
     e = cuda_engine(tmp_path, never, [H100], cuda_server=str(tmp_path / "nope"))
     status = e.provision()

@@ -214,3 +214,29 @@ def test_the_tiny_models_answers_are_valid_text_on_the_newer_llama_cpp(
                 "seed": seed, "temperature": 1.5})
             assert got.status_code == 200, got.text
             assert "\ufffd" not in got.json()["choices"][0]["message"]["content"]
+
+
+_SUPPORTS = """
+import ctypes, pathlib, sys
+import xllamacpp
+lib = ctypes.CDLL(str(next(pathlib.Path(xllamacpp.__file__).parent.glob("xllamacpp*.so"))))
+for name in sys.argv[1:]:
+    getattr(lib, name).restype = ctypes.c_bool
+    print(name, bool(getattr(lib, name)()))
+"""
+
+
+@slow
+def test_the_prebuilt_engine_has_no_rpc_backend(prebuilt_engine: str) -> None:
+    """What the docs say of the wheel: its install holds no rpc-server, and its library's
+    own llama_supports_rpc() answers false (its `--rpc` is llama.cpp's common parser,
+    which then says "RPC not supported in this build"). The control: the same call of
+    llama_supports_mmap(), which that library does support, answers true, so a false is
+    the library's answer and not the call's."""
+    home = Path(prebuilt_engine).parent
+    assert not [p for p in home.rglob("*rpc-server*")], "an rpc-server in the wheel's install"
+    python = home / "venv" / "bin" / "python"
+    out = subprocess.run([str(python), "-c", _SUPPORTS, "llama_supports_rpc",
+                          "llama_supports_mmap"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.split()
+    assert out == ["llama_supports_rpc", "False", "llama_supports_mmap", "True"], out

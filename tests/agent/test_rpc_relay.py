@@ -23,10 +23,15 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from llmgw.agent import rpc_relay
+from llmgw.agent.client import AgentClient
 from llmgw.agent.replicas.split import MainShare, WorkerShare
+from llmgw.agent.revocation import RevocationError, Revocations, kept_fresh
 from llmgw.agent.rpc_relay import MainRelay, Worker, WorkerRelay
 from llmgw.config import TLSFiles
+from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
+from llmgw.errors import Unreachable
 from llmgw.host import pki
+from llmgw.store import Store
 from tests.tiny_gguf import write_tiny_gguf
 
 WORKER_ADDR = "127.0.0.2"
@@ -66,9 +71,11 @@ def _port_open(port: int, host: str = "127.0.0.1") -> bool:
 @dataclass
 class Cluster:
     """TLS files of a cluster CA's nodes (main-1, worker-1, intruder) and of another CA's
-    main-1, each as agent.yaml's tls section would name them."""
+    main-1, each as agent.yaml's tls section would name them; the cluster CA (with its key,
+    to sign revocation lists)."""
 
     files: dict[str, TLSFiles]
+    ca: pki.KeyPair
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +94,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
                                       ("foreign-main-1", other_ca, other_path, "main-1")):
         cert, key = pki.issue_client(issuer, cn).write(d, stem)
         files[stem] = TLSFiles(ca=str(ca_file), cert=str(cert), key=str(key))
-    return Cluster(files)
+    return Cluster(files, ca)
 
 
 @dataclass
@@ -528,3 +535,223 @@ def test_either_side_closing_closes_the_other_and_stop_ends_a_carried_connection
         assert engine.recv(1) == b""
         assert up.conns[2].recv(1) == b""
         engine.close()
+
+
+# --- the cluster's revocation list ---
+
+
+def _serial(files: TLSFiles) -> str:
+    return pki.serial_hex(pki.load_cert(files.cert))
+
+
+@dataclass
+class ControlPlane:
+    """A real agent API (its CA key held, so it issues revocation lists) and the agent
+    client worker-1 fetches them with."""
+
+    server: AgentAPIServer
+    client: AgentClient
+
+
+@pytest.fixture
+def control_plane(cluster: Cluster, tmp_path: Path) -> Iterator[ControlPlane]:
+    """Function: the control plane's agent API on a free loopback port (its store in
+    tmp_path), and worker-1's AgentClient to it; stopped afterwards."""
+    cert, key = pki.issue_server(cluster.ca, ["127.0.0.1"]).write(tmp_path, "server")
+    tls = (cluster.files["worker-1"].ca, str(cert), str(key))
+    store = Store(tmp_path / "control.db")
+    server = AgentAPIServer("127.0.0.1", 0, mtls_context(*tls), AgentAPI(store, cluster.ca),
+                            tls=tls)
+    server.start()
+    client = AgentClient(f"https://127.0.0.1:{server.port}", cluster.files["worker-1"])
+    try:
+        yield ControlPlane(server, client)
+    finally:
+        client.close()
+        server.stop()
+        store.close()
+
+
+@pytest.fixture
+def rpc_server(rpc_engine: tuple[str, str], tmp_path: Path) -> Iterator[Proc]:
+    """Function: the real rpc-server on a free loopback port, its log in tmp_path."""
+    port = _free_port()
+    p = _spawn(rpc_relay.rpc_server_command(rpc_engine[1], port, ["--threads", "1"]),
+               tmp_path / "rpc-server.log", port)
+    try:
+        _wait("rpc-server to listen", lambda: _port_open(port) or p.proc.poll() is not None,
+              timeout=30, last=p.text)
+        assert p.proc.poll() is None, p.text()
+        yield p
+    finally:
+        p.stop()
+
+
+def test_a_revoked_main_is_refused_in_the_handshake_and_nothing_reaches_rpc_server(
+        cluster: Cluster, control_plane: ControlPlane, rpc_server: Proc) -> None:
+    """main-1 removed (its serial revoked on the control plane), the list fetched by
+    worker-1's agent client: the worker's relay refuses main-1 in the TLS handshake
+    (OpenSSL's `certificate revoked`), and rpc-server logs no connection. The control:
+    with the list fetched before the revocation, the same main-1 is carried to rpc-server
+    (so its log would show a refused peer had one reached it)."""
+    revocations = Revocations(cluster.files["worker-1"].ca)
+    assert not revocations.refresh(control_plane.client.revocation_list)
+    assert revocations.crl_file() is not None and not revocations.serials
+    relay = WorkerRelay(cluster.files["worker-1"], host=WORKER_ADDR,
+                        upstream_port=rpc_server.port, main_node="main-1",
+                        revocations=revocations)
+    port = relay.start()
+    try:
+        _handshake(cluster.files["main-1"], port)
+        _wait("rpc-server to log main-1's connection",
+              lambda: "Accepted client connection" in rpc_server.text(), timeout=10,
+              last=rpc_server.text)
+        assert relay.counters.carried == 1 and not relay.counters.refused
+        accepted = rpc_server.text().count("Accepted client connection")
+
+        control_plane.server.revoke([_serial(cluster.files["main-1"])])
+        assert revocations.refresh(control_plane.client.revocation_list)
+        assert _refused_or_closed(cluster.files["main-1"], port)
+        _wait("the relay to refuse main-1 in the handshake",
+              lambda: any("certificate revoked" in r for r in relay.counters.refused),
+              timeout=5, last=lambda: relay.counters.refused)
+        time.sleep(0.5)
+        assert relay.counters.carried == 1
+        assert rpc_server.text().count("Accepted client connection") == accepted
+    finally:
+        relay.stop()
+        revocations.stop()
+
+
+def test_a_list_that_revokes_a_carried_peer_closes_its_connection_on_both_sides(
+        cluster: Cluster, control_plane: ControlPlane) -> None:
+    """A connection carried main-1 -> worker-1 ends (EOF at the engine and at the
+    upstream) once a newer list revoking main-1 is taken by the worker's agent, and the
+    main's relay closes its connection to worker-1 once its agent takes a list revoking
+    worker-1, and refuses the next (not carried: the engine's bytes never leave). The
+    controls: the same connections stay open (a read waits) while the lists taken revoke
+    neither, here one revoking another node."""
+    up = Upstream(socket.create_server(("127.0.0.1", 0)), False, [])
+    threading.Thread(target=up.serve, daemon=True).start()
+    at_worker = Revocations(cluster.files["worker-1"].ca)
+    at_main = Revocations(cluster.files["main-1"].ca)
+    worker = WorkerRelay(cluster.files["worker-1"], host=WORKER_ADDR, upstream_port=up.port,
+                         main_node="main-1", revocations=at_worker)
+    main = MainRelay(cluster.files["main-1"], [Worker("worker-1", WORKER_ADDR, worker.start())],
+                     revocations=at_main)
+    (port,) = main.start()
+
+    def carried(n: int) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        _wait(f"connection {n} to reach the upstream", lambda: len(up.conns) >= n,
+              timeout=10, last=lambda: (main.counters, worker.counters))
+        up.conns[n - 1].settimeout(5)
+        s.settimeout(0.5)
+        return s
+
+    try:
+        engine = carried(1)
+        control_plane.server.revoke([_serial(cluster.files["intruder"])])
+        assert at_worker.refresh(control_plane.client.revocation_list)
+        with pytest.raises(TimeoutError):
+            engine.recv(1)
+        control_plane.server.revoke([_serial(cluster.files["main-1"])])
+        assert at_worker.refresh(control_plane.client.revocation_list)
+        engine.settimeout(5)
+        assert engine.recv(1) == b"" and up.conns[0].recv(1) == b""
+        assert any("revoked while carried" in r for r in worker.counters.refused)
+
+        # The main's side: worker-1 revoked in the list main-1's agent holds.
+        worker.stop()
+        at_worker.stop()
+        at_worker = Revocations(cluster.files["worker-1"].ca)
+        worker = WorkerRelay(cluster.files["worker-1"], host=WORKER_ADDR,
+                             upstream_port=up.port, main_node="main-1",
+                             revocations=at_worker, port=worker.port)
+        worker.start()
+        engine = carried(2)
+        with pytest.raises(TimeoutError):
+            engine.recv(1)
+        at_main.update(pki.make_crl(cluster.ca, [_serial(cluster.files["worker-1"])]))
+        engine.settimeout(5)
+        assert engine.recv(1) == b"" and up.conns[1].recv(1) == b""
+        assert any("revoked while carried" in r for r in main.counters.refused)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.settimeout(5)
+            assert s.recv(1) == b""
+        assert "was revoked" in main.counters.refused[-1]
+        assert main.counters.carried == 2, "the refused one was never carried"
+    finally:
+        main.stop()
+        worker.stop()
+        at_worker.stop()
+        at_main.stop()
+        up.sock.close()
+        for c in up.conns:
+            c.close()
+
+
+def test_a_list_not_signed_by_the_cluster_ca_is_refused_and_the_held_one_stays(
+        cluster: Cluster) -> None:
+    """A list from another CA naming main-1's serial is refused (RevocationError naming
+    why) and revokes nothing; the control: the same serial in a list the cluster CA
+    signed is taken."""
+    revocations = Revocations(cluster.files["worker-1"].ca)
+    main_1 = pki.load_cert(cluster.files["main-1"].cert)
+    try:
+        with pytest.raises(RevocationError, match="not signed by this node's cluster CA"):
+            revocations.update(pki.make_crl(pki.create_ca("another cluster"),
+                                            [_serial(cluster.files["main-1"])]))
+        assert not revocations.revoked(main_1) and revocations.crl_file() is None
+        assert revocations.update(pki.make_crl(cluster.ca, [_serial(cluster.files["main-1"])]))
+        assert revocations.revoked(main_1)
+    finally:
+        revocations.stop()
+
+
+def test_the_agents_list_is_kept_fresh_from_the_control_plane(
+        cluster: Cluster, control_plane: ControlPlane) -> None:
+    """kept_fresh (what run_agent starts) fetches the list at once and again every
+    every_s: a node removed on the control plane afterwards is revoked in the agent's list
+    within a few periods, and a listener (a relay) is told. The control: before the
+    removal the list held revokes nothing."""
+    main_1 = pki.load_cert(cluster.files["main-1"].cert)
+    told = threading.Event()
+    revocations = kept_fresh(control_plane.client.revocation_list,
+                             cluster.files["worker-1"].ca, every_s=0.2)
+    revocations.on_change(told.set)
+    try:
+        _wait("the first list", lambda: revocations.crl_file() is not None, timeout=10)
+        assert not revocations.revoked(main_1) and not told.is_set()
+        control_plane.server.revoke([_serial(cluster.files["main-1"])])
+        _wait("main-1 to be revoked in the agent's list", lambda: revocations.revoked(main_1),
+              timeout=10, last=lambda: revocations.serials)
+        assert told.wait(5)
+    finally:
+        revocations.stop()
+
+
+def test_a_control_plane_away_leaves_the_held_list_in_force_and_is_said_once(
+        cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """A fetch that fails keeps the list held (main-1 stays revoked) and is logged once
+    for a run of failures, then once more when a fetch succeeds again. The control: the
+    list held revokes main-1 before the failures, so its staying so is the list's doing."""
+    revocations = Revocations(cluster.files["worker-1"].ca)
+    main_1 = pki.load_cert(cluster.files["main-1"].cert)
+    crl = pki.make_crl(cluster.ca, [_serial(cluster.files["main-1"])])
+
+    def away() -> bytes:
+        raise Unreachable("the control plane at https://cp:7443 did not answer")
+
+    try:
+        assert revocations.refresh(lambda: crl) and revocations.revoked(main_1)
+        with caplog.at_level("INFO", logger="llmgw.agent.revocation"):
+            for _ in range(3):
+                assert not revocations.refresh(away)
+            assert revocations.revoked(main_1)
+            assert not revocations.refresh(lambda: crl)
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2 and "did not answer" in said[0] and "stays in force" in said[0]
+        assert "fresh again (1 revoked)" in said[1]
+    finally:
+        revocations.stop()

@@ -309,3 +309,141 @@ def test_the_fleets_line_has_a_split_goal_only_where_the_split_ran(tmp_path: Pat
     f.finish(report, 0)
     line = json.loads((tmp_path / "gpu-check.json").read_text())
     assert line["goals"]["split_on_2_gpus"] is True and line["split_gpus"] == ["GPU-a", "GPU-b"]
+
+
+# --- the RPC case (bench/gpu_rpc.py, --fleet's step 8) ---
+
+def gpu_rpc() -> ModuleType:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import gpu_rpc as module
+    finally:
+        sys.path.remove(str(ROOT))
+    return module
+
+
+def _rpc_only(tmp_path: Path, engine: str, rpc_server: str) -> dict:
+    """`gpu-check --fleet --rpc-only --dry-run`, the small model, a .gpu-check of the CPU
+    engine given (gzipped, as --prepare packs it; the tree is not used here) and an
+    rpc-server beside the dry-run engine; the line it printed."""
+    import gzip
+    import shutil
+
+    work, beside = tmp_path / "carried", tmp_path / "dry-run"
+    work.mkdir()
+    beside.mkdir()
+    with open(engine, "rb") as f, gzip.open(work / "llama-server-cpu.gz", "wb") as out:
+        shutil.copyfileobj(f, out)
+    (work / "llama.cpp.tar.gz").write_bytes(b"not used by --rpc-only")
+    (beside / "llama-server").symlink_to(engine)
+    (beside / "rpc-server").symlink_to(rpc_server)
+    done = run("--fleet", "--small", "--rpc-only", "--out", str(tmp_path / "out"),
+               "--dry-run", str(beside / "llama-server"),
+               env={"LLMGW_GPU_CHECK_DIR": str(work), "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_rpc_case_answers_as_the_unsplit_model_through_the_tls_relay(
+        tmp_path: Path, rpc_engine: tuple[str, str]) -> None:
+    """Rehearsed with the CPU build's rpc-server standing in for the CUDA build's: the
+    split engine's answer at temperature 0 is the unsplit one's; the main engine put the
+    output layer and the last block (2 of 3) on the RPC device, which holds a model buffer;
+    the rpc-server's log names the device it serves and the connections the relay carried
+    (certificates made at run time, nothing refused); tokens/s of both are figures. The
+    negative control: an rpc-server that exits at once fails the step, named in the line,
+    and the goal is false."""
+    line = _rpc_only(tmp_path, *rpc_engine)
+    assert line["rpc_failed"] is None, line
+    assert line["rpc_answer_equal"] is True and line["goals"]["rpc_matches_unsplit"] is True
+    assert line["rpc_same_tokens"] == 256 and line["rpc_max_logprob_diff"] <= 0.01
+    assert line["rpc_layers_offloaded"] == "2/3"
+    (held,) = line["rpc_buffers_mib"]["model"].values()
+    assert held > 0
+    assert line["rpc_server_devices"] and line["rpc_server_devices"][0].startswith("CPU")
+    assert line["rpc_split_tokens_per_s"] > 0 and line["rpc_unsplit_tokens_per_s"] > 0
+    step = json.loads((tmp_path / "out" / "fleet.json").read_text())["rpc"]
+    assert step["relay"]["carried"] >= 1 and step["relay"]["refused"] == []
+    assert step["relay"]["bytes_to_worker"] > 0 and step["rpc_server_connections"] >= 1
+    assert "Accepted client connection" in (tmp_path / "out" / "rpc-server.log").read_text()
+
+    broken = tmp_path / "control"
+    broken.mkdir()
+    line = _rpc_only(broken, rpc_engine[0], "/bin/false")
+    assert "rpc-server" in line["rpc_failed"] and "exited 1" in line["rpc_failed"]
+    assert line["goals"]["rpc_matches_unsplit"] is False
+
+
+def test_the_rpc_servers_devices_and_where_two_answers_part_are_read() -> None:
+    r = gpu_rpc()
+    log = ("Starting RPC server v7.0.0\n  endpoint       : 127.0.0.1:50052\n"
+           "  local cache    : n/a\nDevices:\n"
+           "  CUDA0: NVIDIA H200 (143771 MiB, 143000 MiB free)\n  transport      : TCP\n"
+           "Accepted client connection\n")
+    assert r.rpc_devices(log) == ["CUDA0: NVIDIA H200 (143771 MiB, 143000 MiB free)"]
+    # Negative control: a log without its device list gives none, none made up.
+    assert r.rpc_devices("Starting RPC server v7.0.0\n") == []
+    assert r.parted_at("one two", "one two") is None
+    assert r.parted_at("one two", "one tw0") == 6 and r.parted_at("one", "one two") == 3
+
+
+def test_the_rpc_case_takes_the_rpc_server_of_a_cuda_build_with_the_rpc_backend(
+        tmp_path: Path) -> None:
+    """Only a CUDA build's -rpc folder is looked in: an earlier CUDA build's folder (no RPC
+    backend) and the CPU build's are not, even with an rpc-server there."""
+    r = gpu_rpc()
+    builds = tmp_path / "llmgw" / "engines" / "llamacpp"
+    for folder in ("0.3.36-rpc", "0.3.36-cuda13-sm90"):
+        (builds / folder).mkdir(parents=True)
+        (builds / folder / "rpc-server").write_text("#!/bin/sh\n")
+        (builds / folder / "rpc-server").chmod(0o755)
+    assert r.find_rpc_server([tmp_path / "llmgw"]) is None
+    (builds / "0.3.36-cuda13-sm90-rpc").mkdir()
+    made = builds / "0.3.36-cuda13-sm90-rpc" / "rpc-server"
+    made.write_text("#!/bin/sh\n")
+    made.chmod(0o755)
+    assert r.find_rpc_server([tmp_path / "llmgw"]) == made
+
+
+def test_the_fleets_line_has_an_rpc_goal_only_where_the_rpc_case_ran(tmp_path: Path) -> None:
+    f = fleet()
+    report = f.Report(tmp_path)
+    f.finish(report, 0)
+    goals = json.loads((tmp_path / "gpu-check.json").read_text())["goals"]
+    assert "rpc_matches_unsplit" not in goals
+    report.data["rpc"] = {"answer_equal": True, "split_tokens_per_s": 20.0,
+                          "unsplit_tokens_per_s": 40.0, "split_unsplit": 0.5,
+                          "tokens": {"matches": True, "same_tokens": 256}}
+    f.finish(report, 0)
+    line = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert line["goals"]["rpc_matches_unsplit"] is True and line["rpc_split_unsplit"] == 0.5
+    # Negative control: answers that part (not at a tie) make the goal false.
+    report.data["rpc"]["tokens"]["matches"] = False
+    f.finish(report, 0)
+    goals = json.loads((tmp_path / "gpu-check.json").read_text())["goals"]
+    assert goals["rpc_matches_unsplit"] is False
+
+
+def _token(tid: int, logprob: float, runner_up: float) -> dict:
+    return {"id": tid, "logprob": logprob,
+            "top_logprobs": [{"id": tid, "logprob": logprob},
+                             {"id": tid + 1, "logprob": runner_up}]}
+
+
+def test_split_and_unsplit_answers_match_token_by_token_or_part_only_at_a_near_tie() -> None:
+    """The same tokens with log-probabilities within the tolerance match; answers that
+    part where the unsplit one's top two were a near tie (0.004 nats) match too. The
+    negative controls: parting where the choice was clear (2 nats), or a shared prefix
+    whose log-probabilities differ by 0.5, do not."""
+    r = gpu_rpc()
+    a = [_token(1, -1.0, -3.0), _token(5, -2.000, -2.004)]
+    b = [_token(1, -1.001, -3.0), _token(9, -2.001, -2.002)]
+    assert r.compare(a, a) == {"tokens": 2, "same_tokens": 2, "max_logprob_diff": 0.0,
+                               "matches": True}
+    found = r.compare(a, b)
+    assert found["same_tokens"] == 1 and found["gap_at_parting"] == 0.004
+    assert found["parted_at_near_tie"] and found["matches"]
+    clear = [_token(1, -1.0, -3.0), _token(5, -0.1, -2.1)]
+    assert not r.compare(clear, b)["matches"]
+    off = [_token(1, -1.5, -3.0), _token(5, -2.000, -2.004)]
+    assert not r.compare(off, b)["matches"]

@@ -20,6 +20,7 @@ from llmgw.agent.engines.cuda import CudaEngine
 from llmgw.agent.join import needs_renewal, renewal_request
 from llmgw.agent.replicas.process import memlock_for_engines, preset_socket_ifnames
 from llmgw.agent.replicas.supervisor import GPU_START_ATTEMPTS, ReplicaSupervisor
+from llmgw.agent.revocation import Revocations, kept_fresh
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
 from llmgw.contract import CUDA_ENGINE, EngineState
@@ -83,6 +84,8 @@ class Agent:
         # Why the control plane refused this node for good ("" while it is a member).
         self.removed = ""
         self._renew_checked = float("-inf")
+        # The cluster's revocation list, for the RPC relays of split replicas (run_agent's).
+        self.revocations: Revocations | None = None
 
     def inventory(self) -> Heartbeat:
         """The heartbeat body (contract.records.Heartbeat); the control plane names the node
@@ -303,5 +306,9 @@ def run_agent(config: AgentConfig) -> None:
              "".join(f"; {k}={v} set for the agent is kept for its engines"
                      for k, v in kept.items()))
     memlock_for_engines(log)
-    agent.run(stop)
+    agent.revocations = kept_fresh(agent.client.revocation_list, config.tls.ca)
+    try:
+        agent.run(stop)
+    finally:
+        agent.revocations.stop()
     log.info("agent stopped")

@@ -104,6 +104,12 @@ class AgentClient(httpclient.JSONClient):
         return None if response.status_code == 404 else self._answer(
             "GET", AgentPaths.SELF, response)
 
+    def revocation_list(self) -> bytes:
+        """The cluster's revocation list (PEM) as the control plane issues it now; whoever
+        takes it checks it against the cluster CA (llmgw.agent.revocation)."""
+        answer = self._call("GET", AgentPaths.CRL)
+        return str(answer["crl"]).encode()
+
     def report_drift(self, report: DriftReport) -> HostDrift:
         """This node's last round of `llmgw check --serve`; the control plane keeps it under
         this node's certificate's name."""

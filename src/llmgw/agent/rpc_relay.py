@@ -17,6 +17,12 @@ so), which OpenSSL refuses as a server's: the main side therefore checks the wor
 certificate itself after the handshake (chained to the cluster CA, valid now, the expected
 node name), again before a byte flows.
 
+Both sides honour the cluster's revocation list, which the agent keeps fresh
+(llmgw.agent.revocation.Revocations, given as revocations): a worker's handshake checks it
+(OpenSSL's CRL check, so a removed main node's handshake fails with `certificate revoked`),
+both sides check the peer's serial against it after the handshake, and a newer list that
+revokes the peer of a connection already carried closes that connection.
+
 A lost peer fails fast: TCP keepalive on every relayed connection notices a silent one
 within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S, and either side closing
 closes the other, so the main engine sees its RPC connection end (llama.cpp's RPC has no
@@ -50,6 +56,7 @@ from typing import Any, cast
 
 from cryptography import x509
 
+from llmgw.agent.revocation import Revocations
 from llmgw.config import TLSFiles
 from llmgw.errors import Error
 from llmgw.host import pki
@@ -138,7 +145,9 @@ def _load(tls: TLSFiles, what: str) -> tuple[x509.Certificate, Callable[[ssl.SSL
     return ca, prove
 
 
-def _server_context(tls: TLSFiles) -> ssl.SSLContext:
+def _server_context(tls: TLSFiles, crl: str | None = None) -> ssl.SSLContext:
+    """The worker's side: TLS 1.3, a certificate of the cluster CA required, and where crl
+    (a PEM file) is given, that certificate not on it."""
     _, prove = _load(tls, "RPC relay")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -150,6 +159,12 @@ def _server_context(tls: TLSFiles) -> ssl.SSLContext:
         ctx.load_verify_locations(cafile=tls.ca)
     except (OSError, ssl.SSLError) as e:
         raise RelayError(f"the RPC relay cannot load the cluster CA {tls.ca}: {e}") from e
+    if crl:
+        try:
+            ctx.load_verify_locations(cafile=crl)
+        except (OSError, ssl.SSLError) as e:
+            raise RelayError(f"the RPC relay cannot load the revocation list {crl}: {e}") from e
+        ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
     prove(ctx)
     return ctx
 
@@ -167,12 +182,15 @@ def _client_context(tls: TLSFiles) -> tuple[ssl.SSLContext, x509.Certificate]:
 
 
 def _peer_refusal(der: bytes | None, ca: x509.Certificate | None, node: str,
-                  pins: frozenset[str]) -> str:
+                  pins: frozenset[str], revocations: Revocations | None = None) -> str:
     """Why this peer certificate may not be carried to or from; '' when it may."""
     if not der:
         return "it showed no certificate"
     cert = x509.load_der_x509_certificate(der)
     cn = pki.common_name(cert)
+    if revocations is not None and revocations.revoked(cert):
+        return (f"its certificate (CN {cn!r}, serial {cert.serial_number:x}) was revoked: "
+                "that node was removed from the cluster")
     if ca is not None:
         if not pki.chains_to(cert, ca):
             return f"its certificate (CN {cn!r}) is not signed by this cluster's CA"
@@ -441,29 +459,94 @@ def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
     pump(b, a, False)
 
 
+class _Peers:
+    """The connections a relay carries, by the serial of the peer's certificate: a newer
+    revocation list closes those of a peer it revokes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: list[tuple[int, tuple[socket.socket, ...]]] = []
+
+    def add(self, der: bytes | None, *socks: socket.socket) -> int:
+        serial = x509.load_der_x509_certificate(der).serial_number if der else -1
+        with self._lock:
+            self._open = [(n, held) for n, held in self._open
+                          if all(s.fileno() != -1 for s in held)]
+            self._open.append((serial, socks))
+        return serial
+
+    def close_revoked(self, revoked: frozenset[int], threads: _Threads) -> list[int]:
+        """Closes the connections of peers whose serial is in revoked; their serials."""
+        with self._lock:
+            ending = [(n, held) for n, held in self._open if n in revoked]
+            self._open = [(n, held) for n, held in self._open if n not in revoked]
+        for _, held in ending:
+            threads.close(*held)
+        return [n for n, _ in ending]
+
+
+def _watch(relay: WorkerRelay | MainRelay) -> None:
+    if relay.revocations is not None:
+        relay.revocations.on_change(relay.revocation_changed)
+
+
+def _unwatch(relay: WorkerRelay | MainRelay) -> None:
+    if relay.revocations is not None:
+        relay.revocations.off_change(relay.revocation_changed)
+
+
+def _close_revoked(relay: WorkerRelay | MainRelay, peers: _Peers, threads: _Threads) -> None:
+    assert relay.revocations is not None
+    for serial in peers.close_revoked(relay.revocations.serials, threads):
+        why = (f"its certificate (serial {serial:x}) was revoked while carried: that node "
+               "was removed from the cluster; the connection was closed")
+        relay.counters.refused.append(why)
+        log.warning("RPC relay %s: %s", threads.name, why)
+
+
 class WorkerRelay:
     """On a worker, for one split replica: a TLS listener on (host, port) of the management
     network that admits only main_node's certificate (and, where pins are given, only one
     of those), in front of rpc-server on 127.0.0.1:upstream_port. port 0 takes a free one:
-    start() returns it."""
+    start() returns it. With revocations (the agent's), a revoked main node is refused in
+    the handshake, and one carried when it is revoked is closed."""
 
     def __init__(self, tls: TLSFiles, *, host: str, upstream_port: int, main_node: str,
-                 port: int = 0, pins: frozenset[str] = frozenset()) -> None:
+                 port: int = 0, pins: frozenset[str] = frozenset(),
+                 revocations: Revocations | None = None) -> None:
         self.tls = tls
         self.host = host
         self.port = port
         self.upstream_port = upstream_port
         self.main_node = main_node
         self.pins = pins
+        self.revocations = revocations
         self.counters = Counters()
         self._threads = _Threads(f"rpc-relay-{main_node}")
         self._ctx: ssl.SSLContext | None = None
+        self._peers = _Peers()
+
+    def _context(self) -> ssl.SSLContext:
+        crl = self.revocations.crl_file() if self.revocations is not None else None
+        return _server_context(self.tls, crl)
+
+    def revocation_changed(self) -> None:
+        """A newer list revoked someone: new handshakes check it, and a carried connection
+        of a peer it revokes is closed."""
+        try:
+            self._ctx = self._context()
+        except RelayError as e:
+            log.warning("RPC relay %s: %s; handshakes go on with the list before it, and the "
+                        "serials are checked after each", self._threads.name, e)
+        _close_revoked(self, self._peers, self._threads)
 
     def start(self) -> int:
-        self._ctx = _server_context(self.tls)
+        self._ctx = self._context()
+        _watch(self)
         try:
             listener = socket.create_server((self.host, self.port))
         except OSError as e:
+            _unwatch(self)
             raise RelayError(f"the RPC relay cannot listen on {self.host}:{self.port}: {e}; "
                              "is the management address this node's, and the port free?"
                              ) from e
@@ -474,6 +557,7 @@ class WorkerRelay:
         return self.port
 
     def stop(self) -> None:
+        _unwatch(self)
         self._threads.stop()
 
     def cpu_seconds(self) -> float:
@@ -483,14 +567,17 @@ class WorkerRelay:
         assert self._ctx is not None
         conn = _TLS(raw, self._ctx, server_side=True)
         try:
-            # The CA is checked in the handshake (CERT_REQUIRED); the node and pin below,
-            # before anything is read from the peer or sent to rpc-server.
+            # The CA (and, with a list held, revocation) is checked in the handshake
+            # (CERT_REQUIRED); the node, pin and serial below, before anything is read from
+            # the peer or sent to rpc-server.
             conn.handshake(HANDSHAKE_TIMEOUT_S)
         except OSError as e:  # ssl.SSLError and a timeout included
+            self.counters.refused.append(f"its TLS handshake failed: {e}")
             log.warning("RPC relay: TLS handshake with %s failed: %s", peer, e)
             self._threads.close(raw)
             return
-        why = _peer_refusal(conn.peer_der(), None, self.main_node, self.pins)
+        why = _peer_refusal(conn.peer_der(), None, self.main_node, self.pins,
+                            self.revocations)
         if why:
             self.counters.refused.append(why)
             log.warning("RPC relay refused %s: %s", peer, why)
@@ -500,6 +587,9 @@ class WorkerRelay:
                          f"rpc-server on {LOOPBACK}:{self.upstream_port} does not answer")
         if upstream is None:
             return
+        self._peers.add(conn.peer_der(), raw, upstream)
+        if self.revocations is not None:  # a list taken since the check above
+            _close_revoked(self, self._peers, self._threads)
         _carry(self._threads, self.counters, raw, upstream, conn, upstream)
 
 
@@ -507,14 +597,23 @@ class MainRelay:
     """On the main node of a split replica: one listener on 127.0.0.1 per worker, each
     connection carried over TLS to that worker's WorkerRelay, whose certificate must be the
     worker node's. start() returns the loopback ports, in the workers' order; endpoints()
-    is the engine's --rpc value."""
+    is the engine's --rpc value. With revocations (the agent's), a revoked worker is
+    refused, and one carried to when it is revoked is closed."""
 
-    def __init__(self, tls: TLSFiles, workers: list[Worker]) -> None:
+    def __init__(self, tls: TLSFiles, workers: list[Worker], *,
+                 revocations: Revocations | None = None) -> None:
         self.tls = tls
         self.workers = workers
+        self.revocations = revocations
         self.ports: list[int] = []
         self.counters = Counters()
         self._threads = _Threads("rpc-relay-main")
+        self._peers = _Peers()
+
+    def revocation_changed(self) -> None:
+        """A newer list revoked someone: a carried connection to a worker it revokes is
+        closed (each new one is checked after its handshake)."""
+        _close_revoked(self, self._peers, self._threads)
 
     def start(self) -> list[int]:
         ctx, ca = _client_context(self.tls)
@@ -526,6 +625,7 @@ class MainRelay:
             for s in listeners:
                 s.close()
             raise RelayError(f"the RPC relay cannot listen on {LOOPBACK}: {e}") from e
+        _watch(self)
         for w, listener in zip(self.workers, listeners, strict=True):
             self._threads.hold(listener)
             self.ports.append(int(listener.getsockname()[1]))
@@ -538,6 +638,7 @@ class MainRelay:
         return ",".join(f"{LOOPBACK}:{p}" for p in self.ports)
 
     def stop(self) -> None:
+        _unwatch(self)
         self._threads.stop()
 
     def cpu_seconds(self) -> float:
@@ -557,11 +658,14 @@ class MainRelay:
                         worker.port, e)
             self._threads.close(raw, engine)
             return
-        why = _peer_refusal(remote.peer_der(), ca, worker.node, frozenset())
+        why = _peer_refusal(remote.peer_der(), ca, worker.node, frozenset(), self.revocations)
         if why:
             self.counters.refused.append(why)
             log.warning("RPC relay: refused worker %s at %s:%s: %s", worker.node,
                         worker.host, worker.port, why)
             self._threads.close(raw, engine)
             return
+        self._peers.add(remote.peer_der(), raw, engine)
+        if self.revocations is not None:  # a list taken since the check above
+            _close_revoked(self, self._peers, self._threads)
         _carry(self._threads, self.counters, raw, engine, engine, remote)

@@ -269,8 +269,10 @@ class CudaBuild:
     in the cache); the build targets the compute capabilities NVML reports, at nice 19,
     with jobs bounded by cores and memory, through the one Driver; it is cached per
     version, CUDA major and architecture set (llmgw.agent.engines.cache.cuda_build), one build of
-    each at a time. Every failure is a BuildError with a one-line reason; stop() ends a
-    running build. The source may be a
+    each at a time. It has llama.cpp's RPC backend and installs rpc-server beside
+    llama-server (in the `-rpc` folder); a build from before that, found in the cache, is
+    used as it is (no rpc-server) until that folder is removed. Every failure is a
+    BuildError with a one-line reason; stop() ends a running build. The source may be a
     way to get it (a download): it is asked for only once the driver, the tools and the
     toolchain allow a build, so a node that cannot build says why before any download."""
 
@@ -294,15 +296,18 @@ class CudaBuild:
 
     def cached(self) -> Path | None:
         """A build for these GPUs already in the cache (of the CUDA major they would get, or
-        of CUDA 12 from a system toolkit), else None."""
+        of CUDA 12 from a system toolkit): the one with the RPC backend, else one from
+        before it; None when there is neither."""
         try:
             majors = dict.fromkeys([_toolchain.cuda_major(self.discovery), 12])
         except _toolchain.ToolchainError:
             return None
         for major in majors:
-            binary = cache.cuda_build(self.cache_dir, self.version, self.archs, major) / BINARY
-            if self.archs and binary.is_file() and os.access(binary, os.X_OK):
-                return binary
+            for rpc in (True, False):
+                binary = cache.cuda_build(self.cache_dir, self.version, self.archs, major,
+                                          rpc=rpc) / BINARY
+                if self.archs and binary.is_file() and os.access(binary, os.X_OK):
+                    return binary
         return None
 
     def run(self) -> Path:
@@ -317,10 +322,13 @@ class CudaBuild:
         except _toolchain.ToolchainError as e:
             raise BuildError(str(e)) from None
         self.on_progress(f"CUDA toolchain: {toolchain.origin}")
-        target = cache.cuda_build(self.cache_dir, self.version, self.archs, toolchain.major)
+        target = cache.cuda_build(self.cache_dir, self.version, self.archs, toolchain.major,
+                                  rpc=True)
         self._driver = driver = Driver(target, on_progress=self.on_progress,
                                        search_path=self.search_path, nice=True,
-                                       what="CUDA build")
+                                       what="CUDA build",
+                                       binaries={BINARY: BINARY,
+                                                 _cmake.RPC_TARGET: cache.RPC_SERVER})
         if self._stopped:
             driver.stop()
         try:

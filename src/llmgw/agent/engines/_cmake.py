@@ -1,7 +1,8 @@
 """The CMake command lines of a llama-server build: configured for CPU or for CUDA, built,
-at the lowest priority, with as many jobs as cores and memory allow. The CPU build has
-llama.cpp's RPC backend (GGML_RPC=ON) and builds rpc-server beside llama-server: the two
-ends of one model split over several nodes (llmgw.agent.rpc_relay carries their traffic)."""
+at the lowest priority, with as many jobs as cores and memory allow. Both builds have
+llama.cpp's RPC backend (GGML_RPC=ON) and build rpc-server beside llama-server: the two
+ends of one model split over several nodes (llmgw.agent.rpc_relay carries their traffic);
+a CUDA build's rpc-server serves the node's GPUs to a main node."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def cmake_configure_args(tree: Path, build: Path, *, cuda_compiler: str | None =
 
 def cuda_configure_args(tree: Path, build: Path, toolchain: _toolchain.Toolchain,
                         archs: list[str]) -> list[str]:
-    """The CUDA build's configure line: the toolchain's nvcc and the architectures given.
+    """The CUDA build's configure line: the toolchain's nvcc and the architectures given,
+    with the RPC backend (rpc-server, and llama-server's --rpc), as the CPU build's.
 
     Never `native`: it needs CMake 3.24 (Ubuntu 22.04 has 3.22) and a GPU at build time.
     Only these architectures, since building for every one takes hours. GGML_CUDA_NO_VMM,
@@ -60,7 +62,7 @@ def cuda_configure_args(tree: Path, build: Path, toolchain: _toolchain.Toolchain
     if not archs:
         raise ValueError("a CUDA build needs the GPUs' architectures")
     rpath = ";".join(str(d) for d in toolchain.rpath_dirs)
-    args = [*cmake_configure_args(tree, build),
+    args = [*cmake_configure_args(tree, build, rpc=True),
             "-DGGML_CUDA=ON",
             f"-DCMAKE_CUDA_COMPILER={toolchain.nvcc}",
             f"-DCUDAToolkit_ROOT={toolchain.root}",

@@ -9,7 +9,9 @@ default of an agent.yaml without it:
     <root>/engines/llamacpp/<version>-rpc/rpc-server      with the RPC backend (GGML_RPC=ON)
     <root>/engines/llamacpp/<version>/llama-server        an earlier CPU build, without RPC
     <root>/engines/llamacpp/<version>/build.log           how it was built
-    <root>/engines/llamacpp/<version>-cuda<major>-sm<archs>/...   a CUDA build for these GPUs
+    <root>/engines/llamacpp/<version>-cuda<major>-sm<archs>-rpc/  a CUDA build for these GPUs,
+                                                          llama-server and rpc-server
+    <root>/engines/llamacpp/<version>-cuda<major>-sm<archs>/      an earlier one, without RPC
     <root>/engines/llamacpp/.<dir>.lock                   one build of each at a time
     <root>/engines/xllamacpp/<version>/...                the prebuilt wheel (engines._prebuilt)
     <root>/cuda/...                                       CUDA toolchains (engines._toolchain)
@@ -63,10 +65,14 @@ def arch_tag(archs: Iterable[str]) -> str:
     return "sm" + "_".join(archs)
 
 
-def cuda_build(root: Path, version: str, archs: list[str], major: int) -> Path:
+def cuda_build(root: Path, version: str, archs: list[str], major: int, *,
+               rpc: bool = False) -> Path:
     """The CUDA build of version for these architectures with this CUDA major:
-    <root>/engines/llamacpp/<version>-cuda<major>-sm90_80/."""
-    return llamacpp_builds(root) / f"{version}-cuda{major}-{arch_tag(archs)}"
+    <root>/engines/llamacpp/<version>-cuda<major>-sm90_80/, and with rpc the one with the
+    RPC backend, <version>-cuda<major>-sm90_80-rpc/ (a folder of its own, so a build from
+    before it serves until it is made, as cpu_build's)."""
+    name = f"{version}-cuda{major}-{arch_tag(archs)}"
+    return llamacpp_builds(root) / (f"{name}-rpc" if rpc else name)
 
 
 def prebuilt(root: Path, engine: str, version: str) -> Path:

@@ -90,6 +90,13 @@ class CudaEngine(Reporting):
         return engine_status(CUDA_ENGINE, self.version, EngineState.PENDING,
                              f"made once the CPU engine ({ENGINE}) is ready")
 
+    @property
+    def rpc_server(self) -> Path | None:
+        """rpc-server of this node's CUDA build, serving its GPUs to a main node; None
+        where the engine has none (engine.cuda_server, a build from before the RPC
+        backend, or no engine yet)."""
+        return LlamaCpp.rpc_server_of(self.found) if self.found is not None else None
+
     def wanted(self) -> bool:
         return self.config.cuda != "off" and bool(self.gpus)
 
