@@ -24,9 +24,13 @@ both sides check the peer's serial against it after the handshake, and a newer l
 revokes the peer of a connection already carried closes that connection.
 
 A lost peer fails fast: TCP keepalive on every relayed connection notices a silent one
-within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S, and either side closing
-closes the other, so the main engine sees its RPC connection end (llama.cpp's RPC has no
-failover: the engine then stops, and the agent reports the replica down).
+within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S while nothing is in flight,
+and TCP_USER_TIMEOUT (the same bound) ends one whose sent bytes stay unacknowledged (a
+machine gone while the main engine writes to it: retransmission alone would try for
+minutes). Either side closing closes the other, so the main engine sees its RPC connection
+end (llama.cpp's RPC has no failover: the engine aborts at its next RPC call). The main
+relay also says which worker it lost (MainRelay's on_lost), so the agent stops the engine
+and reports the replica failed at once, even one that was idle.
 
 Each carried connection has two threads, one a direction, each a blocking loop of recv_into
 a buffer of its own (CHUNK) and sendall, with OpenSSL's state in memory (_TLS): the worker
@@ -73,6 +77,8 @@ CONNECT_TIMEOUT_S = 10.0
 KEEPALIVE_IDLE_S = 2
 KEEPALIVE_INTERVAL_S = 1
 KEEPALIVE_COUNT = 3
+# How long sent bytes may stay unacknowledged before the kernel ends the connection (ms).
+USER_TIMEOUT_MS = (KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S) * 1000
 START_TIMEOUT_S = 10.0
 
 
@@ -213,6 +219,7 @@ def _tune(sock: socket.socket, *, keepalive: bool) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
 def _cut(sock: socket.socket) -> None:
@@ -410,8 +417,13 @@ def _dial(threads: _Threads, addr: tuple[str, int], other: socket.socket,
     return sock
 
 
+# Called with why, when the far side (b) of a spliced connection ended first.
+Ended = Callable[[str], None]
+
+
 def _carry(threads: _Threads, counters: Counters, raw: socket.socket, plain: socket.socket,
-           a: socket.socket | _TLS, b: socket.socket | _TLS) -> None:
+           a: socket.socket | _TLS, b: socket.socket | _TLS,
+           b_ended: Ended | None = None) -> None:
     """A connection admitted: its TLS leg's socket (raw, kept alive) and its loopback leg
     (plain) blocking again and tuned, then a and b spliced both ways."""
     raw.settimeout(None)
@@ -419,20 +431,23 @@ def _carry(threads: _Threads, counters: Counters, raw: socket.socket, plain: soc
     _tune(raw, keepalive=True)
     _tune(plain, keepalive=False)
     counters.carried += 1
-    _splice(threads, a, b, counters)
+    _splice(threads, a, b, counters, b_ended)
 
 
 def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
-            counters: Counters) -> None:
+            counters: Counters, b_ended: Ended | None = None) -> None:
     """Bytes both ways until either side ends, one thread a direction (this one carries b
-    to a); then both are closed."""
+    to a); then both are closed. b_ended hears why when b's end came first (its close, or
+    its socket's error) and the relay is not stopping."""
     ended = [0]
+    first_end = [False]
     lock = threading.Lock()
     sa = a.sock if isinstance(a, _TLS) else a
     sb = b.sock if isinstance(b, _TLS) else b
 
     def pump(src: socket.socket | _TLS, dst: socket.socket | _TLS, inbound: bool) -> None:
         buf = memoryview(bytearray(CHUNK))
+        why = "it closed the connection"
         try:
             while n := src.recv_into(buf):
                 if inbound:
@@ -444,9 +459,15 @@ def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
                     counters.bytes_out += n
                     counters.last_outbound = True
                 dst.sendall(buf[:n])
-        except OSError:  # ssl.SSLError included
-            pass
+        except OSError as e:  # ssl.SSLError included
+            why = f"its connection failed: {e}"
         finally:
+            with lock:
+                first = not first_end[0]
+                first_end[0] = True
+            # Decided before cutting: the cut ends the other direction's read too.
+            if first and src is b and b_ended is not None and not threads.stopping:
+                b_ended(why)
             _cut(sa)
             _cut(sb)
             with lock:
@@ -598,12 +619,19 @@ class MainRelay:
     connection carried over TLS to that worker's WorkerRelay, whose certificate must be the
     worker node's. start() returns the loopback ports, in the workers' order; endpoints()
     is the engine's --rpc value. With revocations (the agent's), a revoked worker is
-    refused, and one carried to when it is revoked is closed."""
+    refused, and one carried to when it is revoked is closed.
 
-    def __init__(self, tls: TLSFiles, workers: list[Worker], *,
+    on_lost(worker, why) hears of each worker lost while the relay runs: one that cannot be
+    reached or refused (its address, its handshake, its certificate) or that ended a
+    carried connection (closed it, or went silent past the keepalive). The engine's own
+    close is not a loss."""
+
+    def __init__(self, tls: TLSFiles, workers: list[Worker],
+                 on_lost: Callable[[Worker, str], None] | None = None, *,
                  revocations: Revocations | None = None) -> None:
         self.tls = tls
         self.workers = workers
+        self.on_lost = on_lost
         self.revocations = revocations
         self.ports: list[int] = []
         self.counters = Counters()
@@ -614,6 +642,10 @@ class MainRelay:
         """A newer list revoked someone: a carried connection to a worker it revokes is
         closed (each new one is checked after its handshake)."""
         _close_revoked(self, self._peers, self._threads)
+
+    def _lost(self, worker: Worker, why: str) -> None:
+        if self.on_lost is not None and not self._threads.stopping:
+            self.on_lost(worker, why)
 
     def start(self) -> list[int]:
         ctx, ca = _client_context(self.tls)
@@ -646,26 +678,28 @@ class MainRelay:
 
     def _carry(self, engine: socket.socket, _peer: Any, *, worker: Worker,
                ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
-        raw = _dial(self._threads, (worker.host, worker.port), engine,
-                    f"worker {worker.node} at {worker.host}:{worker.port}")
+        where = f"worker {worker.node} at {worker.host}:{worker.port}"
+        raw = _dial(self._threads, (worker.host, worker.port), engine, where)
         if raw is None:
+            self._lost(worker, "it does not answer")
             return
         remote = _TLS(raw, ctx, server_side=False, server_hostname=worker.host)
         try:
             remote.handshake(HANDSHAKE_TIMEOUT_S)
         except OSError as e:  # ssl.SSLError and a timeout included
-            log.warning("RPC relay: worker %s at %s:%s: %s", worker.node, worker.host,
-                        worker.port, e)
+            log.warning("RPC relay: %s: %s", where, e)
             self._threads.close(raw, engine)
+            self._lost(worker, f"the TLS handshake failed: {e}")
             return
         why = _peer_refusal(remote.peer_der(), ca, worker.node, frozenset(), self.revocations)
         if why:
             self.counters.refused.append(why)
-            log.warning("RPC relay: refused worker %s at %s:%s: %s", worker.node,
-                        worker.host, worker.port, why)
+            log.warning("RPC relay: refused %s: %s", where, why)
             self._threads.close(raw, engine)
+            self._lost(worker, f"refused: {why}")
             return
         self._peers.add(remote.peer_der(), raw, engine)
         if self.revocations is not None:  # a list taken since the check above
             _close_revoked(self, self._peers, self._threads)
-        _carry(self._threads, self.counters, raw, engine, engine, remote)
+        _carry(self._threads, self.counters, raw, engine, engine, remote,
+               functools.partial(self._lost, worker))

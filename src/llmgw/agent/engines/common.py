@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
+from llmgw.agent.engines import cache
 from llmgw.contract import CPU_ENGINE, EngineState
 from llmgw.contract.records import EngineStatus
 from llmgw.errors import Error
@@ -96,6 +97,17 @@ def run_quietly(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int,
     except OSError as e:
         return 126, str(e)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def rpc_server_beside(found: Found) -> Path | None:
+    """rpc-server beside the found llama-server (a source build with llama.cpp's RPC
+    backend, GGML_RPC=ON, installs both together), None where there is none. The prebuilt
+    wheel's launcher has none: the wheel carries neither rpc-server nor the RPC backend
+    (its library only names the entry point llama.cpp's --rpc looks up)."""
+    if found.origin.startswith("prebuilt"):
+        return None
+    path = found.path.parent / cache.RPC_SERVER
+    return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
 class Reporting:

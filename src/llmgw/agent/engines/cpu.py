@@ -32,6 +32,7 @@ from llmgw.agent.engines.common import (
     engine_status,
     one_line,
     record,
+    rpc_server_beside,
     run_quietly,
     version_of,
 )
@@ -91,16 +92,14 @@ class LlamaCpp(Reporting):
 
     @property
     def rpc_server(self) -> Path | None:
-        """rpc-server of this node's engine, None where it has no RPC backend (a
-        configured, PATH or prebuilt llama-server, or a build from before it)."""
+        """rpc-server of this node's engine, None where it has no RPC backend (the prebuilt
+        wheel, a build from before it, a configured or PATH llama-server with no rpc-server
+        beside it)."""
         return self.rpc_server_of(self.found) if self.found is not None else None
 
     @staticmethod
     def rpc_server_of(found: Found) -> Path | None:
-        if found.origin not in ("cache", "built"):
-            return None
-        path = found.path.parent / cache.RPC_SERVER
-        return path if path.is_file() and os.access(path, os.X_OK) else None
+        return rpc_server_beside(found)
 
     # --- the order of sources ---
 
