@@ -91,11 +91,18 @@ def rpc_server_command(binary: str, port: int, profile_args: list[str]) -> list[
             "--port", str(port), *rpc_server_args(profile_args)]
 
 
+# The output layer's weights (token_embd's where the model ties them) stay on the main node.
+OUTPUT_ON_MAIN = r"^(output|token_embd)\.weight$=CPU"
+
+
 def main_flags(endpoints: str, worker_layers: int) -> list[str]:
-    """The main engine's flags for its workers: their relayed endpoints, and how many of
-    the model's layers they hold (llama.cpp gives the last layers to its devices, here the
-    RPC servers, shared by their free memory; the rest stay on the main node)."""
-    return ["--rpc", endpoints, "--n-gpu-layers", str(worker_layers)]
+    """The main engine's flags for its workers: their relayed endpoints, and the model's
+    last worker_layers repeating layers on them (the rest stay on the main node).
+    llama.cpp counts the output layer as the last of --n-gpu-layers (1 would offload only
+    it), so it is asked for one more and the output's weights are kept on the main node,
+    which the placement counts them against (control/_split.py)."""
+    return ["--rpc", endpoints, "--n-gpu-layers", str(worker_layers + 1),
+            "--override-tensor", OUTPUT_ON_MAIN]
 
 
 class RelayError(Error):
