@@ -408,19 +408,16 @@ class _TLS:
             self.sock.sendall(out)
 
 
-def _dial(threads: _Threads, addr: tuple[str, int], other: socket.socket,
-          what: str) -> socket.socket | None:
-    """A connection to addr, held by threads; None where it does not open or threads are
-    closing (then the other leg, other, is closed, and a failure logged as what: why)."""
+def _dial(threads: _Threads, addr: tuple[str, int], what: str) -> socket.socket | str:
+    """A connection to addr, held by threads; else why not (it did not open, logged as
+    what: why; or threads are closing), and the caller closes its other leg."""
     try:
         sock = socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
     except OSError as e:
         log.warning("RPC relay: %s: %s", what, e)
-        threads.close(other)
-        return None
+        return f"it does not answer ({e})"
     if not threads.hold(sock):
-        threads.close(other)
-        return None
+        return "the relay is stopping"
     return sock
 
 
@@ -454,7 +451,8 @@ def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
 
     def pump(src: socket.socket | _TLS, dst: socket.socket | _TLS, inbound: bool) -> None:
         buf = memoryview(bytearray(CHUNK))
-        why = "it closed the connection"
+        # Whose end stopped this direction: src's close or error, or dst's refusing a write.
+        ender, why = src, "it closed the connection"
         try:
             while n := src.recv_into(buf):
                 if inbound:
@@ -465,7 +463,9 @@ def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
                 else:
                     counters.bytes_out += n
                     counters.last_outbound = True
+                ender = dst
                 dst.sendall(buf[:n])
+                ender = src
         except OSError as e:  # ssl.SSLError included
             why = f"its connection failed: {e}"
         finally:
@@ -473,7 +473,7 @@ def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
                 first = not first_end[0]
                 first_end[0] = True
             # Decided before cutting: the cut ends the other direction's read too.
-            if first and src is b and b_ended is not None and not threads.stopping:
+            if first and ender is b and b_ended is not None and not threads.stopping:
                 b_ended(why)
             _cut(sa)
             _cut(sb)
@@ -611,9 +611,10 @@ class WorkerRelay:
             log.warning("RPC relay refused %s: %s", peer, why)
             self._threads.close(raw)
             return
-        upstream = _dial(self._threads, (LOOPBACK, self.upstream_port), raw,
+        upstream = _dial(self._threads, (LOOPBACK, self.upstream_port),
                          f"rpc-server on {LOOPBACK}:{self.upstream_port} does not answer")
-        if upstream is None:
+        if isinstance(upstream, str):
+            self._threads.close(raw)
             return
         self._peers.add(conn.peer_der(), raw, upstream)
         if self.revocations is not None:  # a list taken since the check above
@@ -686,24 +687,27 @@ class MainRelay:
     def _carry(self, engine: socket.socket, _peer: Any, *, worker: Worker,
                ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
         where = f"worker {worker.node} at {worker.host}:{worker.port}"
-        raw = _dial(self._threads, (worker.host, worker.port), engine, where)
-        if raw is None:
-            self._lost(worker, "it does not answer")
+        # Each loss is said before the engine's leg is closed: the engine aborts at once
+        # then, and the agent should know why before it sees the engine exit.
+        raw = _dial(self._threads, (worker.host, worker.port), where)
+        if isinstance(raw, str):
+            self._lost(worker, raw)
+            self._threads.close(engine)
             return
         remote = _TLS(raw, ctx, server_side=False, server_hostname=worker.host)
         try:
             remote.handshake(HANDSHAKE_TIMEOUT_S)
         except OSError as e:  # ssl.SSLError and a timeout included
             log.warning("RPC relay: %s: %s", where, e)
-            self._threads.close(raw, engine)
             self._lost(worker, f"the TLS handshake failed: {e}")
+            self._threads.close(raw, engine)
             return
         why = _peer_refusal(remote.peer_der(), ca, worker.node, frozenset(), self.revocations)
         if why:
             self.counters.refused.append(why)
             log.warning("RPC relay: refused %s: %s", where, why)
-            self._threads.close(raw, engine)
             self._lost(worker, f"refused: {why}")
+            self._threads.close(raw, engine)
             return
         self._peers.add(remote.peer_der(), raw, engine)
         if self.revocations is not None:  # a list taken since the check above

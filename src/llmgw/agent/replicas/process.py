@@ -199,12 +199,13 @@ def pid_is_engine(pid: int, port: int, name: str = ENGINE_NAME) -> bool:
 
 
 def terminate(pid: int, port: int, proc: subprocess.Popen[bytes] | None = None,
-              name: str = ENGINE_NAME) -> None:
-    """SIGTERM the engine (or the name process on port), SIGKILL it after a grace period."""
+              name: str = ENGINE_NAME, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the engine (or the name process on port), SIGKILL it after grace_s (at once
+    for 0)."""
     if not pid_is_engine(pid, port, name):
         return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
+    os.kill(pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
     while pid_is_engine(pid, port, name) and time.monotonic() < deadline:
         if proc is not None:
             proc.poll()

@@ -46,6 +46,7 @@ from llmgw.agent.replicas import _probe, _weights
 from llmgw.agent.replicas import log as engine_log
 from llmgw.agent.replicas._giveups import GIVE_UP_FOR_S, GiveUps, given_up
 from llmgw.agent.replicas.process import (
+    STOP_GRACE_S,
     Record,
     command,
     engine_for,
@@ -403,6 +404,9 @@ class ReplicaSupervisor:
             raise RuntimeError(f"the assignment names workers without their relay's port: "
                                f"{workers}; the control plane sends the main's part once "
                                "every worker reported one")
+        # A lost worker makes the engine abort (llama.cpp's RPC has no failover): no
+        # debugger attached for a backtrace of that, which holds the stream in flight open.
+        env = {"CUDA_VISIBLE_DEVICES": "", "GGML_NO_BACKTRACE": "1"}
         share = MainShare(self._tls(),
                           [Worker(str(w["node"]), str(w["addr"]), int(w["port"]))
                            for w in workers],
@@ -410,7 +414,7 @@ class ReplicaSupervisor:
                           ",".join(str(int(w["layers"])) for w in workers),
                           on_lost=lambda w, why: self._worker_lost(replica, w, why))
         replica.share = share
-        return share.start(), {"CUDA_VISIBLE_DEVICES": ""}
+        return share.start(), env
 
     def _worker_lost(self, replica: Replica, worker: Worker, why: str) -> None:
         """A split replica's main relay lost a worker: the replica fails at once here."""
@@ -427,12 +431,16 @@ class ReplicaSupervisor:
             replica.ended = True
             self.set_state(replica, ReplicaState.FAILED, why)
         log.warning("replica %s: %s", replica.record.id, why)
-        threading.Thread(target=self._stop_parts, args=(replica,),
+        # Killed at once: an engine without its worker serves nothing, and a request in
+        # flight must end now, not after a graceful stop's wait.
+        threading.Thread(target=self._stop_parts, args=(replica, 0.0),
                          name=f"split-stop-{replica.record.id}", daemon=True).start()
 
-    def _stop_parts(self, replica: Replica) -> None:
+    def _stop_parts(self, replica: Replica, grace_s: float = STOP_GRACE_S) -> None:
+        """The replica's engine (rpc-server on a worker) stopped, then its relays."""
         record = replica.record
-        terminate(record.pid, record.port, replica.proc, name=record.process_name)
+        terminate(record.pid, record.port, replica.proc, name=record.process_name,
+                  grace_s=grace_s)
         if replica.share is not None:
             replica.share.stop()
 
