@@ -557,8 +557,9 @@ class ReplicaSupervisor:
             return None
         retiring = threading.Thread(target=self._retire, args=(replica,),
                                     name=f"retire-{rid}", daemon=True)
-        retiring.start()
+        # Listed before it starts: a stop that ends at once removes itself from the list.
         self.retiring[rid] = retiring
+        retiring.start()
         if wait:
             retiring.join()
         return retiring
