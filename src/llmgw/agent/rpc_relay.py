@@ -33,8 +33,9 @@ relay also says which worker it lost (MainRelay's on_lost), so the agent stops t
 and reports the replica failed at once, even one that was idle.
 
 Each carried connection has two threads, one a direction, each a blocking loop of recv_into
-a buffer of its own (CHUNK) and sendall, with OpenSSL's state in memory (_TLS): the worker
-sends the logits back, about 1 MB a token for a large vocabulary, and this costs the
+a buffer of its own (CHUNK) and sendall, with OpenSSL's state in memory (_TLS): a worker
+holding the output layer sends the logits back, about 1 MB a token for a large vocabulary
+(main_flags keeps that layer on the main node, where the placement counts it), and this costs the
 kernel's copies and the cipher, not an event loop's per-chunk objects or a system call a
 TLS record. TCP_NODELAY is set on every leg: the protocol
 is request and response, where Nagle would hold back a command's short tail. cpu_seconds()
