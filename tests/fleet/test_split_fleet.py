@@ -47,8 +47,9 @@ def until(what: str, probe: Callable[[], Any], timeout_s: float = 120.0,
 
 @pytest.fixture
 def fleet(tmp_path: Path, rpc_engine: tuple[str, str]) -> Iterator[dict[str, Any]]:
-    """Function: a control plane and nodes n1, n2 whose engine is the source build with
-    rpc-server beside its llama-server; all stopped afterwards."""
+    """Function: a control plane and nodes n1, n2 whose engine is the cached source build
+    with rpc-server beside its llama-server (found as a node finds it: no engine configured,
+    which llmgw could not know the RPC backend of); all stopped afterwards."""
     cp = ControlPlane(tmp_path / "cp", node_timeout_s=NODE_TIMEOUT_S).start()
     admin = cp.admin_client()
     agents: dict[str, Agent] = {}
@@ -56,7 +57,7 @@ def fleet(tmp_path: Path, rpc_engine: tuple[str, str]) -> Iterator[dict[str, Any
         for name in ("n1", "n2"):
             agents[name] = Agent(tmp_path / name, name, cp.agent_api,
                                  cp.issue(name, tmp_path / name / "pki"),
-                                 llama_server=rpc_engine[0], heartbeat_s=BEAT_S).start()
+                                 heartbeat_s=BEAT_S).start()
         yield {"cp": cp, "admin": admin, "agents": agents}
     finally:
         for agent in agents.values():

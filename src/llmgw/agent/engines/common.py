@@ -100,11 +100,11 @@ def run_quietly(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int,
 
 
 def rpc_server_beside(found: Found) -> Path | None:
-    """rpc-server beside the found llama-server (a source build with llama.cpp's RPC
-    backend, GGML_RPC=ON, installs both together), None where there is none. The prebuilt
-    wheel's launcher has none: the wheel carries neither rpc-server nor the RPC backend
-    (its library only names the entry point llama.cpp's --rpc looks up)."""
-    if found.origin.startswith("prebuilt"):
+    """rpc-server beside a llama-server llmgw built (a source build with llama.cpp's RPC
+    backend, GGML_RPC=ON, installs both together), None where there is none. A configured
+    or PATH binary has none as far as llmgw knows (it cannot know what that was built
+    with), nor has the prebuilt wheel (no rpc-server, no RPC backend in its library)."""
+    if found.origin not in ("cache", "built"):
         return None
     path = found.path.parent / cache.RPC_SERVER
     return path if path.is_file() and os.access(path, os.X_OK) else None

@@ -92,9 +92,8 @@ class LlamaCpp(Reporting):
 
     @property
     def rpc_server(self) -> Path | None:
-        """rpc-server of this node's engine, None where it has no RPC backend (the prebuilt
-        wheel, a build from before it, a configured or PATH llama-server with no rpc-server
-        beside it)."""
+        """rpc-server of this node's engine, None where it has no RPC backend (a
+        configured, PATH or prebuilt llama-server, or a build from before it)."""
         return self.rpc_server_of(self.found) if self.found is not None else None
 
     @staticmethod

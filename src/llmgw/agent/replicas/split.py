@@ -14,6 +14,7 @@ from pathlib import Path
 
 from llmgw.agent import rpc_relay
 from llmgw.agent.replicas import process
+from llmgw.agent.revocation import Revocations
 from llmgw.agent.rpc_relay import MainRelay, RelayError, Worker, WorkerRelay
 from llmgw.config import TLSFiles
 from llmgw.host.netaddr import free_port
@@ -46,7 +47,8 @@ class WorkerShare:
 
     def __init__(self, rpc_server: Path, tls: TLSFiles, *, host: str, main_node: str,
                  profile_args: list[str], log_path: Path, relay_port: int = 0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 revocations: Revocations | None = None) -> None:
         self.rpc_server = rpc_server
         # rpc-server's environment: this process's unless given (CUDA_VISIBLE_DEVICES holds
         # it to the cards placed, or to none for a CPU share).
@@ -56,7 +58,7 @@ class WorkerShare:
         self.port = free_port(rpc_relay.LOOPBACK)
         self.proc: subprocess.Popen[bytes] | None = None
         self.relay = WorkerRelay(tls, host=host, upstream_port=self.port, main_node=main_node,
-                                 port=relay_port)
+                                 port=relay_port, revocations=revocations)
 
     def start(self) -> int:
         argv = rpc_relay.rpc_server_command(str(self.rpc_server), self.port, self.profile_args)
@@ -97,8 +99,9 @@ class MainShare:
 
     def __init__(self, tls: TLSFiles, workers: list[Worker], worker_layers: int,
                  tensor_split: str = "",
-                 on_lost: Callable[[Worker, str], None] | None = None) -> None:
-        self.relay = MainRelay(tls, workers, on_lost)
+                 on_lost: Callable[[Worker, str], None] | None = None,
+                 revocations: Revocations | None = None) -> None:
+        self.relay = MainRelay(tls, workers, on_lost, revocations=revocations)
         self.worker_layers = worker_layers
         self.tensor_split = tensor_split
 

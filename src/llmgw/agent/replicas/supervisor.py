@@ -58,6 +58,7 @@ from llmgw.agent.replicas.process import (
     terminate,
 )
 from llmgw.agent.replicas.split import MainShare, WorkerShare
+from llmgw.agent.revocation import Revocations
 from llmgw.agent.rpc_relay import Worker
 from llmgw.config import TLSFiles
 from llmgw.contract import ReplicaState
@@ -90,9 +91,8 @@ MAX_PROBES_AT_ONCE = 16
 GPU_START_ATTEMPTS = 3
 NO_RPC_BACKEND = ("this node's {engine} engine has no RPC backend (no rpc-server beside its "
                   "llama-server {path}), so it cannot hold a share of a split replica: set "
-                  "engine.prebuilt: off in agent.yaml so the agent builds llama.cpp with it "
-                  "(or point engine.llama_server at a build with rpc-server beside it), then "
-                  "restart the agent")
+                  "engine.prebuilt: off in agent.yaml (and no engine.llama_server) so the "
+                  "agent builds llama.cpp with it, then restart the agent")
 
 
 @dataclass
@@ -129,6 +129,7 @@ class ReplicaSupervisor:
         bind_host: str,
         rpc_server: Callable[[str], str | None] = lambda kind: None,
         tls: TLSFiles | None = None,
+        revocations: Callable[[], Revocations | None] = lambda: None,
         interface: str = "",
         gpus: list[Gpu] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -147,6 +148,9 @@ class ReplicaSupervisor:
         # none; tls: the node's certificates, which the split replicas' relays present.
         self.rpc_server = rpc_server
         self.tls = tls
+        # The cluster's revocation list as the agent keeps it (None before it has one):
+        # the relays refuse, and close, a revoked peer.
+        self.revocations = revocations
         self.gpus: list[Gpu] = list(gpus or [])
         # The cards as they are now (free memory from NVML): a GPU replica is sized by them.
         self.cards = cards or (lambda: self.gpus)
@@ -379,7 +383,8 @@ class ReplicaSupervisor:
         share = WorkerShare(Path(rpc), self._tls(), host=self.bind_host, main_node=main,
                             profile_args=record.args, log_path=self.dir / f"{record.id}.log",
                             relay_port=record.relay_port,
-                            env=environment(devices, self.interface))
+                            env=environment(devices, self.interface),
+                            revocations=self.revocations())
         replica.share = share
         record.relay_port = share.start()
         assert share.proc is not None
@@ -412,7 +417,8 @@ class ReplicaSupervisor:
                            for w in workers],
                           sum(int(w["layers"]) for w in workers),
                           ",".join(str(int(w["layers"])) for w in workers),
-                          on_lost=lambda w, why: self._worker_lost(replica, w, why))
+                          on_lost=lambda w, why: self._worker_lost(replica, w, why),
+                          revocations=self.revocations())
         replica.share = share
         return share.start(), env
 
