@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
-from llmgw.agent.engines import cache
 from llmgw.contract import CPU_ENGINE, EngineState
 from llmgw.contract.records import EngineStatus
 from llmgw.errors import Error
@@ -97,17 +96,6 @@ def run_quietly(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int,
     except OSError as e:
         return 126, str(e)
     return proc.returncode, proc.stdout + proc.stderr
-
-
-def rpc_server_beside(found: Found) -> Path | None:
-    """rpc-server beside a llama-server llmgw built (a source build with llama.cpp's RPC
-    backend, GGML_RPC=ON, installs both together), None where there is none. A configured
-    or PATH binary has none as far as llmgw knows (it cannot know what that was built
-    with), nor has the prebuilt wheel (no rpc-server, no RPC backend in its library)."""
-    if found.origin not in ("cache", "built"):
-        return None
-    path = found.path.parent / cache.RPC_SERVER
-    return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
 class Reporting:

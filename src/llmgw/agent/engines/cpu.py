@@ -32,7 +32,6 @@ from llmgw.agent.engines.common import (
     engine_status,
     one_line,
     record,
-    rpc_server_beside,
     run_quietly,
     version_of,
 )
@@ -98,7 +97,10 @@ class LlamaCpp(Reporting):
 
     @staticmethod
     def rpc_server_of(found: Found) -> Path | None:
-        return rpc_server_beside(found)
+        if found.origin not in ("cache", "built"):
+            return None
+        path = found.path.parent / cache.RPC_SERVER
+        return path if path.is_file() and os.access(path, os.X_OK) else None
 
     # --- the order of sources ---
 

@@ -28,7 +28,6 @@ from llmgw.agent.engines.common import (
     configured_engine,
     engine_status,
     one_line,
-    rpc_server_beside,
     run_quietly,
 )
 from llmgw.agent.engines.cpu import ENGINE, LlamaCpp
@@ -93,9 +92,10 @@ class CudaEngine(Reporting):
 
     @property
     def rpc_server(self) -> Path | None:
-        """rpc-server beside the GPU engine's llama-server (a build with GGML_RPC), None
-        where there is none or the engine is not found yet."""
-        return rpc_server_beside(self.found) if self.found is not None else None
+        """rpc-server of this node's CUDA build, serving its GPUs to a main node; None
+        where the engine has none (engine.cuda_server, a build from before the RPC
+        backend, or no engine yet)."""
+        return LlamaCpp.rpc_server_of(self.found) if self.found is not None else None
 
     def wanted(self) -> bool:
         return self.config.cuda != "off" and bool(self.gpus)
