@@ -11,7 +11,8 @@ agents' TLS relay, against the same model unsplit.
 
 The certificates (a cluster CA, main-1's and worker-1's) and an empty revocation list are
 made at run time; the worker's relay checks that list in its handshake, as an agent's does.
-The model's last half of its layers (and its output layer) go to the rpc-server. One
+The model's last half of its layers go to the rpc-server (its output layer stays on the
+main engine, as rpc_relay.main_flags keeps it). One
 question at temperature 0 to each engine in turn: the unsplit one (the CPU engine alone),
 then the split one. What is recorded: whether the answers are the same text (and the first
 character where they part), the layers the main engine offloaded and each buffer's MiB by
@@ -183,7 +184,7 @@ def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model
     main = MainRelay(files[MAIN], [Worker(WORKER, WORKER_ADDR, worker.start())])
     try:
         main.start()
-        layers = n_layer // 2 + 1  # the output layer and the last half of the blocks
+        layers = n_layer // 2  # the last half of the blocks (main_flags keeps the output)
 
         def held() -> dict[str, Any]:
             memory = gpu_memory([proc.pid]) if gpu_memory is not None else None

@@ -1,4 +1,5 @@
-"""Fake llama-server binaries: real executables that answer --version and --list-devices."""
+"""Fake llama-server binaries (real executables that answer --version and --list-devices),
+and a test cluster's certificates."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.agent.cluster_pki import Cluster, make_cluster
 
 FakeBinary = Callable[..., Path]
 
@@ -29,3 +32,10 @@ def fake_llama_server(tmp_path: Path) -> FakeBinary:
         return path
 
     return make
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
+    """Module: certificates for the split replicas' relays (tests/agent/cluster_pki.py),
+    made now."""
+    return make_cluster(tmp_path_factory.mktemp("pki"))

@@ -11,7 +11,7 @@ import pytest
 from llmgw.agent import agent as agent_mod
 from llmgw.agent.agent import LOADING_BEAT_S, MAX_BACKOFF_S, Agent, backoff_s
 from llmgw.agent.client import AgentAPIError, AgentClient
-from llmgw.agent.engines.common import engine_status
+from llmgw.agent.engines.common import Found, engine_status
 from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.gpus import GPU, Discovery
 from llmgw.config import AgentConfig, EngineConfig, TLSFiles
@@ -235,3 +235,32 @@ def test_client_with_missing_tls_files_says_how_to_fix(tmp_path: Path) -> None:
     tls = TLSFiles(ca=str(tmp_path / "ca.pem"), cert="x", key="y")
     with pytest.raises(AgentAPIError, match="pytest provision/"):
         AgentClient("https://127.0.0.1:1", tls)
+
+
+def test_the_heartbeat_says_rpc_where_the_ready_engine_has_rpc_server_beside_it(
+        tmp_path: Path, rpc_engine: tuple[str, str]) -> None:
+    """`rpc` is true where the ready CPU engine is the source build with rpc-server beside
+    its llama-server (the real one the tests use), and false where the engine is not ready
+    yet, where it is the prebuilt wheel (which carries no rpc-server: even one placed
+    beside its launcher is not taken), or a configured llama-server (llmgw cannot know
+    what it was built with)."""
+    agent = Agent(AgentConfig(), client=_DownClient(),  # type: ignore[arg-type]
+                  engine=LlamaCpp(EngineConfig(cache_dir=str(tmp_path))),
+                  discover=lambda: Discovery())
+    agent.engine.found = Found(Path(rpc_engine[0]), "v", "cache")
+    assert agent.inventory()["rpc"] is False, "the engine is not ready yet"
+    agent.engine._status = engine_status(CPU_ENGINE, "v", EngineState.READY)
+    assert agent.inventory()["rpc"] is True
+    assert agent.rpc_server(CPU_ENGINE) == Path(rpc_engine[1])
+
+    launcher = tmp_path / "prebuilt" / "llama-server"
+    launcher.parent.mkdir()
+    for binary in (launcher, launcher.parent / "rpc-server"):
+        binary.write_text("#!/bin/sh\n")
+        binary.chmod(0o755)
+    agent.engine.found = Found(launcher, "v", "prebuilt cache")
+    assert agent.inventory()["rpc"] is False
+    agent.engine.found = Found(Path(rpc_engine[0]), "v", "configured")
+    assert agent.inventory()["rpc"] is False, "llmgw cannot know what a configured one has"
+    agent.engine.found = Found(Path(rpc_engine[0]), "v", "cache")
+    assert agent.inventory()["rpc"] is True

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cryptography.hazmat.primitives import serialization
 
 from llmgw.agent import rpc_relay
 from llmgw.agent.client import AgentClient
@@ -32,6 +31,7 @@ from llmgw.control.agent_api import AgentAPI, AgentAPIServer, mtls_context
 from llmgw.errors import Unreachable
 from llmgw.host import pki
 from llmgw.store import Store
+from tests.agent.cluster_pki import Cluster
 from tests.tiny_gguf import write_tiny_gguf
 
 WORKER_ADDR = "127.0.0.2"
@@ -66,35 +66,6 @@ def _port_open(port: int, host: str = "127.0.0.1") -> bool:
         return True
     except OSError:
         return False
-
-
-@dataclass
-class Cluster:
-    """TLS files of a cluster CA's nodes (main-1, worker-1, intruder) and of another CA's
-    main-1, each as agent.yaml's tls section would name them; the cluster CA (with its key,
-    to sign revocation lists)."""
-
-    files: dict[str, TLSFiles]
-    ca: pki.KeyPair
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Cluster:
-    """Module: certificates for the relay tests, made now."""
-    d = tmp_path_factory.mktemp("pki")
-    ca, other_ca = pki.create_ca(), pki.create_ca("another cluster")
-    ca_path = d / "ca.pem"
-    ca_path.write_bytes(ca.cert.public_bytes(serialization.Encoding.PEM))
-    other_path = d / "other-ca.pem"
-    other_path.write_bytes(other_ca.cert.public_bytes(serialization.Encoding.PEM))
-    files = {}
-    for stem, issuer, ca_file, cn in (("main-1", ca, ca_path, "main-1"),
-                                      ("worker-1", ca, ca_path, "worker-1"),
-                                      ("intruder", ca, ca_path, "intruder"),
-                                      ("foreign-main-1", other_ca, other_path, "main-1")):
-        cert, key = pki.issue_client(issuer, cn).write(d, stem)
-        files[stem] = TLSFiles(ca=str(ca_file), cert=str(cert), key=str(key))
-    return Cluster(files, ca)
 
 
 @dataclass

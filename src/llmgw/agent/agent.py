@@ -23,7 +23,7 @@ from llmgw.agent.replicas.supervisor import GPU_START_ATTEMPTS, ReplicaSuperviso
 from llmgw.agent.revocation import Revocations, kept_fresh
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
-from llmgw.contract import CUDA_ENGINE, EngineState
+from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
 from llmgw.contract.records import Gpu, Heartbeat, HeartbeatAnswer
 from llmgw.errors import APIError, Unreachable
 
@@ -104,10 +104,18 @@ class Agent:
             "provision": statuses,
             "interface": interface,
             "addr": addr,
+            "rpc": self.rpc_server(CPU_ENGINE) is not None
+            or self.rpc_server(CUDA_ENGINE) is not None,
             "warnings": [*self.warnings(), *gpu_discovery.lost_card_warnings(cards)],
             "replicas": self.workload.report(),
             **self.workload.facts(),
         }
+
+    def rpc_server(self, kind: str) -> Path | None:
+        """rpc-server of the engine kind (llamacpp, llamacpp-cuda) once it is ready, None
+        where that engine is not ready or has no RPC backend (the prebuilt wheel)."""
+        engine = self.cuda if kind == CUDA_ENGINE else self.engine
+        return engine.rpc_server if engine.ready() else None
 
     def warnings(self) -> list[str]:
         """Discovery's warnings, and the GPU engine's while it is made or when it failed."""
@@ -273,9 +281,15 @@ def replica_supervisor(agent: Agent,
         found = engine.found
         return str(found.path) if engine.ready() and found else None
 
+    def rpc_server_path(kind: str) -> str | None:
+        path = agent.rpc_server(kind)
+        return str(path) if path else None
+
     state_dir = Path(agent.config.state_dir)
     return ReplicaSupervisor(state_dir=state_dir, weights_dir=state_dir / "weights",
-                             engine=engine_path, bind_host=addr or "127.0.0.1",
+                             engine=engine_path, rpc_server=rpc_server_path,
+                             tls=agent.config.tls, revocations=lambda: agent.revocations,
+                             bind_host=addr or "127.0.0.1",
                              interface=interface,
                              gpus=[g.as_dict() for g in agent.discovery.gpus],
                              cards=agent.cards,

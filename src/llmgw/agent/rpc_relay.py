@@ -24,13 +24,18 @@ both sides check the peer's serial against it after the handshake, and a newer l
 revokes the peer of a connection already carried closes that connection.
 
 A lost peer fails fast: TCP keepalive on every relayed connection notices a silent one
-within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S, and either side closing
-closes the other, so the main engine sees its RPC connection end (llama.cpp's RPC has no
-failover: the engine then stops, and the agent reports the replica down).
+within KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S while nothing is in flight,
+and TCP_USER_TIMEOUT (the same bound) ends one whose sent bytes stay unacknowledged (a
+machine gone while the main engine writes to it: retransmission alone would try for
+minutes). Either side closing closes the other, so the main engine sees its RPC connection
+end (llama.cpp's RPC has no failover: the engine aborts at its next RPC call). The main
+relay also says which worker it lost (MainRelay's on_lost), so the agent stops the engine
+and reports the replica failed at once, even one that was idle.
 
 Each carried connection has two threads, one a direction, each a blocking loop of recv_into
-a buffer of its own (CHUNK) and sendall, with OpenSSL's state in memory (_TLS): the worker
-sends the logits back, about 1 MB a token for a large vocabulary, and this costs the
+a buffer of its own (CHUNK) and sendall, with OpenSSL's state in memory (_TLS): a worker
+holding the output layer sends the logits back, about 1 MB a token for a large vocabulary
+(main_flags keeps that layer on the main node, where the placement counts it), and this costs the
 kernel's copies and the cipher, not an event loop's per-chunk objects or a system call a
 TLS record. TCP_NODELAY is set on every leg: the protocol
 is request and response, where Nagle would hold back a command's short tail. cpu_seconds()
@@ -73,6 +78,8 @@ CONNECT_TIMEOUT_S = 10.0
 KEEPALIVE_IDLE_S = 2
 KEEPALIVE_INTERVAL_S = 1
 KEEPALIVE_COUNT = 3
+# How long sent bytes may stay unacknowledged before the kernel ends the connection (ms).
+USER_TIMEOUT_MS = (KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S) * 1000
 START_TIMEOUT_S = 10.0
 
 
@@ -85,11 +92,18 @@ def rpc_server_command(binary: str, port: int, profile_args: list[str]) -> list[
             "--port", str(port), *rpc_server_args(profile_args)]
 
 
+# The output layer's weights (token_embd's where the model ties them) stay on the main node.
+OUTPUT_ON_MAIN = r"^(output|token_embd)\.weight$=CPU"
+
+
 def main_flags(endpoints: str, worker_layers: int) -> list[str]:
-    """The main engine's flags for its workers: their relayed endpoints, and how many of
-    the model's layers they hold (llama.cpp gives the last layers to its devices, here the
-    RPC servers, shared by their free memory; the rest stay on the main node)."""
-    return ["--rpc", endpoints, "--n-gpu-layers", str(worker_layers)]
+    """The main engine's flags for its workers: their relayed endpoints, and the model's
+    last worker_layers repeating layers on them (the rest stay on the main node).
+    llama.cpp counts the output layer as the last of --n-gpu-layers (1 would offload only
+    it), so it is asked for one more and the output's weights are kept on the main node,
+    which the placement counts them against (control/_split.py)."""
+    return ["--rpc", endpoints, "--n-gpu-layers", str(worker_layers + 1),
+            "--override-tensor", OUTPUT_ON_MAIN]
 
 
 class RelayError(Error):
@@ -213,6 +227,7 @@ def _tune(sock: socket.socket, *, keepalive: bool) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
 
 
 def _cut(sock: socket.socket) -> None:
@@ -394,24 +409,26 @@ class _TLS:
             self.sock.sendall(out)
 
 
-def _dial(threads: _Threads, addr: tuple[str, int], other: socket.socket,
-          what: str) -> socket.socket | None:
-    """A connection to addr, held by threads; None where it does not open or threads are
-    closing (then the other leg, other, is closed, and a failure logged as what: why)."""
+def _dial(threads: _Threads, addr: tuple[str, int], what: str) -> socket.socket | str:
+    """A connection to addr, held by threads; else why not (it did not open, logged as
+    what: why; or threads are closing), and the caller closes its other leg."""
     try:
         sock = socket.create_connection(addr, timeout=CONNECT_TIMEOUT_S)
     except OSError as e:
         log.warning("RPC relay: %s: %s", what, e)
-        threads.close(other)
-        return None
+        return f"it does not answer ({e})"
     if not threads.hold(sock):
-        threads.close(other)
-        return None
+        return "the relay is stopping"
     return sock
 
 
+# Called with why, when the far side (b) of a spliced connection ended first.
+Ended = Callable[[str], None]
+
+
 def _carry(threads: _Threads, counters: Counters, raw: socket.socket, plain: socket.socket,
-           a: socket.socket | _TLS, b: socket.socket | _TLS) -> None:
+           a: socket.socket | _TLS, b: socket.socket | _TLS,
+           b_ended: Ended | None = None) -> None:
     """A connection admitted: its TLS leg's socket (raw, kept alive) and its loopback leg
     (plain) blocking again and tuned, then a and b spliced both ways."""
     raw.settimeout(None)
@@ -419,20 +436,24 @@ def _carry(threads: _Threads, counters: Counters, raw: socket.socket, plain: soc
     _tune(raw, keepalive=True)
     _tune(plain, keepalive=False)
     counters.carried += 1
-    _splice(threads, a, b, counters)
+    _splice(threads, a, b, counters, b_ended)
 
 
 def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
-            counters: Counters) -> None:
+            counters: Counters, b_ended: Ended | None = None) -> None:
     """Bytes both ways until either side ends, one thread a direction (this one carries b
-    to a); then both are closed."""
+    to a); then both are closed. b_ended hears why when b's end came first (its close, or
+    its socket's error) and the relay is not stopping."""
     ended = [0]
+    first_end = [False]
     lock = threading.Lock()
     sa = a.sock if isinstance(a, _TLS) else a
     sb = b.sock if isinstance(b, _TLS) else b
 
     def pump(src: socket.socket | _TLS, dst: socket.socket | _TLS, inbound: bool) -> None:
         buf = memoryview(bytearray(CHUNK))
+        # Whose end stopped this direction: src's close or error, or dst's refusing a write.
+        ender, why = src, "it closed the connection"
         try:
             while n := src.recv_into(buf):
                 if inbound:
@@ -443,10 +464,18 @@ def _splice(threads: _Threads, a: socket.socket | _TLS, b: socket.socket | _TLS,
                 else:
                     counters.bytes_out += n
                     counters.last_outbound = True
+                ender = dst
                 dst.sendall(buf[:n])
-        except OSError:  # ssl.SSLError included
-            pass
+                ender = src
+        except OSError as e:  # ssl.SSLError included
+            why = f"its connection failed: {e}"
         finally:
+            with lock:
+                first = not first_end[0]
+                first_end[0] = True
+            # Decided before cutting: the cut ends the other direction's read too.
+            if first and ender is b and b_ended is not None and not threads.stopping:
+                b_ended(why)
             _cut(sa)
             _cut(sb)
             with lock:
@@ -583,9 +612,10 @@ class WorkerRelay:
             log.warning("RPC relay refused %s: %s", peer, why)
             self._threads.close(raw)
             return
-        upstream = _dial(self._threads, (LOOPBACK, self.upstream_port), raw,
+        upstream = _dial(self._threads, (LOOPBACK, self.upstream_port),
                          f"rpc-server on {LOOPBACK}:{self.upstream_port} does not answer")
-        if upstream is None:
+        if isinstance(upstream, str):
+            self._threads.close(raw)
             return
         self._peers.add(conn.peer_der(), raw, upstream)
         if self.revocations is not None:  # a list taken since the check above
@@ -598,12 +628,19 @@ class MainRelay:
     connection carried over TLS to that worker's WorkerRelay, whose certificate must be the
     worker node's. start() returns the loopback ports, in the workers' order; endpoints()
     is the engine's --rpc value. With revocations (the agent's), a revoked worker is
-    refused, and one carried to when it is revoked is closed."""
+    refused, and one carried to when it is revoked is closed.
 
-    def __init__(self, tls: TLSFiles, workers: list[Worker], *,
+    on_lost(worker, why) hears of each worker lost while the relay runs: one that cannot be
+    reached or refused (its address, its handshake, its certificate) or that ended a
+    carried connection (closed it, or went silent past the keepalive). The engine's own
+    close is not a loss."""
+
+    def __init__(self, tls: TLSFiles, workers: list[Worker],
+                 on_lost: Callable[[Worker, str], None] | None = None, *,
                  revocations: Revocations | None = None) -> None:
         self.tls = tls
         self.workers = workers
+        self.on_lost = on_lost
         self.revocations = revocations
         self.ports: list[int] = []
         self.counters = Counters()
@@ -614,6 +651,10 @@ class MainRelay:
         """A newer list revoked someone: a carried connection to a worker it revokes is
         closed (each new one is checked after its handshake)."""
         _close_revoked(self, self._peers, self._threads)
+
+    def _lost(self, worker: Worker, why: str) -> None:
+        if self.on_lost is not None and not self._threads.stopping:
+            self.on_lost(worker, why)
 
     def start(self) -> list[int]:
         ctx, ca = _client_context(self.tls)
@@ -646,26 +687,31 @@ class MainRelay:
 
     def _carry(self, engine: socket.socket, _peer: Any, *, worker: Worker,
                ctx: ssl.SSLContext, ca: x509.Certificate) -> None:
-        raw = _dial(self._threads, (worker.host, worker.port), engine,
-                    f"worker {worker.node} at {worker.host}:{worker.port}")
-        if raw is None:
+        where = f"worker {worker.node} at {worker.host}:{worker.port}"
+        # Each loss is said before the engine's leg is closed: the engine aborts at once
+        # then, and the agent should know why before it sees the engine exit.
+        raw = _dial(self._threads, (worker.host, worker.port), where)
+        if isinstance(raw, str):
+            self._lost(worker, raw)
+            self._threads.close(engine)
             return
         remote = _TLS(raw, ctx, server_side=False, server_hostname=worker.host)
         try:
             remote.handshake(HANDSHAKE_TIMEOUT_S)
         except OSError as e:  # ssl.SSLError and a timeout included
-            log.warning("RPC relay: worker %s at %s:%s: %s", worker.node, worker.host,
-                        worker.port, e)
+            log.warning("RPC relay: %s: %s", where, e)
+            self._lost(worker, f"the TLS handshake failed: {e}")
             self._threads.close(raw, engine)
             return
         why = _peer_refusal(remote.peer_der(), ca, worker.node, frozenset(), self.revocations)
         if why:
             self.counters.refused.append(why)
-            log.warning("RPC relay: refused worker %s at %s:%s: %s", worker.node,
-                        worker.host, worker.port, why)
+            log.warning("RPC relay: refused %s: %s", where, why)
+            self._lost(worker, f"refused: {why}")
             self._threads.close(raw, engine)
             return
         self._peers.add(remote.peer_der(), raw, engine)
         if self.revocations is not None:  # a list taken since the check above
             _close_revoked(self, self._peers, self._threads)
-        _carry(self._threads, self.counters, raw, engine, engine, remote)
+        _carry(self._threads, self.counters, raw, engine, engine, remote,
+               functools.partial(self._lost, worker))

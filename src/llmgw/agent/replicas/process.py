@@ -14,11 +14,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE
 from llmgw.contract.records import Assignment, Gpu
 
 ENGINE_NAME = "llama-server"
+RPC_SERVER_NAME = "rpc-server"
 STOP_GRACE_S = 10.0
 
 
@@ -40,6 +42,21 @@ class Record:
     # none for a CPU profile). Absent from a record written before GPUs were placed.
     engine: str = CPU_ENGINE
     gpus: list[str] = field(default_factory=list)
+    # A replica split over nodes: this node's part as the assignment said it (SplitMain or
+    # SplitShare; empty for a replica on one node). On a worker, pid and port are
+    # rpc-server's (port on 127.0.0.1) and relay_port its relay's on the management address.
+    split: dict[str, Any] = field(default_factory=dict)
+    relay_port: int = 0
+
+    @property
+    def role(self) -> str:
+        """main, worker, or '' for a replica on one node."""
+        return str(self.split.get("role", ""))
+
+    @property
+    def process_name(self) -> str:
+        """What pid runs: rpc-server on a worker, else llama-server."""
+        return RPC_SERVER_NAME if self.role == "worker" else ENGINE_NAME
 
 
 _LAYERS_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
@@ -165,8 +182,8 @@ def spawn(argv: list[str], env: dict[str, str], log_path: Path,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
 
-def pid_is_engine(pid: int, port: int) -> bool:
-    """Whether pid is alive (not a zombie) and is a llama-server on port."""
+def pid_is_engine(pid: int, port: int, name: str = ENGINE_NAME) -> bool:
+    """Whether pid is alive (not a zombie) and is a llama-server (or name) on port."""
     if pid <= 0:
         return False
     try:
@@ -178,20 +195,22 @@ def pid_is_engine(pid: int, port: int) -> bool:
         return False
     words = [a.decode(errors="replace") for a in argv]
     # Two words: the prebuilt engine's launcher is a script, run as `python .../llama-server`.
-    return any(w.endswith(ENGINE_NAME) for w in words[:2]) and str(port) in words
+    return any(w.endswith(name) for w in words[:2]) and str(port) in words
 
 
-def terminate(pid: int, port: int, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """SIGTERM the engine, SIGKILL it after a grace period."""
-    if not pid_is_engine(pid, port):
+def terminate(pid: int, port: int, proc: subprocess.Popen[bytes] | None = None,
+              name: str = ENGINE_NAME, grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM the engine (or the name process on port), SIGKILL it after grace_s (at once
+    for 0)."""
+    if not pid_is_engine(pid, port, name):
         return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    while pid_is_engine(pid, port) and time.monotonic() < deadline:
+    os.kill(pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while pid_is_engine(pid, port, name) and time.monotonic() < deadline:
         if proc is not None:
             proc.poll()
         time.sleep(0.1)
-    if pid_is_engine(pid, port):
+    if pid_is_engine(pid, port, name):
         os.kill(pid, signal.SIGKILL)
     if proc is not None:
         proc.wait(timeout=5)
@@ -205,8 +224,8 @@ def stop_engines(state_dir: Path) -> list[str]:
             record = read_record(path)
         except (OSError, ValueError, TypeError):
             continue
-        if pid_is_engine(record.pid, record.port):
-            terminate(record.pid, record.port)
+        if pid_is_engine(record.pid, record.port, record.process_name):
+            terminate(record.pid, record.port, name=record.process_name)
             stopped.append(f"{record.id} (pid {record.pid})")
         path.unlink(missing_ok=True)
     return stopped

@@ -9,10 +9,12 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from llmgw.agent import rpc_relay
 from llmgw.agent.replicas import process
+from llmgw.agent.revocation import Revocations
 from llmgw.agent.rpc_relay import MainRelay, RelayError, Worker, WorkerRelay
 from llmgw.config import TLSFiles
 from llmgw.host.netaddr import free_port
@@ -44,18 +46,24 @@ class WorkerShare:
     start() returns the relay's port, which the main node is given."""
 
     def __init__(self, rpc_server: Path, tls: TLSFiles, *, host: str, main_node: str,
-                 profile_args: list[str], log_path: Path, relay_port: int = 0) -> None:
+                 profile_args: list[str], log_path: Path, relay_port: int = 0,
+                 env: dict[str, str] | None = None,
+                 revocations: Revocations | None = None) -> None:
         self.rpc_server = rpc_server
+        # rpc-server's environment: this process's unless given (CUDA_VISIBLE_DEVICES holds
+        # it to the cards placed, or to none for a CPU share).
+        self.env = env
         self.profile_args = profile_args
         self.log_path = log_path
         self.port = free_port(rpc_relay.LOOPBACK)
         self.proc: subprocess.Popen[bytes] | None = None
         self.relay = WorkerRelay(tls, host=host, upstream_port=self.port, main_node=main_node,
-                                 port=relay_port)
+                                 port=relay_port, revocations=revocations)
 
     def start(self) -> int:
         argv = rpc_relay.rpc_server_command(str(self.rpc_server), self.port, self.profile_args)
-        self.proc = process.spawn(argv, dict(os.environ), self.log_path, log)
+        self.proc = process.spawn(argv, dict(os.environ) if self.env is None else self.env,
+                                  self.log_path, log)
         deadline = time.monotonic() + LISTEN_WAIT_S
         while not _listening(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -90,8 +98,10 @@ class MainShare:
     shared as tensor_split says)."""
 
     def __init__(self, tls: TLSFiles, workers: list[Worker], worker_layers: int,
-                 tensor_split: str = "") -> None:
-        self.relay = MainRelay(tls, workers)
+                 tensor_split: str = "",
+                 on_lost: Callable[[Worker, str], None] | None = None,
+                 revocations: Revocations | None = None) -> None:
+        self.relay = MainRelay(tls, workers, on_lost, revocations=revocations)
         self.worker_layers = worker_layers
         self.tensor_split = tensor_split
 

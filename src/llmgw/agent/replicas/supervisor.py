@@ -14,6 +14,15 @@ profile meanwhile.
 Each replica's pid, port and key live in STATE/replicas/ID.json, written before the
 engine is considered started, so an agent that comes back (kill -9, upgrade) finds its
 engines still serving and adopts them instead of starting second copies.
+
+A replica split over nodes (its assignment's `split`) is this node's part of it: on a
+worker, rpc-server and its relay (llmgw.agent.replicas.split.WorkerShare), ready with the
+relay's port, no weights fetched (the main node sends them over RPC); on the main node,
+the relays to the workers (MainShare) and llama-server with --rpc through them. llama.cpp's
+RPC has no failover, so a split replica that loses a part (a worker lost, rpc-server or the
+engine exited) is failed for good here: its engine and share are stopped and the control
+plane places it again, under a new id. For the same reason it is not adopted after an
+agent restart (its relays ended with the previous agent): what was left is stopped.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from llmgw.agent.replicas import _probe, _weights
 from llmgw.agent.replicas import log as engine_log
 from llmgw.agent.replicas._giveups import GIVE_UP_FOR_S, GiveUps, given_up
 from llmgw.agent.replicas.process import (
+    STOP_GRACE_S,
     Record,
     command,
     engine_for,
@@ -47,6 +57,10 @@ from llmgw.agent.replicas.process import (
     spawn,
     terminate,
 )
+from llmgw.agent.replicas.split import MainShare, WorkerShare
+from llmgw.agent.revocation import Revocations
+from llmgw.agent.rpc_relay import Worker
+from llmgw.config import TLSFiles
 from llmgw.contract import ReplicaState
 from llmgw.contract.records import (
     Assignment,
@@ -75,6 +89,10 @@ MAX_PROBES_AT_ONCE = 16
 # A replica on GPUs is given up after this many failed starts in a row (each an engine that
 # exited before it was ever ready), with the backoff above between them: 1 s, then 2 s.
 GPU_START_ATTEMPTS = 3
+NO_RPC_BACKEND = ("this node's {engine} engine has no RPC backend (no rpc-server beside its "
+                  "llama-server {path}), so it cannot hold a share of a split replica: set "
+                  "engine.prebuilt: off in agent.yaml (and no engine.llama_server) so the "
+                  "agent builds llama.cpp with it, then restart the agent")
 
 
 @dataclass
@@ -93,6 +111,10 @@ class Replica:
     # state -> how many times the replica entered it: a flap cannot hide between two polls.
     changes: dict[str, int] = field(default_factory=dict)
     worker: threading.Thread | None = field(default=None, repr=False)
+    # A split replica's part on this node: its relays (and rpc-server on a worker).
+    share: WorkerShare | MainShare | None = field(default=None, repr=False)
+    # A split replica that lost a part: failed for good here (see the module's docstring).
+    ended: bool = False
 
 
 class ReplicaSupervisor:
@@ -105,6 +127,9 @@ class ReplicaSupervisor:
         weights_dir: Path,
         engine: Callable[[str], str | None],
         bind_host: str,
+        rpc_server: Callable[[str], str | None] = lambda kind: None,
+        tls: TLSFiles | None = None,
+        revocations: Callable[[], Revocations | None] = lambda: None,
         interface: str = "",
         gpus: list[Gpu] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -119,6 +144,13 @@ class ReplicaSupervisor:
         self.weights_dir = Path(weights_dir)
         # engine(kind): the path of that engine's llama-server once it is ready, else None.
         self.engine = engine
+        # rpc_server(kind): that engine's rpc-server once it is ready, None where it has
+        # none; tls: the node's certificates, which the split replicas' relays present.
+        self.rpc_server = rpc_server
+        self.tls = tls
+        # The cluster's revocation list as the agent keeps it (None before it has one):
+        # the relays refuse, and close, a revoked peer.
+        self.revocations = revocations
         self.gpus: list[Gpu] = list(gpus or [])
         # The cards as they are now (free memory from NVML): a GPU replica is sized by them.
         self.cards = cards or (lambda: self.gpus)
@@ -148,17 +180,23 @@ class ReplicaSupervisor:
     def report(self) -> list[ReplicaReport]:
         self.watch()
         with self._lock:
-            return [
-                {
-                    "id": r.record.id,
-                    "state": reported(r.state),
-                    "err": r.err,
-                    "endpoint": self.endpoint(r.record) if r.record.port else "",
-                    "api_key": r.record.api_key,
-                    "pid": r.record.pid,
-                }
-                for r in self.replicas.values()
-            ]
+            return [self._report(r) for r in self.replicas.values()]
+
+    def _report(self, r: Replica) -> ReplicaReport:
+        """One replica's report; a worker's share has no endpoint, but its relay's port
+        while it is ready."""
+        worker = r.record.role == "worker"
+        report: ReplicaReport = {
+            "id": r.record.id,
+            "state": reported(r.state),
+            "err": r.err,
+            "endpoint": self.endpoint(r.record) if r.record.port and not worker else "",
+            "api_key": r.record.api_key,
+            "pid": r.record.pid,
+        }
+        if worker and r.state == ReplicaState.READY and r.record.relay_port:
+            report["relay_port"] = r.record.relay_port
+        return report
 
     def facts(self) -> Inventory:
         """What the heartbeat carries beside the replicas' states: how often each replica
@@ -198,7 +236,8 @@ class ReplicaSupervisor:
                                     source=a["source"], sha256=a.get("sha256", ""),
                                     args=list(a.get("args", [])),
                                     engine=engine_for(a),
-                                    gpus=list(a.get("gpus") or []))
+                                    gpus=list(a.get("gpus") or []),
+                                    split=dict(a.get("split") or {}))
                     self.replicas[rid] = Replica(record)
                     self._launch(self.replicas[rid])
 
@@ -213,7 +252,9 @@ class ReplicaSupervisor:
                 log.warning("ignoring unreadable replica record %s: %s", path, e)
                 continue
             replica = Replica(record, state=ReplicaState.STARTING)
-            if pid_is_engine(record.pid, record.port):
+            if record.role:
+                self._not_adopted(path, replica)
+            elif pid_is_engine(record.pid, record.port):
                 # Asked now, so a serving replica is reported ready from the first heartbeat.
                 outcome, why = self._health(record)
                 self.set_state(replica, ReplicaState.READY if outcome == "ok"
@@ -226,6 +267,23 @@ class ReplicaSupervisor:
                                "the engine was gone when the agent started")
                 replica.retry_at = self.clock()
             self.replicas[record.id] = replica
+
+    def _not_adopted(self, path: Path, replica: Replica) -> None:
+        """A split replica's part left by a previous agent: its relays ended with that
+        agent, so its engine or rpc-server serves nothing. Stopped, and the replica failed
+        for good (the control plane places it again)."""
+        record = replica.record
+        left = pid_is_engine(record.pid, record.port, record.process_name)
+        if left:
+            terminate(record.pid, record.port, name=record.process_name)
+        path.unlink(missing_ok=True)
+        why = (f"the agent restarted while this node held the {record.role} part of a split "
+               "replica; its relays ended with the previous agent, so it is not adopted"
+               + (f" (stopped the {record.process_name} left running, pid {record.pid})"
+                  if left else ""))
+        log.warning("replica %s: %s", record.id, why)
+        self.set_state(replica, ReplicaState.FAILED, why)
+        replica.ended = True
 
     # --- lifecycle ---
 
@@ -242,6 +300,9 @@ class ReplicaSupervisor:
 
     def _prepare_and_start(self, replica: Replica) -> None:
         try:
+            if replica.record.role == "worker":
+                self.start_worker_share(replica)
+                return
             if not replica.record.weights or not Path(replica.record.weights).exists():
                 self.set_state(replica, ReplicaState.DOWNLOADING)
                 replica.record.weights = str(self.fetch_weights(replica.record))
@@ -254,6 +315,9 @@ class ReplicaSupervisor:
             self._retry_or_give_up(replica, str(e), str(e))
         except Exception as e:  # reported to the control plane, retried with backoff
             log.warning("replica %s failed: %s", replica.record.id, e)
+            if replica.share is not None:  # a split part's relays, started before the error
+                replica.share.stop()
+                replica.share = None
             self._failed(replica, str(e))
 
     def fetch_weights(self, record: Record) -> Path:
@@ -269,20 +333,122 @@ class ReplicaSupervisor:
                                "see the node's provision state (`llmgw status`)")
         # Checked again here: the catalog checks too, but the agent runs as root.
         check_engine_args(record.args)
-        flags, devices = placement(record.gpus, self.gpus, record.args)
+        if record.role == "main":
+            flags, devices = self.start_main_share(replica)
+        else:
+            flags, devices = placement(record.gpus, self.gpus, record.args)
         args = self.sized(record)
         record.port = free_port(self.bind_host)
         record.api_key = secrets.token_urlsafe(24)
         argv = command(engine, record, self.bind_host, args.args, flags)
         env = environment(devices, self.interface)
-        replica.proc = spawn(argv, env, self.dir / f"{record.id}.log", log)
-        record.pid = replica.proc.pid
-        atomic_write(self.dir / f"{record.id}.json", json.dumps(asdict(record)), mode=0o600)
-        replica.probe_failures = 0
-        self.set_state(replica, ReplicaState.STARTING, "llama-server started, loading the model"
-                       + (f"; {args.note}" if args.note else ""))
+        # Under the lock: a split replica's relay may report a worker lost (_worker_lost)
+        # as soon as the engine dials it.
+        with self._lock:
+            replica.proc = spawn(argv, env, self.dir / f"{record.id}.log", log)
+            record.pid = replica.proc.pid
+            atomic_write(self.dir / f"{record.id}.json", json.dumps(asdict(record)),
+                         mode=0o600)
+            replica.probe_failures = 0
+            if not replica.ended:
+                self.set_state(replica, ReplicaState.STARTING,
+                               "llama-server started, loading the model"
+                               + (f"; {args.note}" if args.note else ""))
         log.info("replica %s: started llama-server pid %d on port %d%s", record.id, record.pid,
                  record.port, f" ({args.note})" if args.note else "")
+
+    def _tls(self) -> TLSFiles:
+        if self.tls is None or not self.tls.cert:
+            raise RuntimeError("a split replica's relay needs this node's TLS files (tls in "
+                               "agent.yaml), and this agent was started without them")
+        return self.tls
+
+    def start_worker_share(self, replica: Replica) -> None:
+        """This node's share of a split replica: rpc-server on loopback and its relay on
+        the management address, admitting the assigned main node alone; ready with the
+        relay's port."""
+        record = replica.record
+        if not self.engine(record.engine):
+            raise RuntimeError(f"the {record.engine} engine is not ready on this node yet; "
+                               "see the node's provision state (`llmgw status`)")
+        rpc = self.rpc_server(record.engine)
+        if not rpc:
+            raise RuntimeError(NO_RPC_BACKEND.format(engine=record.engine,
+                                                     path=self.engine(record.engine)))
+        check_engine_args(record.args)
+        _, devices = placement(record.gpus, self.gpus, record.args)
+        main = str(record.split.get("main", ""))
+        self.set_state(replica, ReplicaState.STARTING, f"starting rpc-server for main node "
+                       f"{main}")
+        share = WorkerShare(Path(rpc), self._tls(), host=self.bind_host, main_node=main,
+                            profile_args=record.args, log_path=self.dir / f"{record.id}.log",
+                            relay_port=record.relay_port,
+                            env=environment(devices, self.interface),
+                            revocations=self.revocations())
+        replica.share = share
+        record.relay_port = share.start()
+        assert share.proc is not None
+        replica.proc = share.proc
+        record.pid, record.port = share.proc.pid, share.port
+        atomic_write(self.dir / f"{record.id}.json", json.dumps(asdict(record)), mode=0o600)
+        log.info("replica %s: rpc-server pid %d on %s:%d, its relay on %s:%d admitting %s "
+                 "only", record.id, record.pid, "127.0.0.1", share.port, self.bind_host,
+                 record.relay_port, main)
+        self.set_state(replica, ReplicaState.READY)
+
+    def start_main_share(self, replica: Replica) -> tuple[list[str], dict[str, str]]:
+        """The relays to a split replica's workers; the engine's flags for them and its
+        environment (its own layers on this node's CPU: --rpc, the workers' layers on
+        their devices, shared by their layers where there are several)."""
+        record = replica.record
+        if record.gpus:
+            raise RuntimeError("this agent runs a split replica's main part on the CPU only, "
+                               f"and the control plane placed it on GPU {', '.join(record.gpus)}")
+        workers = list(record.split.get("workers") or [])
+        if not workers or any(not w.get("port") for w in workers):
+            raise RuntimeError(f"the assignment names workers without their relay's port: "
+                               f"{workers}; the control plane sends the main's part once "
+                               "every worker reported one")
+        # A lost worker makes the engine abort (llama.cpp's RPC has no failover): no
+        # debugger attached for a backtrace of that, which holds the stream in flight open.
+        env = {"CUDA_VISIBLE_DEVICES": "", "GGML_NO_BACKTRACE": "1"}
+        share = MainShare(self._tls(),
+                          [Worker(str(w["node"]), str(w["addr"]), int(w["port"]))
+                           for w in workers],
+                          sum(int(w["layers"]) for w in workers),
+                          ",".join(str(int(w["layers"])) for w in workers),
+                          on_lost=lambda w, why: self._worker_lost(replica, w, why),
+                          revocations=self.revocations())
+        replica.share = share
+        return share.start(), env
+
+    def _worker_lost(self, replica: Replica, worker: Worker, why: str) -> None:
+        """A split replica's main relay lost a worker: the replica fails at once here."""
+        self._end_split(replica, f"worker {worker.node} ({worker.host}:{worker.port}) of this "
+                        f"split replica was lost: {why}; llama.cpp's RPC has no failover, so "
+                        "its engine is stopped and the control plane places it again")
+
+    def _end_split(self, replica: Replica, why: str) -> None:
+        """A split replica failed for good: its engine (or rpc-server) and relays stopped
+        in the background, the state failed at once."""
+        with self._lock:
+            if replica.ended:
+                return
+            replica.ended = True
+            self.set_state(replica, ReplicaState.FAILED, why)
+        log.warning("replica %s: %s", replica.record.id, why)
+        # Killed at once: an engine without its worker serves nothing, and a request in
+        # flight must end now, not after a graceful stop's wait.
+        threading.Thread(target=self._stop_parts, args=(replica, 0.0),
+                         name=f"split-stop-{replica.record.id}", daemon=True).start()
+
+    def _stop_parts(self, replica: Replica, grace_s: float = STOP_GRACE_S) -> None:
+        """The replica's engine (rpc-server on a worker) stopped, then its relays."""
+        record = replica.record
+        terminate(record.pid, record.port, replica.proc, name=record.process_name,
+                  grace_s=grace_s)
+        if replica.share is not None:
+            replica.share.stop()
 
     def sized(self, record: Record) -> sizing.Sized:
         """A GPU replica's args with its slots sized for its cards' free memory now (its
@@ -325,7 +491,8 @@ class ReplicaSupervisor:
     def _alive(self, replica: Replica) -> bool:
         if replica.proc is not None:
             return replica.proc.poll() is None
-        return pid_is_engine(replica.record.pid, replica.record.port)
+        record = replica.record
+        return pid_is_engine(record.pid, record.port, record.process_name)
 
     def watch(self) -> None:
         """Health of every replica: ready on 200, starting while loading, failed when it died.
@@ -334,7 +501,7 @@ class ReplicaSupervisor:
             replicas = list(self.replicas.values())
         probed: list[Replica] = []
         for r in replicas:
-            if (r.worker is not None and r.worker.is_alive()) or r.gave_up:
+            if (r.worker is not None and r.worker.is_alive()) or r.gave_up or r.ended:
                 continue
             if r.state == ReplicaState.FAILED:
                 if self.clock() >= r.retry_at:
@@ -344,9 +511,14 @@ class ReplicaSupervisor:
             if not self._alive(r):
                 code = r.proc.returncode if r.proc is not None else "unknown"
                 tail = last_lines(self.dir / f"{r.record.id}.log", _LOG_TAIL)
-                self._exited(r, f"llama-server exited with code {code}; its last lines: {tail}")
+                why = f"{r.record.process_name} exited with code {code}; its last lines: {tail}"
+                if r.record.role:
+                    self._end_split(r, why)
+                else:
+                    self._exited(r, why)
                 continue
-            probed.append(r)
+            if r.record.role != "worker":  # a worker's share serves no HTTP to probe
+                probed.append(r)
         for r, (outcome, why) in zip(probed, self._probe_all(probed), strict=True):
             self._probed(r, outcome, why)
 
@@ -391,18 +563,19 @@ class ReplicaSupervisor:
             return None
         retiring = threading.Thread(target=self._retire, args=(replica,),
                                     name=f"retire-{rid}", daemon=True)
-        retiring.start()
+        # Listed before it starts: a stop that ends at once removes itself from the list.
         self.retiring[rid] = retiring
+        retiring.start()
         if wait:
             retiring.join()
         return retiring
 
     def _retire(self, replica: Replica) -> None:
         record = replica.record
-        if replica.state == ReplicaState.READY:
+        if replica.state == ReplicaState.READY and record.role != "worker":
             why = self._wait_idle(record)
             log.info("replica %s: %s; stopping its engine", record.id, why)
-        terminate(record.pid, record.port, replica.proc)
+        self._stop_parts(replica)
         # The log stays for `llmgw logs` until the replica is removed (engine_log.prune).
         (self.dir / f"{record.id}.json").unlink(missing_ok=True)
         self.retiring.pop(record.id, None)
