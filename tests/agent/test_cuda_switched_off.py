@@ -39,10 +39,15 @@ class _ReadyCpuEngine:
 
     source_version = "0.3.36"
     found = None
+    # The prebuilt engine's case: no RPC backend.
+    rpc_server = None
 
     def __init__(self, cache_dir: Path) -> None:
         self.cache_dir = cache_dir
         self.status = engine_status(ENGINE, self.source_version, EngineState.READY, "ready")
+
+    def ready(self) -> bool:
+        return True
 
 
 def _beat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: str) -> tuple[Store, Agent]:
