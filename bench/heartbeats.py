@@ -15,9 +15,9 @@ a TCP and TLS connection per beat (as the agent did when httpx's 5 s keep-alive 
 equalled the 5 s interval); `watch` beats as `keepalive` does and each node also holds a
 watch (AgentPaths.WATCH) on a second connection, as the agent does, held again whenever
 answered: its rows beside keepalive's are what held watches cost (the control plane's
-resident memory, RSS, is printed with each row). Connections are made during a first interval that is not
-measured; then for --duration seconds it counts answered beats (200), failures by kind,
-latency (request sent to answer read; including connect in `new` mode) and the control
+resident memory, RSS, is printed with each row). Connections are made during a first
+interval that is not measured; then for --duration seconds it counts answered beats
+(200), failures by kind, latency (request sent to answer read; including connect in `new` mode) and the control
 plane's thread count.
 
 Each row is compared with the figures recorded in heartbeats_recorded.json beside this

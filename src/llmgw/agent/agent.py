@@ -278,12 +278,16 @@ class Agent:
                     continue
                 if answer.get("changed"):
                     self._wake.set()
-                    with self._revised:
-                        self._revised.wait_for(lambda: stop.is_set() or self.revision != since,
-                                               timeout=self.config.heartbeat_s)
+                    self._until_revised_from(since, stop)
         finally:
             if client is not None:
                 client.close()
+
+    def _until_revised_from(self, since: str, stop: threading.Event) -> None:
+        """Until a beat brought a revision other than since (or a heartbeat passed)."""
+        with self._revised:
+            self._revised.wait_for(lambda: stop.is_set() or self.revision != since,
+                                   timeout=self.config.heartbeat_s)
 
     def _watch_client(self, client: AgentClient | None) -> AgentClient:
         """The watch's client, moved to the control plane the beats go to now."""

@@ -12,10 +12,9 @@ import datetime as dt
 import logging
 import ssl
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from collections.abc import Awaitable
 from typing import Any
 
 from cryptography.hazmat.primitives import serialization
