@@ -17,8 +17,8 @@ watch (AgentPaths.WATCH) on a second connection, as the agent does, held again w
 answered: its rows beside keepalive's are what held watches cost (the control plane's
 resident memory, RSS, is printed with each row). Connections are made during a first
 interval that is not measured; then for --duration seconds it counts answered beats
-(200), failures by kind, latency (request sent to answer read; including connect in `new` mode) and the control
-plane's thread count.
+(200), failures by kind, latency (request sent to answer read; including connect in
+`new` mode) and the control plane's thread count.
 
 Each row is compared with the figures recorded in heartbeats_recorded.json beside this
 file (bench/README.md's): a control-plane CPU a beat more than GROWN_AT above the record
