@@ -33,8 +33,8 @@ log = logging.getLogger("llmgw.gateway")
 
 # The status counted for a request whose client hung up before it was answered (nginx's).
 CLIENT_LEFT = 499
-# A stream that waits this long for a replica (a model loading, or every slot taken) gets
-# its 200 head and an SSE comment line, and another comment each time this passes again:
+# A stream that waits this long for its model to load (no replica was ready) gets its
+# 200 head and an SSE comment line, and another comment each time this passes again:
 # its client sees the request is alive. Both OpenAI SDKs skip lines starting with ':'
 # (docs/operations.md "Models on demand" cites their lines); once the head is sent, a
 # failure can only be told as an event, `data: {"error": {...}}`, on which both raise.
@@ -182,8 +182,8 @@ class Exchange:
         waiting.add_done_callback(lambda _: self._safely(self._leased, waiting))
         # A client that hangs up while it waits leaves the queue (a model's load) at once.
         self.cycle.when_gone(lambda: _cancel(waiting))
-        if self.stream and self.keepalive is None:
-            self._keep_alive_in(SSE_KEEPALIVE_S)
+        if self.stream and self.keepalive is None and not self.gw.router.ready(self.name):
+            self._keep_alive_in(SSE_KEEPALIVE_S)  # a load's wait (not a slot's)
 
     def _keep_alive_in(self, delay_s: float) -> None:
         self.keepalive = asyncio.get_running_loop().call_later(
