@@ -33,8 +33,10 @@ GC_EVERY_S = 600.0
 # A stopping control plane lets admin requests under way finish this long, then cuts them.
 ADMIN_DRAIN_S = 30.0
 # Between ticks the scheduler reads the gateways' demand rows this often: a request that
-# starts waiting for a model at zero is placed within this, not at the next tick.
-DEMAND_LOOK_S = 0.1
+# starts waiting for a model at zero is placed within this, not at the next tick. Each look
+# costs the control plane about 0.8 ms of CPU (a read and a thread's hop): every 0.1 s
+# made an idle control plane's CPU 27 ms/s against 9 without it; every 0.25 s, 15.5.
+DEMAND_LOOK_S = 0.25
 
 
 def tune_gc() -> None:
