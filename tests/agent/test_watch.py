@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from llmgw.agent.agent import Agent
+from llmgw.agent import client as agent_client
 from llmgw.agent.client import AgentClient
 from llmgw.agent.workload import NoReplicas
 from llmgw.contract import AgentPaths
@@ -156,10 +157,13 @@ def test_a_placement_while_the_watch_is_held_answers_it(fleet: Fleet) -> None:
     assert took < 2 * _watch.CHECK_EVERY_S + 0.5, f"answered {took:.2f} s after the placement"
 
 
-def test_a_client_that_leaves_holds_nothing(fleet: Fleet) -> None:
+def test_a_client_that_leaves_holds_nothing(fleet: Fleet,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watch's client that gives up after 0.5 s: the held watch goes with it."""
+    monkeypatch.setattr(agent_client, "WATCH_TIMEOUT_S", 0.5)
     api = fleet.servers[0].api
     since = api.heartbeat("node-a", {})["revision"]
-    with AgentClient(fleet.url(0), fleet.tls, timeout=0.5) as client, \
+    with AgentClient(fleet.url(0), fleet.tls, timeout=5) as client, \
             pytest.raises(Exception, match="did not answer"):
         client.watch(since)
     until("the watch to go with its client", lambda: len(api.watches) == 0,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from llmgw.agent import gpus as gpu_discovery
 from llmgw.agent import host
-from llmgw.agent.client import WATCH_TIMEOUT_S, AgentClient, NodeRemoved
+from llmgw.agent.client import AgentClient, NodeRemoved
 from llmgw.agent.control_planes import ControlPlanes
 from llmgw.agent.engines.cpu import LlamaCpp
 from llmgw.agent.engines.cuda import CudaEngine
@@ -293,7 +293,10 @@ class Agent:
         """The watch's client, moved to the control plane the beats go to now."""
         server = self.control_planes.current
         if client is None:
-            return AgentClient(server, self.config.tls, timeout=WATCH_TIMEOUT_S)
+            # The beats' timeout for the connect (a frozen control plane is left as fast);
+            # the answer itself is waited for as long as the control plane holds it.
+            return AgentClient(server, self.config.tls,
+                               timeout=self.config.failover_timeout_s)
         if client.server != server.rstrip("/"):
             client.move_to(server)
         return client

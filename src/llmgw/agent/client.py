@@ -109,9 +109,11 @@ class AgentClient(httpclient.JSONClient):
 
     def watch(self, since: str) -> WatchAnswer:
         """Held until this node's assignments differ from revision since (changed: beat
-        now), or unchanged after the control plane's hold. An AgentAPIError with status 404
-        from a control plane older than the watch."""
-        return self._call("GET", AgentPaths.WATCH, params={"since": since})
+        now), or unchanged after the control plane's hold; its answer is waited for
+        WATCH_TIMEOUT_S (the client's own timeout still bounds the connect). An
+        AgentAPIError with status 404 from a control plane older than the watch."""
+        return self._call("GET", AgentPaths.WATCH, params={"since": since},
+                          timeout=httpx.Timeout(self.timeout, read=WATCH_TIMEOUT_S))
 
     def node(self) -> NodeView | None:
         """This node's record as the control plane sees it (GET /api/v1/agent/self); None
