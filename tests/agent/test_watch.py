@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from llmgw.agent.agent import Agent
 from llmgw.agent import client as agent_client
+from llmgw.agent.agent import Agent
 from llmgw.agent.client import AgentClient
 from llmgw.agent.workload import NoReplicas
 from llmgw.contract import AgentPaths
