@@ -5,16 +5,20 @@ Run on demand, not in the suite, and on any change to the heartbeat path:
     python bench/heartbeats.py --nodes 5000 --modes restart --duration 60
     python bench/heartbeats.py --nodes 2000,5000 --modes keepalive --old-src ../old/src
     python bench/heartbeats.py --nodes 2000 --modes spread
+    python bench/heartbeats.py --nodes 2000,5000 --modes keepalive,watch
 
 Starts the real control plane (`llmgw server`, its own CA) and, in separate processes, N
 simulated nodes, each with its own client certificate made at run time with llmgw.host.pki.
 Every node sends the agent's heartbeat body every --interval seconds, spread evenly over
 the interval; `keepalive` holds one connection per node (as the agent does), `new` opens
 a TCP and TLS connection per beat (as the agent did when httpx's 5 s keep-alive expiry
-equalled the 5 s interval). Connections are made during a first interval that is not
-measured; then for --duration seconds it counts answered beats (200), failures by kind,
-latency (request sent to answer read; including connect in `new` mode) and the control
-plane's thread count.
+equalled the 5 s interval); `watch` beats as `keepalive` does and each node also holds a
+watch (AgentPaths.WATCH) on a second connection, as the agent does, held again whenever
+answered: its rows beside keepalive's are what held watches cost (the control plane's
+resident memory, RSS, is printed with each row). Connections are made during a first
+interval that is not measured; then for --duration seconds it counts answered beats
+(200), failures by kind, latency (request sent to answer read; including connect in
+`new` mode) and the control plane's thread count.
 
 Each row is compared with the figures recorded in heartbeats_recorded.json beside this
 file (bench/README.md's): a control-plane CPU a beat more than GROWN_AT above the record
@@ -92,24 +96,56 @@ def request(node: str, port: int, keep: bool) -> bytes:
 
 
 async def read_reply(reader: asyncio.StreamReader) -> int:
+    return (await read_reply_body(reader))[0]
+
+
+async def read_reply_body(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     length = 0
     for line in head.split(b"\r\n"):
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
-    await reader.readexactly(length)
-    return status
+    return status, await reader.readexactly(length)
 
 
 class Node:
     """One simulated node: its TLS identity and its beats."""
 
-    def __init__(self, name: str, ctx: ssl.SSLContext, port: int, keep: bool) -> None:
+    def __init__(self, name: str, ctx: ssl.SSLContext, port: int, keep: bool,
+                 watch: bool = False) -> None:
         self.name, self.ctx, self.port, self.keep = name, ctx, port, keep
         self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self.payload = request(name, port, keep)
         self.failures = 0  # in a row, as the agent counts them for its backoff
+        # watch mode: the revision of the last answer, and the task holding the watch
+        self.watch, self.revision = watch, ""
+        self.watcher: asyncio.Task[None] | None = None
+        self.watched = {"answered": 0, "failed": 0}
+
+    async def hold_watches(self) -> None:
+        """Hold a watch on a connection of its own, again whenever it is answered."""
+        conn = None
+        try:
+            while True:
+                if conn is None:
+                    conn = await asyncio.open_connection(
+                        "127.0.0.1", self.port, ssl=self.ctx, server_hostname="127.0.0.1")
+                conn[1].write(f"GET {AgentPaths.WATCH}?since={self.revision} HTTP/1.1\r\n"
+                              f"Host: 127.0.0.1:{self.port}\r\n\r\n".encode())
+                try:
+                    status, _ = await asyncio.wait_for(read_reply_body(conn[0]), 75.0)
+                    self.watched["answered" if status == 200 else "failed"] += 1
+                    if status != 200:  # an older control plane: the agent stops watching
+                        return
+                except (OSError, asyncio.IncompleteReadError, ssl.SSLError, TimeoutError):
+                    self.watched["failed"] += 1
+                    conn[1].transport.abort()
+                    conn = None
+                    await asyncio.sleep(1.0)
+        finally:
+            if conn is not None:
+                conn[1].transport.abort()
 
     async def beat_as_agent(self) -> int:
         """A beat the way the agent's client sends it: a kept-alive connection the server
@@ -131,9 +167,12 @@ class Node:
     async def beat(self) -> int:
         reader, writer = await self.connect()
         writer.write(self.payload)
-        status = await read_reply(reader)
+        status, body = await read_reply_body(reader)
         if not self.keep:
             self.close()
+        if self.watch and status == 200 and self.watcher is None:
+            self.revision = json.loads(body).get("revision", "")
+            self.watcher = asyncio.ensure_future(self.hold_watches())
         return status
 
     def close(self) -> None:
@@ -175,9 +214,15 @@ async def run_nodes(nodes: list[Node], interval: float, start: float, measure_fr
                 at += interval
 
     await asyncio.gather(*(one(i, n) for i, n in enumerate(nodes)))
+    watched = {"held": sum(n.watcher is not None for n in nodes), "answered": 0, "failed": 0}
     for n in nodes:
         n.close()
-    return {"latencies": latencies, "failures": failures, "sent": beats["sent"]}
+        if n.watcher is not None:
+            n.watcher.cancel()
+            watched["answered"] += n.watched["answered"]
+            watched["failed"] += n.watched["failed"]
+    return {"latencies": latencies, "failures": failures, "sent": beats["sent"],
+            "watched": watched}
 
 
 def generator(args: dict[str, Any], out: Any) -> None:
@@ -189,7 +234,7 @@ def generator(args: dict[str, Any], out: Any) -> None:
         cert, key = pki.issue_client(ca, name, days=1).write(folder, name)
         ctx = ssl.create_default_context(cafile=str(Path(args["pki"]) / "ca.pem"))
         ctx.load_cert_chain(cert, key)
-        nodes.append(Node(name, ctx, args["port"], args["keep"]))
+        nodes.append(Node(name, ctx, args["port"], args["keep"], args.get("watch", False)))
     # uvloop where installed: the load generator should cost less CPU than what it measures.
     loop = new_event_loop()
     try:
@@ -230,16 +275,17 @@ async def beats(nodes: list[Node], args: dict[str, Any], out: Any) -> None:
 
 def start_generators(cp: ControlPlane, names: list[str], keep: bool, interval: float,
                      duration: float, procs: int, work: Path, as_agent: bool = False,
-                     ) -> tuple[list[Any], list[Any], int, float]:
+                     watch: bool = False) -> tuple[list[Any], list[Any], int, float]:
     """The load processes, their nodes connected; returns (pipes, children, nodes that
     failed to connect, the time the beats start)."""
-    folders = [work / f"gen-{keep}-{as_agent}-{len(names)}-{p}" for p in range(procs)]
+    folders = [work / f"gen-{keep}-{as_agent}-{watch}-{len(names)}-{p}" for p in range(procs)]
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
     return start_children(generator, [{
         "pki": str(cp.pki), "dir": str(folder), "names": names[p::procs],
         "port": cp.ports["agent"], "keep": keep, "interval": interval,
-        "duration": duration, "as_agent": as_agent} for p, folder in enumerate(folders)])
+        "duration": duration, "as_agent": as_agent, "watch": watch}
+        for p, folder in enumerate(folders)])
 
 
 def start_children(target: Any, each: list[dict[str, Any]],
@@ -261,8 +307,10 @@ def start_children(target: Any, each: list[dict[str, Any]],
     return pipes, children, connect_failures, start
 
 
-def collect(pipes: list[Any], children: list[Any]) -> tuple[list[float], dict[str, int]]:
-    """Every generator's latencies (sorted) and failures by kind."""
+def collect(pipes: list[Any], children: list[Any],
+            watched: dict[str, int] | None = None) -> tuple[list[float], dict[str, int]]:
+    """Every generator's latencies (sorted) and failures by kind (and into watched, what
+    their watches did)."""
     results = [pipe.recv() for pipe in pipes]
     for child in children:
         child.join()
@@ -270,24 +318,41 @@ def collect(pipes: list[Any], children: list[Any]) -> tuple[list[float], dict[st
     for r in results:
         for kind, n in r["failures"].items():
             failures[kind] = failures.get(kind, 0) + n
+        if watched is not None:
+            for k, n in r.get("watched", {}).items():
+                watched[k] = watched.get(k, 0) + n
     return sorted(x for r in results for x in r["latencies"]), failures
 
 
+def rss_mb(pid: int) -> float:
+    """A process's resident memory (VmRSS) in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def run(cp: ControlPlane, total: int, keep: bool, interval: float, duration: float,
-        procs: int, work: Path) -> dict[str, Any]:
-    names = [f"bench-{'k' if keep else 'n'}-{total}-{i:05d}" for i in range(total)]
+        procs: int, work: Path, watch: bool = False) -> dict[str, Any]:
+    kind = "w" if watch else "k" if keep else "n"
+    names = [f"bench-{kind}-{total}-{i:05d}" for i in range(total)]
+    rss_before = rss_mb(cp.proc.pid) if cp.proc is not None else float("nan")
     pipes, children, connect_failures, start = start_generators(
-        cp, names, keep, interval, duration, procs, work)
-    threads, cpu = 0, [0.0, 0.0]
+        cp, names, keep, interval, duration, procs, work, watch=watch)
+    threads, cpu, rss = 0, [0.0, 0.0], 0.0
     time.sleep(max(0.0, start + interval - time.time()))
     cpu[0] = cp.cpu_s()
     while time.time() < start + interval + duration:
         threads = max(threads, cp.threads())
+        if cp.proc is not None:
+            rss = max(rss, rss_mb(cp.proc.pid))
         time.sleep(min(1.0, max(0.0, start + interval + duration - time.time())))
     cpu[1] = cp.cpu_s()
-    latencies, failures = collect(pipes, children)
+    watched: dict[str, int] = {}
+    latencies, failures = collect(pipes, children, watched)
     return {
-        "nodes": total, "mode": "keepalive" if keep else "new",
+        "nodes": total, "mode": "watch" if watch else "keepalive" if keep else "new",
+        "rss_mb": rss, "rss_before_mb": rss_before, "watched": watched,
         "offered": total / interval, "achieved": len(latencies) / duration,
         "failed": sum(failures.values()), "failures": failures,
         "p50": _pct(latencies, 50), "p99": _pct(latencies, 99), "threads": threads,
@@ -631,6 +696,12 @@ def print_row(r: dict[str, Any], side: str, recorded: dict[str, Any]) -> None:
           f"{r['cpu_us']:.0f} µs | {r['cpu_share']:.2f} | {r['load']:.1f} |"
           + (f" ({r['connect_failures']} failed to connect before the clock)"
              if r["connect_failures"] else ""), flush=True)
+    held = r.get("watched") or {}
+    print(f"|   | {side}: control plane RSS {r['rss_mb']:.0f} MB at most while measured "
+          f"({r['rss_before_mb']:.0f} MB before the row)"
+          + (f"; watches held {held.get('held', 0)}, answered {held.get('answered', 0)}, "
+             f"failed {held.get('failed', 0)}" if r["mode"] == "watch" else "") + " |",
+          flush=True)
     print(f"|   | {side}: {against_record(r, recorded)} |", flush=True)
 
 
@@ -683,7 +754,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", default="1000,2000,5000", help="comma-separated node counts")
     parser.add_argument("--modes", default="keepalive,new",
-                        help="keepalive, new, restart, spread, or several comma-separated")
+                        help="keepalive, new, watch, restart, spread, or several "
+                             "comma-separated")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between beats")
     parser.add_argument("--duration", type=float, default=30.0, help="measured seconds")
     parser.add_argument("--procs", type=int, default=2, help="load-generator processes")
@@ -739,8 +811,9 @@ def main() -> None:
                 for total in (int(n) for n in args.nodes.split(",")):
                     sides = [("old", old), ("this", cp)] if old is not None else [("this", cp)]
                     for side, plane in sides:
-                        r = run(plane, total, mode == "keepalive", args.interval,
-                                args.duration, args.procs, Path(tmp) / side)
+                        r = run(plane, total, mode in ("keepalive", "watch"), args.interval,
+                                args.duration, args.procs, Path(tmp) / side,
+                                watch=mode == "watch")
                         print_row(r, side, recorded)
                         settle(plane)
         finally:

@@ -14,7 +14,14 @@ from llmgw import httpclient
 from llmgw.agent.join import refusal
 from llmgw.config import TLSFiles
 from llmgw.contract import AgentPaths
-from llmgw.contract.records import DriftReport, Heartbeat, HeartbeatAnswer, HostDrift, NodeView
+from llmgw.contract.records import (
+    DriftReport,
+    Heartbeat,
+    HeartbeatAnswer,
+    HostDrift,
+    NodeView,
+    WatchAnswer,
+)
 from llmgw.errors import APIError, Unreachable, shown_url
 from llmgw.host import pki
 from llmgw.host.files import atomic_write
@@ -36,6 +43,9 @@ class NodeRemoved(AgentAPIError):
 # Longer than any heartbeat interval: the connection is kept from beat to beat, not made
 # again each time (a TLS handshake per beat is what capped the node count).
 KEEPALIVE_S = 120.0
+# A watch's client waits this long for its answer: the control plane holds one for 55 s
+# (control._watch.HOLD_S), and answers unchanged then.
+WATCH_TIMEOUT_S = 75.0
 _REVOKED = "CERTIFICATE_REVOKED"
 
 
@@ -96,6 +106,14 @@ class AgentClient(httpclient.JSONClient):
     def heartbeat(self, inventory: Heartbeat) -> HeartbeatAnswer:
         """Send the inventory; the answer holds node_id (from the certificate) and replicas."""
         return self._call("POST", AgentPaths.HEARTBEAT, json=inventory)
+
+    def watch(self, since: str) -> WatchAnswer:
+        """Held until this node's assignments differ from revision since (changed: beat
+        now), or unchanged after the control plane's hold; its answer is waited for
+        WATCH_TIMEOUT_S (the client's own timeout still bounds the connect). An
+        AgentAPIError with status 404 from a control plane older than the watch."""
+        return self._call("GET", AgentPaths.WATCH, params={"since": since},
+                          timeout=httpx.Timeout(self.timeout, read=WATCH_TIMEOUT_S))
 
     def node(self) -> NodeView | None:
         """This node's record as the control plane sees it (GET /api/v1/agent/self); None

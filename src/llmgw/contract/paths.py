@@ -14,6 +14,9 @@ class AgentPaths:
     RENEW = "/api/v1/agent/renew"
     # A joined node's last round of `llmgw check --serve`, under its certificate's name.
     DRIFT = "/api/v1/agent/drift"
+    # Held until this node's assignments differ from ?since=REVISION (a heartbeat answer's
+    # revision), or answered unchanged after a hold: the node then beats at once.
+    WATCH = "/api/v1/agent/watch"
     JOIN = "/api/v1/join"
     JOIN_CA = "/api/v1/join/ca"
     # Another control plane's join: its token's sealed bundle (`token create --control-plane`).

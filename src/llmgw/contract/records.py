@@ -308,12 +308,25 @@ class HeartbeatAnswer(TypedDict):
 
     control_planes: the agent API URLs (https://HOST:PORT) of every live control plane of
     the fleet, this one included; the agent moves to another when its own stops answering.
-    An older control plane sends none, and the agent keeps the list it had."""
+    An older control plane sends none, and the agent keeps the list it had.
+
+    revision: a digest of exactly these replicas, for the watch (AgentPaths.WATCH); an
+    older control plane sends none, and the agent only beats."""
 
     node_id: str
     replicas: list[Assignment]
     mirror: NotRequired[str]
     control_planes: NotRequired[list[str]]
+    revision: NotRequired[str]
+
+
+class WatchAnswer(TypedDict):
+    """The answer to a held watch: changed when the node's assignments differ from the
+    revision it sent (it should beat now), else unchanged after the hold; revision is the
+    one they have now."""
+
+    changed: bool
+    revision: str
 
 
 class JoinToken(TypedDict):

@@ -23,7 +23,7 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
@@ -91,7 +91,9 @@ class Reply:
     retry_after: int = 0
 
 
-Handler = Callable[[Request], Reply]
+# A reply, or for a route that holds its answer (a node's watch) an awaitable one, awaited
+# on the loop until it comes or the client leaves.
+Handler = Callable[[Request], Reply | Awaitable[Reply]]
 
 
 def peer_of(scope: Scope) -> Peer:
@@ -211,8 +213,9 @@ class TLSServer:
         self.accepted += 1
 
     def call(self, fn: Callable[[], None]) -> None:
-        """Run fn on the server's loop, after what it is doing now."""
-        self._loop.call_soon_threadsafe(fn)
+        """Run fn on the server's loop, after what it is doing now (nothing once stopped)."""
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn)
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -270,12 +273,28 @@ class TLSServer:
         try:
             # On the loop itself: a beat's SQLite work takes well under a millisecond,
             # less than handing it to a thread and back.
-            reply = self._handler(request)
+            answer = self._handler(request)
+            reply = answer if isinstance(answer, Reply) else await _unless_gone(answer, receive)
         except Exception:  # one bad request must not take the agent API down
             log.exception("%s %s from %s failed", method, path, peer.cn or peer.addr)
             reply = Reply(500, {"detail": "the control plane failed on this request; see "
                                           "its log"}, close=True)
-        await _send(send, reply)
+        if reply is not None:
+            await _send(send, reply)
+
+
+async def _unless_gone(answer: Awaitable[Reply], receive: Receive) -> Reply | None:
+    """A held answer, or None as soon as its client leaves (the answer is then cancelled:
+    a node that went away holds nothing here)."""
+    held = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(receive())  # once the body was read: only a disconnect
+    try:
+        await asyncio.wait((held, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (held, gone):
+            if not task.done():
+                task.cancel()
+    return held.result() if held.done() and not held.cancelled() else None
 
 
 async def _body(receive: Receive) -> bytes | None:

@@ -12,7 +12,7 @@ import datetime as dt
 import logging
 import ssl
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from llmgw.contract.records import (
     checked,
 )
 from llmgw.control._tlsserver import Peer, Reply, Request, TLSServer
+from llmgw.control._watch import Watches, revision
 from llmgw.control.drift import DriftBoard
 from llmgw.control.nodes import node_view
 from llmgw.control.scheduler import needed_engine
@@ -102,6 +103,9 @@ class AgentAPI:
         self.drift = DriftBoard()
         # Around each heartbeat's handling: server.py times it for the metrics.
         self.heartbeat_timer: Callable[[], AbstractContextManager[object]] = nullcontext
+        # Nodes' held watches, on the server's loop (the only async route).
+        self.watches = Watches(store.live_replicas,
+                               lambda rows: revision(_assignments(rows)))
 
     # --- routing ---
 
@@ -114,7 +118,7 @@ class AgentAPI:
                          close=True)
         return None
 
-    def handle(self, request: Request) -> Reply:
+    def handle(self, request: Request) -> Reply | Awaitable[Reply]:
         route = (request.method, request.path)
         refused = self.gate(request.method, request.path, request.peer)
         if refused is not None:
@@ -123,6 +127,7 @@ class AgentAPI:
             ("GET", AgentPaths.HEALTH):
                 lambda r: Reply(200, {"status": "ok", "node_id": r.peer.cn}),
             ("POST", AgentPaths.HEARTBEAT): self._heartbeat,
+            ("GET", AgentPaths.WATCH): self._watch,
             ("GET", AgentPaths.SELF): self._self,
             ("POST", AgentPaths.RENEW): self._renew,
             ("PUT", AgentPaths.DRIFT): self._drift,
@@ -131,7 +136,7 @@ class AgentAPI:
             ("POST", AgentPaths.JOIN): self._join,
             ("POST", AgentPaths.JOIN_CONTROL_PLANE): self._join_control_plane,
         }
-        action = routes.get(route)
+        action: Callable[[Request], Reply | Awaitable[Reply]] | None = routes.get(route)
         if action is None:
             return Reply(404, {"detail": f"no such path {request.method} {request.path}"})
         try:
@@ -182,13 +187,28 @@ class AgentAPI:
         rows = self.store.heartbeat(node_id, inventory, serial, reports,
                                     rewrite_every_s=min(REWRITE_EVERY_S,
                                                         self.node_timeout_s / 3))
-        answer: HeartbeatAnswer = {"node_id": node_id, "replicas": _assignments(rows)}
+        assigned = _assignments(rows)
+        answer: HeartbeatAnswer = {"node_id": node_id, "replicas": assigned,
+                                   "revision": revision(assigned)}
         if self.mirror_url:
             answer["mirror"] = self.mirror_url
         planes = self.control_planes()
         if planes:
             answer["control_planes"] = list(planes)
         return answer
+
+    def _watch(self, request: Request) -> Reply | Awaitable[Reply]:
+        """Held until this node's assignments differ from ?since= (its last heartbeat
+        answer's revision): then {"changed": true}, and the node beats at once; else
+        {"changed": false} after the hold (control._watch)."""
+        since = request.query.get("since", "")
+        if not since:
+            return Reply(422, {"detail": f"{AgentPaths.WATCH} needs ?since=REVISION, the "
+                                         "revision of this node's last heartbeat answer"})
+
+        async def held() -> Reply:
+            return Reply(200, await self.watches.watch(request.peer.cn, since))
+        return held()
 
     def _self(self, request: Request) -> Reply:
         node = self.store.node(request.peer.cn)
@@ -369,6 +389,8 @@ class AgentAPIServer:
         self._server.start()
 
     def stop(self) -> None:
+        # Held watches answered first: a stopping server would hold them for its drain.
+        self._server.call(self.api.watches.close)
         self._server.stop()
         self._crl_dir.cleanup()
 

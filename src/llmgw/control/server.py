@@ -32,6 +32,11 @@ log = logging.getLogger("llmgw.server")
 GC_EVERY_S = 600.0
 # A stopping control plane lets admin requests under way finish this long, then cuts them.
 ADMIN_DRAIN_S = 30.0
+# Between ticks the scheduler reads the gateways' demand rows this often: a request that
+# starts waiting for a model at zero is placed within this, not at the next tick. Each look
+# costs the control plane about 0.8 ms of CPU (a read and a thread's hop): every 0.1 s
+# made an idle control plane's CPU 27 ms/s against 9 without it; every 0.25 s, 15.5.
+DEMAND_LOOK_S = 0.25
 
 
 def tune_gc() -> None:
@@ -51,7 +56,9 @@ async def _schedule(scheduler: Scheduler, leadership: Leadership,
     scheduler lease, and while holding it reconcile replicas with the catalog and the
     nodes, each plan fenced by the lease's epoch."""
     last_gc = time.monotonic()
+    waited: frozenset[str] = frozenset()
     while not stopping.is_set():
+        lease = None
         try:
             lease = await asyncio.to_thread(leadership.step)
             if lease is not None:
@@ -65,10 +72,35 @@ async def _schedule(scheduler: Scheduler, leadership: Leadership,
         if time.monotonic() - last_gc > GC_EVERY_S:
             await asyncio.to_thread(gc.collect)
             last_gc = time.monotonic()
+        waited = await _next_tick(scheduler.store, stopping, lease is not None, waited)
+
+
+async def _next_tick(store: Store, stopping: asyncio.Event, leading: bool,
+                     waited: frozenset[str]) -> frozenset[str]:
+    """Wait a second, or less: until stopped or, while this control plane schedules, until
+    requests wait for a model none waited for at the last look (the gateway writes its
+    demand row as a wait begins). Returns the models waited for at the last look."""
+    deadline = time.monotonic() + 1.0
+    while not stopping.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
         try:
-            await asyncio.wait_for(stopping.wait(), timeout=1.0)
+            await asyncio.wait_for(stopping.wait(), min(left, DEMAND_LOOK_S if leading else left))
         except TimeoutError:
             pass
+        if not leading:
+            continue
+        try:
+            now = frozenset(m for m, use in (await asyncio.to_thread(store.uses)).items()
+                            if use.waiting)
+        except StoreError:
+            leading = False  # the tick says so; no look until then
+            continue
+        if now - waited:
+            return now
+        waited = now
+    return waited
 
 
 def _ca(config: ServerConfig) -> pki.KeyPair | None:

@@ -33,6 +33,13 @@ log = logging.getLogger("llmgw.gateway")
 
 # The status counted for a request whose client hung up before it was answered (nginx's).
 CLIENT_LEFT = 499
+# A stream that waits this long for its model to load (no replica was ready) gets its
+# 200 head and an SSE comment line, and another comment each time this passes again:
+# its client sees the request is alive. Both OpenAI SDKs skip lines starting with ':'
+# (docs/operations.md "Models on demand" cites their lines); once the head is sent, a
+# failure can only be told as an event, `data: {"error": {...}}`, on which both raise.
+SSE_KEEPALIVE_S = 10.0
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 class Forwarder:
@@ -63,7 +70,8 @@ class Exchange:
 
     __slots__ = ("gw", "cycle", "scope", "kind", "started", "caller", "raw", "requested",
                  "stream", "name", "conv", "status", "usage", "body", "tried", "refused",
-                 "lease", "call", "buffer", "streaming", "failure", "finished", "waiting")
+                 "lease", "call", "buffer", "streaming", "failure", "finished", "waiting",
+                 "headed", "keepalive")
 
     def __init__(self, gw: Gateway, cycle: Cycle, kind: str) -> None:
         self.gw, self.cycle, self.scope, self.kind = gw, cycle, cycle.scope, kind
@@ -85,6 +93,8 @@ class Exchange:
         self.failure: UpstreamError | None = None  # a stream's, told after what came
         self.finished = False
         self.waiting = False  # for the client to take what was written
+        self.headed = False  # a waiting stream's 200 head is sent (comments followed)
+        self.keepalive: asyncio.TimerHandle | None = None
         if gw.metrics:
             gw.metrics.in_flight += 1
 
@@ -172,6 +182,27 @@ class Exchange:
         waiting.add_done_callback(lambda _: self._safely(self._leased, waiting))
         # A client that hangs up while it waits leaves the queue (a model's load) at once.
         self.cycle.when_gone(lambda: _cancel(waiting))
+        if self.stream and self.keepalive is None and not self.gw.router.ready(self.name):
+            self._keep_alive_in(SSE_KEEPALIVE_S)  # a load's wait (not a slot's)
+
+    def _keep_alive_in(self, delay_s: float) -> None:
+        self.keepalive = asyncio.get_running_loop().call_later(
+            delay_s, lambda: self._safely(self._keep_alive))
+
+    def _keep_alive(self) -> None:
+        """A stream still waiting for a replica: its head once, then a comment line."""
+        if self.finished or self.call is not None or self.cycle.gone:
+            return
+        if not self.headed:
+            self.headed = True
+            self.cycle.start(200, SSE_HEADERS)
+        self.cycle.write(f": waiting for {self.requested} to load\n\n".encode())
+        self._keep_alive_in(SSE_KEEPALIVE_S)
+
+    def _quiet(self) -> None:
+        keepalive, self.keepalive = self.keepalive, None
+        if keepalive is not None:
+            keepalive.cancel()
 
     def _leased(self, waiting: asyncio.Future[Lease | None]) -> None:
         if waiting.cancelled():
@@ -184,6 +215,7 @@ class Exchange:
         self._send(lease)
 
     def _send(self, lease: Lease) -> None:
+        self._quiet()
         self.lease = lease
         replica = lease.replica
         raw = self.raw
@@ -212,7 +244,10 @@ class Exchange:
             data, self.usage = whole_answer(status, headers, data, self.member)
             kept_headers = kept(headers)
             self._end_call()
-            self.cycle.answer(status, kept_headers, data)
+            if self.headed:  # a stream whose 200 went while it waited: an error event
+                self.cycle.end(b"data: " + _error_event(status, data) + b"\n\n")
+            else:
+                self.cycle.answer(status, kept_headers, data)
             self._finish()
         except Exception as e:
             self._failing(e)
@@ -228,7 +263,8 @@ class Exchange:
             return
         self.streaming = True
         self.cycle.when_gone(lambda: self._safely(self._client_left))
-        self.cycle.start(200, kept(call.headers))
+        if not self.headed:
+            self.cycle.start(200, kept(call.headers))
 
     def _failed(self, error: UpstreamError) -> None:
         replica = self.lease.replica if self.lease is not None else None
@@ -319,6 +355,7 @@ class Exchange:
         if self.finished:
             return
         self.finished = True
+        self._quiet()
         gw = self.gw
         if self.name:
             gw.loads.ended(self.name)
@@ -350,11 +387,25 @@ class Exchange:
             return
         self._end_call()
         self.status = error.status
-        if self.streaming:
+        if self.streaming or self.headed:
             self.cycle.end(b"data: " + error.body() + b"\n\n")
         else:
             self.cycle.answer(error.status, [*JSON_HEADERS, *error.headers], error.body())
         self._finish()
+
+
+def _error_event(status: int, data: bytes) -> bytes:
+    """A replica's error answer as an SSE event's data, `{"error": {...}}`: its own error
+    object when it sent one in OpenAI's shape, else one saying what it answered."""
+    try:
+        error = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if not isinstance(error, dict):
+        error = {"message": f"the replica answered {status}: "
+                            f"{data[:300].decode(errors='replace')}",
+                 "type": "server_error", "param": None, "code": f"upstream_{status}"}
+    return json.dumps({"error": error}).encode()
 
 
 def _cancel(task: asyncio.Future[Lease | None]) -> None:

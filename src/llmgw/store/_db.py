@@ -186,6 +186,7 @@ class Database:
         # Write statements this process ran, by table: a reader that keeps a table in
         # memory (the heartbeat's replicas) knows when its copy fell behind its own writes.
         self.writes: dict[str, int] = {}
+        self._written: set[str] = set()  # tables the transaction under way wrote
         sa.event.listen(self._writer, "before_execute", self._count_write)
         # Since when (monotonic) the database server could not be reached, and whom to tell
         # when it can again (the store resets its hearing: nodes could not beat meanwhile).
@@ -209,6 +210,7 @@ class Database:
         if getattr(statement, "is_dml", False):
             name = statement.table.name
             self.writes[name] = self.writes.get(name, 0) + 1
+            self._written.add(name)
 
     def _sqlite_engines(self, busy_timeout_s: float) -> tuple[sa.Engine, sa.Engine]:
         assert self.url.database
@@ -269,8 +271,17 @@ class Database:
     def tx(self) -> Iterator[Connection]:
         """One write transaction, committed when the block ends, rolled back on an error
         (StoreError, or StoreConflict where a unique key refused it)."""
-        with _ours(), self._watched(), self._lock, self._writer.begin() as conn:
-            yield conn
+        with _ours(), self._watched(), self._lock:
+            try:
+                with self._writer.begin() as conn:
+                    yield conn
+            finally:
+                # Counted again once committed (or rolled back): a reader in another thread
+                # that re-read between the statement and its commit, and kept that copy
+                # under the count then, reads again (store.nodes' replica cache).
+                written, self._written = self._written, set()
+                for name in written:
+                    self.writes[name] = self.writes.get(name, 0) + 1
 
     def read(self, statement: sa.Executable) -> Sequence[RowMapping]:
         """One statement outside any transaction: a snapshot, no write lock."""

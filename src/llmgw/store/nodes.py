@@ -258,6 +258,14 @@ class NodeStore(Aggregate):
                     _write_share(conn, rid, entry)
         return found
 
+    def live_replicas(self) -> dict[str, list[NodeReplica]]:
+        """Every node's live replicas (without its latest reports), from the cache the
+        heartbeats read: the same mapping until it is read again (nodes' watches compare
+        it by identity)."""
+        if self.db.unreachable_since is not None:
+            self._assigned = None  # known away: read (and fail) rather than answer stale
+        return self._live()
+
     def _live(self) -> dict[str, list[NodeReplica]]:
         """Every node's live replicas, read again when this store wrote replicas or models
         since, or REPLICAS_FRESH_S after the last read."""
