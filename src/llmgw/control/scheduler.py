@@ -353,10 +353,10 @@ def place(
 
 
 def split_need(model: ModelSpec, profile: ProfileSpec) -> int:
-    """The bytes a CPU replica split over nodes takes in all: its weights, the KV cache of
-    its whole context (the profile's --ctx-size, else the model's) and a batch's compute
-    buffer; at least the profile's min_memory_gb. Each node keeps _split.RESERVE_BYTES
-    besides."""
+    """The bytes a replica split over nodes takes in all (on CPU or cards): its weights,
+    the KV cache of its whole context (the profile's --ctx-size, else the model's) and a
+    batch's compute buffer; at least the profile's min_memory_gb. Each node keeps
+    _split.RESERVE_BYTES besides (a GPU node, each of its cards)."""
     floor = int(profile["min_memory_gb"] * GIB)
     geometry, args = model["geometry"], profile["args"]
     given = kv_sizing.arg_value(args, kv_sizing.CTX_FLAGS)
@@ -426,8 +426,12 @@ def _split_on(model: ModelSpec, profile: ProfileSpec, nodes: list[NodeView],
     candidates: list[_split.Candidate] = []
     cards: dict[str, list[Gpu]] = {}
     said: list[str] = []
+    others: dict[str, list[str]] = {}
     for node in able:
         used = _usage(node["id"], replicas, models)
+        others[node["id"]] = [_card_state(g, used) for g in node["gpus"]
+                              if g.get("class") == profile["gpu_class"]
+                              and str(g.get("uuid")) in used.uuids]
         if (why := _why_not({**profile, "min_memory_gb": 0}, node, used)):
             said.append(why)
             continue
@@ -449,7 +453,7 @@ def _split_on(model: ModelSpec, profile: ProfileSpec, nodes: list[NodeView],
                                nodes_wanted(profile), 0 if gpu else _split.RESERVE_BYTES)
     if not found.main:
         if gpu:
-            said += [_cards_said(node, cards[node]) for node in sorted(cards)]
+            said += [_cards_said(node, cards[node], others[node]) for node in sorted(cards)]
         return None, found.why + (f" ({'; '.join(said)})" if gpu else "")
     mine = {n: [str(g.get("uuid", "")) for g in c] for n, c in cards.items()}
     workers: list[SplitWorker] = []
@@ -488,11 +492,13 @@ def _cards_give(cards: list[Gpu]) -> int:
     return len(cards) * max(least - _split.RESERVE_BYTES, 0)
 
 
-def _cards_said(node_id: str, cards: list[Gpu]) -> str:
-    """A node's cards as a split weighed them: each card's free memory, and what they give."""
+def _cards_said(node_id: str, cards: list[Gpu], others: list[str]) -> str:
+    """A node's cards as a split weighed them: each card's free memory, what they give, and
+    its cards of the class a replica holds."""
     each = ", ".join(f"{_card_name(g)} {_gib(_free_bytes(g))} free" for g in cards)
+    held = f"; not free: {', '.join(others)}" if others else ""
     return (f"{node_id}: {each}; {len(cards)} card(s) give {_gib(_cards_give(cards))} "
-            f"(the least free of them each, less {_gib(_split.RESERVE_BYTES)} a card)")
+            f"(the least free of them each, less {_gib(_split.RESERVE_BYTES)} a card){held}")
 
 
 def held_back(replica: ReplicaRecord, models: dict[str, ModelSpec], nodes: list[NodeView],
