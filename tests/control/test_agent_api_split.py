@@ -157,3 +157,38 @@ def test_the_scheduler_splits_fails_and_places_again_through_the_store(tmp_path:
     assert beat("b", {"id": rid, "state": "ready", "relay_port": 7001}) == []
     assert [r["id"] for r in beat("c")] == [again["id"]]
     store.close()
+
+
+GPU_SPEC = {**SPEC, "name": "big-gpu", "geometry": GEOMETRY, "size_bytes": 70 * 10**9,
+            "profiles": [{"name": "gpu", "engine": "llamacpp", "gpu_class": "rtx-4090",
+                          "args": ["--threads", "6", "--ctx-size", "4096"], "nodes": "auto",
+                          "gpus": 2}]}
+GPU_SPLIT: dict[str, Any] = {
+    "id": "r2", "model": "big-gpu", "node": "a", "profile": "gpu", "state": "pending",
+    "gpus": ["GPU-a-0", "GPU-a-1"],
+    "workers": [{"node": "b", "layers": 20, "addr": "", "port": 0,
+                 "gpus": ["GPU-b-0", "GPU-b-1"]},
+                {"node": "c", "layers": 4, "addr": "", "port": 0}]}
+
+
+def test_a_gpu_split_gives_each_worker_its_cards_and_the_cuda_engine(tmp_path: Path) -> None:
+    """A GPU profile split over a, b and c: b's share carries b's two cards and the CUDA
+    engine (its rpc-server is the CUDA build's); once both relays are known a's answer
+    carries a's cards and the 16 layers they keep (40 less the workers' 24). The
+    control: c's entry names no cards, and c gets none (a worker is never handed the
+    main's cards); a CPU split's main answer has no layers (test above)."""
+    store = Store(tmp_path / "control.db")
+    store.add_model(CATALOG_MODEL.validate_python(GPU_SPEC))
+    store.put_replica(GPU_SPLIT)  # type: ignore[arg-type]
+    api = AgentAPI(store)
+    (share,) = _beat(api, "b", {"id": "r2", "state": "ready", "relay_port": 7001})
+    assert (share["engine"], share["gpus"], share["args"]) == (
+        "llamacpp-cuda", ["GPU-b-0", "GPU-b-1"], ["--threads", "6"])
+    assert share["split"] == {"role": "worker", "main": "a", "layers": 20}
+    (other,) = _beat(api, "c", {"id": "r2", "state": "ready", "relay_port": 7002})
+    assert other["gpus"] == []
+    (main,) = _beat(api, "a")
+    assert (main["engine"], main["gpus"], main["split"]["layers"]) == (
+        "llamacpp-cuda", ["GPU-a-0", "GPU-a-1"], 16)
+    assert main["split"]["workers"][0]["gpus"] == ["GPU-b-0", "GPU-b-1"]
+    store.close()

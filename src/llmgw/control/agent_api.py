@@ -330,10 +330,12 @@ def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
             assignment["split"] = {"role": "worker", "main": r["node"],
                                    "layers": share["layers"]}
         elif workers:
-            held = sum(w["layers"] for w in workers)
-            assignment["split"] = {
-                "role": "main", "workers": [{**w} for w in workers],
-                "layers": max(model["geometry"].get("block_count", 0) - held, 0)}
+            assignment["split"] = {"role": "main", "workers": [{**w} for w in workers]}
+            if profile["gpu_class"]:
+                # The layers its own cards share (the rest are the workers').
+                held = sum(w["layers"] for w in workers)
+                assignment["split"]["layers"] = max(
+                    model["geometry"].get("block_count", 0) - held, 0)
         result.append(assignment)
     return result
 
