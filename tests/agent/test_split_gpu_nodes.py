@@ -106,9 +106,10 @@ def test_a_gpu_worker_runs_the_cuda_rpc_server_on_its_cards_alone(
     """worker-1 given cards 0 and 1: the CUDA build's rpc-server starts once, on
     127.0.0.1, with CUDA_VISIBLE_DEVICES their UUIDs in order and --device CUDA0,CUDA1 (so
     a CUDA that does not come up fails it rather than serving the CPU), and the part is
-    ready with its relay. The controls: a card this node's NVML does not have fails the
-    part naming it, with no rpc-server started; a CPU share (no cards) runs the CPU build's
-    rpc-server, never the CUDA one."""
+    ready with its relay; a share on a card whose assignment names the CPU engine runs the
+    CUDA rpc-server too (never the CPU one on a card). The controls: a card this node's
+    NVML does not have fails the part naming it, with no rpc-server started; a CPU share
+    (no cards) runs the CPU build's rpc-server, never the CUDA one."""
     _, port = ready_gpu_worker(gpu_nodes, "r-gpu", served_gguf, gpu_nodes.uuids(0, 1))
     (start,) = jsonl(gpu_nodes.rpc_starts)
     assert start["cuda"] == ",".join(gpu_nodes.uuids(0, 1))
@@ -123,12 +124,20 @@ def test_a_gpu_worker_runs_the_cuda_rpc_server_on_its_cards_alone(
           lambda: report(stranger, "r-stranger")["state"] == "failed",
           last=lambda: report(stranger, "r-stranger"))
     assert "GPU-not-here, which this node does not have" in report(stranger, "r-stranger")["err"]
+    named_cpu = gpu_nodes.make("worker-1")
+    named_cpu.reconcile([{**gpu_part("r-named-cpu", served_gguf, gpu_nodes.uuids(2),
+                                     {"role": "worker", "main": "main-1", "layers": 1}),
+                          "engine": CPU_ENGINE}])
+    until("the part on card 2 to be ready",
+          lambda: report(named_cpu, "r-named-cpu")["state"] == "ready",
+          last=lambda: report(named_cpu, "r-named-cpu"))
+    assert jsonl(gpu_nodes.rpc_starts)[1]["cuda"] == gpu_nodes.uuids(2)[0]
     cpu = gpu_nodes.make("worker-1")
     cpu.reconcile([{**plain("r-cpu", served_gguf),
                     "split": {"role": "worker", "main": "main-1", "layers": 1}}])
     until("the CPU part to be ready", lambda: report(cpu, "r-cpu")["state"] == "ready",
           last=lambda: report(cpu, "r-cpu"))
-    assert len(jsonl(gpu_nodes.rpc_starts)) == 1, "another start reached the CUDA rpc-server"
+    assert len(jsonl(gpu_nodes.rpc_starts)) == 2, "the CPU share reached the CUDA rpc-server"
 
 
 def _main_part(rid: str, source: tuple[str, str], gpus: list[str], port: int,

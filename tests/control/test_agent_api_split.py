@@ -13,6 +13,7 @@ import pytest
 from llmgw.contract.catalog import CATALOG_MODEL
 from llmgw.contract.records import RecordError
 from llmgw.control.agent_api import AgentAPI
+from llmgw.control.scheduler import Scheduler
 from llmgw.store import Store
 
 SPEC = {"name": "big", "source": "http://mirror/big.gguf", "sha256": "",
@@ -119,8 +120,6 @@ def test_the_scheduler_splits_fails_and_places_again_through_the_store(tmp_path:
     silent past the node timeout: the replica is stopped saying so and a new one placed
     over a + c; b, back, gets nothing of the old one. The control: before the timeout the
     tick changes nothing."""
-    from llmgw.control.scheduler import Scheduler
-
     clock = Clock()
     store = Store(tmp_path / "control.db", clock=clock)
     store.add_model(CATALOG_MODEL.validate_python({**SPEC, "size_bytes": 20 * 1024**3,
@@ -191,4 +190,39 @@ def test_a_gpu_split_gives_each_worker_its_cards_and_the_cuda_engine(tmp_path: P
     assert (main["engine"], main["gpus"], main["split"]["layers"]) == (
         "llamacpp-cuda", ["GPU-a-0", "GPU-a-1"], 16)
     assert main["split"]["workers"][0]["gpus"] == ["GPU-b-0", "GPU-b-1"]
+    store.close()
+
+
+def test_the_scheduler_places_a_gpu_split_and_the_store_keeps_each_workers_cards(
+        tmp_path: Path) -> None:
+    """Nodes a and b beat with two 24 GB cards each, the CUDA engine and the RPC backend;
+    a tick splits the 70 GB model over them, the store keeps b's cards in its entry, and
+    b's answer carries them. The control: a third node c whose two cards are 48 GB takes
+    it alone, with no workers."""
+    def cards(node: str, mb: int) -> list[dict[str, Any]]:
+        return [{"index": i, "class": "rtx-4090", "memory_mb": mb, "memory_free_mb": mb - 512,
+                 "uuid": f"GPU-{node}-{i}", "name": "NVIDIA GeForce RTX 4090"}
+                for i in range(2)]
+
+    def placed(nodes: dict[str, int]) -> tuple[Store, AgentAPI, dict[str, Any]]:
+        store = Store(tmp_path / f"control-{len(nodes)}.db")
+        store.add_model(CATALOG_MODEL.validate_python(GPU_SPEC))
+        api = AgentAPI(store)
+        for n, mb in nodes.items():
+            body = {"engines": ["llamacpp", "llamacpp-cuda"], "rpc": True,
+                    "memory_mb": 64_000, "addr": f"10.0.0.{ord(n) - 96}",
+                    "gpus": cards(n, mb), "replicas": []}
+            api.heartbeat(n, body)  # type: ignore[arg-type]
+        Scheduler(store, 30).tick()
+        (replica,) = store.replicas()
+        return store, api, dict(replica)
+
+    store, api, r = placed({"a": 24_576, "b": 24_576})
+    assert (r["node"], r["gpus"]) == ("a", ["GPU-a-0", "GPU-a-1"])
+    assert [(w["node"], w["gpus"]) for w in r["workers"]] == [("b", ["GPU-b-0", "GPU-b-1"])]
+    (share,) = _beat(api, "b")
+    assert (share["engine"], share["gpus"]) == ("llamacpp-cuda", ["GPU-b-0", "GPU-b-1"])
+    store.close()
+    store, _, r = placed({"a": 24_576, "b": 24_576, "c": 49_152})
+    assert (r["node"], r["gpus"], r.get("workers") or []) == ("c", ["GPU-c-0", "GPU-c-1"], [])
     store.close()

@@ -61,7 +61,7 @@ from llmgw.agent.replicas.split import MainShare, WorkerShare
 from llmgw.agent.revocation import Revocations
 from llmgw.agent.rpc_relay import Worker
 from llmgw.config import TLSFiles
-from llmgw.contract import CUDA_ENGINE, ReplicaState
+from llmgw.contract import ReplicaState
 from llmgw.contract.records import (
     Assignment,
     Gpu,
@@ -376,11 +376,8 @@ class ReplicaSupervisor:
             raise RuntimeError(NO_RPC_BACKEND.format(engine=record.engine,
                                                      path=self.engine(record.engine)))
         check_engine_args(record.args)
-        if record.gpus and record.engine != CUDA_ENGINE:
-            raise RuntimeError(f"the control plane gave this share GPU {', '.join(record.gpus)} "
-                               f"on the {record.engine} engine, whose rpc-server serves the "
-                               f"CPU; a GPU share runs the {CUDA_ENGINE} engine's")
-        # Its cards alone visible (none on CPU): rpc-server serves every device it sees.
+        # Its cards alone visible (none on CPU): rpc-server serves every device it sees. A
+        # share on cards is the CUDA engine's whatever the assignment named (engine_for).
         _, devices = placement(record.gpus, self.gpus, record.args)
         main = str(record.split.get("main", ""))
         self.set_state(replica, ReplicaState.STARTING, f"starting rpc-server for main node "
