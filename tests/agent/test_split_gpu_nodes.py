@@ -18,12 +18,13 @@ import pytest
 
 from llmgw.agent.gpus import discover
 from llmgw.agent.replicas.process import stop_engines
+from llmgw.agent.replicas.split import WorkerShare
 from llmgw.agent.replicas.supervisor import ReplicaSupervisor
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE
 from llmgw.contract.records import Gpu
 from tests.agent.cluster_pki import Cluster
 from tests.agent.gpu_node import standin_nvml
-from tests.agent.test_split_replicas import WORKER_ADDR, plain, report, until
+from tests.agent.test_split_replicas import WORKER_ADDR, chat, plain, report, served, until
 from tests.standin_cuda_server import standin_cuda_server, standin_rpc_server
 
 pytestmark = pytest.mark.slow
@@ -154,11 +155,13 @@ def test_a_gpu_main_runs_the_cuda_engine_on_its_cards_with_rpc_and_a_split_per_d
     UUIDs, --rpc to its relay, every layer offloaded, --split-mode layer and a
     --tensor-split of one count a device in llama.cpp's order (the worker's two, then the
     main's two: 1,0,1,0), no --device (it would leave the RPC devices out) and no
-    --override-tensor (the output stays on the main's card, not its CPU). The controls: the
+    --override-tensor (the output stays on the main's card, not its CPU); the CPU build
+    the stand-in runs takes those flags, is ready and answers through the worker. The
+    controls: the
     main on card 2 alone gives 1,0,1 (the split follows the devices); an assignment that
     does not say the main's layers fails saying the control plane is older, starting
     nothing."""
-    _, port = ready_gpu_worker(gpu_nodes, "r-main", served_gguf, gpu_nodes.uuids(0, 1))
+    worker, port = ready_gpu_worker(gpu_nodes, "r-main", served_gguf, gpu_nodes.uuids(0, 1))
     main = gpu_nodes.make("main-1")
     main.reconcile([_main_part("r-main", served_gguf, gpu_nodes.uuids(2, 3), port,
                                gpu_nodes.uuids(0, 1))])
@@ -174,6 +177,12 @@ def test_a_gpu_main_runs_the_cuda_engine_on_its_cards_with_rpc_and_a_split_per_d
     assert argv[argv.index("--split-mode") + 1] == "layer"
     assert argv[argv.index("--tensor-split") + 1] == "1,0,1,0"
     assert "--device" not in argv and "--override-tensor" not in argv, argv
+    # The stand-in runs the CPU build with these flags (less --n-gpu-layers): its parser
+    # takes them, and the worker's relay carries weights to its rpc-server.
+    r = served(main, "r-main")
+    assert chat(r["endpoint"], r["api_key"])
+    share = worker.replicas["r-main"].share
+    assert isinstance(share, WorkerShare) and share.relay.counters.bytes_in > 0
 
     _, port = ready_gpu_worker(gpu_nodes, "r-one", served_gguf, gpu_nodes.uuids(0, 1))
     one = gpu_nodes.make("main-1")
