@@ -157,10 +157,9 @@ def test_a_gpu_main_runs_the_cuda_engine_on_its_cards_with_rpc_and_a_split_per_d
     main's two: 1,0,1,0), no --device (it would leave the RPC devices out) and no
     --override-tensor (the output stays on the main's card, not its CPU); the CPU build
     the stand-in runs takes those flags, is ready and answers through the worker. The
-    controls: the
-    main on card 2 alone gives 1,0,1 (the split follows the devices); an assignment that
-    does not say the main's layers fails saying the control plane is older, starting
-    nothing."""
+    controls: the main on card 2 alone gives 1,0,1 (the split follows the devices); an
+    assignment that does not say the main's layers fails saying the control plane is
+    older, starting nothing."""
     worker, port = ready_gpu_worker(gpu_nodes, "r-main", served_gguf, gpu_nodes.uuids(0, 1))
     main = gpu_nodes.make("main-1")
     main.reconcile([_main_part("r-main", served_gguf, gpu_nodes.uuids(2, 3), port,
