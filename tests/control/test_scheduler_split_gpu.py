@@ -151,3 +151,15 @@ def test_the_catalog_takes_nodes_on_a_gpu_profile_and_refuses_what_cannot_split(
         CATALOG_MODEL.validate_python(spec("--split-mode", "row"))
     with pytest.raises(ValidationError, match="with its own --tensor-split"):
         CATALOG_MODEL.validate_python(spec("--tensor-split", "1,1"))
+
+
+def test_a_split_over_more_cards_than_llama_cpp_takes_waits_saying_so() -> None:
+    """A 350 GB model over eight nodes of two cards would take 16 cards, one more than
+    llama.cpp's --tensor-split takes: it waits, saying so. The control: 300 GB takes seven
+    nodes, 14 cards, and is placed."""
+    nodes = [gpu_node(f"n{i}") for i in range(8)]
+    (r,) = plan([seventy(size_gb=350)], nodes, []).add
+    assert r["node"] == "" and "it takes 16 cards" in r["err"] and "at most 15" in r["err"], \
+        r["err"]
+    (r,) = plan([seventy(size_gb=300)], nodes, []).add
+    assert sum(len(c) for c in cards_of(r).values()) == 14, r

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from llmgw.contract.catalog import MAX_NODES
 
 GIB = 1024**3
+# The most devices one split engine is given: llama.cpp's --tensor-split takes fewer values
+# than its llama_max_devices() (16), and a GPU split names one value a card of every node.
+MAX_DEVICES = 15
 # What a node keeps for itself beside a share of a split model: the OS, the agent, and
 # rpc-server's or llama-server's own buffers.
 RESERVE_BYTES = 1 * GIB

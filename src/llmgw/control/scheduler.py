@@ -456,6 +456,11 @@ def _split_on(model: ModelSpec, profile: ProfileSpec, nodes: list[NodeView],
             said += [_cards_said(node, cards[node], others[node]) for node in sorted(cards)]
         return None, found.why + (f" ({'; '.join(said)})" if gpu else "")
     mine = {n: [str(g.get("uuid", "")) for g in c] for n, c in cards.items()}
+    devices = sum(len(mine[n]) if gpu else 1 for n in found.nodes)
+    if devices > _split.MAX_DEVICES:
+        return None, (f"over {len(found.nodes)} nodes it takes {devices} cards, and llama.cpp "
+                      f"splits one model over at most {_split.MAX_DEVICES} devices (its "
+                      "--tensor-split): give the profile fewer gpus a node, or larger cards")
     workers: list[SplitWorker] = []
     for n, k in found.workers:
         worker: SplitWorker = {"node": n, "layers": k, "addr": "", "port": 0}
