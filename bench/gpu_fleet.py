@@ -35,12 +35,16 @@ In one call of at most ten minutes, on a machine that reaches no network:
    engine, the CUDA build's rpc-server (GGML_RPC=ON) as a worker holding the model's last
    half, through the agents' TLS relay with certificates made now; the answer at
    temperature 0 against the unsplit one's, what the rpc-server holds, tokens/s split
-   against unsplit (goal: the same answer).
+   against unsplit (goal: the same answer). Then, where the CUDA build's llama-server is
+   beside its rpc-server, the same split with it as the main on this card, as an agent
+   runs a GPU profile's split over nodes (rpc_relay.gpu_main_flags): its answer, offload
+   and buffers by device (`rpc_gpu_main_*`).
 
 Each step is written to OUT/fleet.json as it ends (a run cut off still says how far it
 got); the last line printed is the whole result, also OUT/gpu-check.json. OUT gets at
-most 11 files: fleet.json, gpu-check.json, provision.log, agent.log, cuda-build.log,
-default-slots.log, nvml.json, rpc-server.log, serve-rpc-unsplit.log, serve-rpc-split.log.
+most 12 files: fleet.json, gpu-check.json, provision.log, agent.log, cuda-build.log,
+default-slots.log, nvml.json, rpc-server.log, serve-rpc-unsplit.log, serve-rpc-split.log,
+serve-rpc-split-gpu-main.log.
 
 --dry-run ENGINE rehearses all of it on a machine without a GPU: the stand-in NVML
 (tests/standin_nvml, two H200s on a CUDA 13.0 driver), provision with --engine-cuda off,
@@ -586,11 +590,14 @@ def rpc_step(args: argparse.Namespace, report: Report, gpu_check: ModuleType, ca
                                        f"({rpc_server or 'none in ' + str(cache)})"})
         return
     engine = cache / "llmgw" / "engines" / "llamacpp" / PINNED_VERSION / "llama-server"
+    # The CUDA build's llama-server beside its rpc-server (rehearsed: the dry-run engine).
+    gpu_main = rpc_server.parent / "llama-server"
     try:
         report.step("rpc", gpu_rpc.rpc_case(
             gpu_check, rpc_server=rpc_server, cpu_engine=engine, model=model,
             n_layer=int(shape["n_layer"]), out=args.out, work=work,
-            gpu_memory=None if args.dry_run else gpu_memory_mib))
+            gpu_memory=None if args.dry_run else gpu_memory_mib,
+            main_engine=gpu_main if gpu_main.is_file() else None))
     except Exception as e:  # noqa: BLE001 - the line says what failed; the rest stands
         report.step("rpc", {"failed": f"{type(e).__name__}: {e}"[:800]})
 
@@ -717,6 +724,11 @@ def finish(report: Report, rc: int) -> int:
         "rpc_unsplit_tokens_per_s": rpc.get("unsplit_tokens_per_s"),
         "rpc_split_unsplit": rpc.get("split_unsplit"),
         "rpc_failed": rpc.get("failed") or rpc.get("skipped"),
+        "rpc_gpu_main_answer_equal": (rpc.get("gpu_main") or {}).get("answer_equal"),
+        "rpc_gpu_main_layers_offloaded": (rpc.get("gpu_main") or {}).get("layers_offloaded"),
+        "rpc_gpu_main_buffers_mib": (rpc.get("gpu_main") or {}).get("buffers_mib"),
+        "rpc_gpu_main_tokens_per_s": (rpc.get("gpu_main") or {}).get("tokens_per_s"),
+        "rpc_gpu_main_failed": (rpc.get("gpu_main") or {}).get("failed"),
         "goals": {"no_failed_request": move.get("failed") == 0 and bool(move.get("moved"))
                   and bool(move.get("under_load")),
                   "gateway_ge_0.95": all(r is not None and r >= 0.95

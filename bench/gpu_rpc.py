@@ -21,6 +21,13 @@ own log does not print), the devices the rpc-server's log says it serves, the GP
 NVML says the rpc-server process holds while the split engine is up (None without NVML's
 process list, as on the stand-in), the relays' connections and bytes, and tokens/s split
 against unsplit.
+
+With main_engine (the CUDA build's llama-server beside its rpc-server), the same split once
+more with that engine as the main, on this machine's card, as an agent runs the main of a
+GPU profile split over nodes (rpc_relay.gpu_main_flags: every layer offloaded, the RPC
+device first, then CUDA0, whose share keeps the output layer): its answer against the
+unsplit one's, its offload and buffers by device (`CUDA0` the main's share, `RPC0[...]`
+the worker's; the output off the CPU), tokens/s.
 """
 
 from __future__ import annotations
@@ -166,10 +173,11 @@ def parted_at(a: str, b: str) -> int | None:
 
 def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model: Path,
              n_layer: int, out: Path, work: Path,
-             gpu_memory: Callable[[list[int]], dict[str, int] | None] | None = None
-             ) -> dict[str, Any]:
-    """The case run once: unsplit, then split through the relays; what it found (see the
-    module's docstring). gpu_memory(pids) is NVML's memory by pid (bench/gpu_fleet.py's)."""
+             gpu_memory: Callable[[list[int]], dict[str, int] | None] | None = None,
+             main_engine: Path | None = None) -> dict[str, Any]:
+    """The case run once: unsplit, then split through the relays (and with main_engine, split
+    with a GPU main); what it found (see the module's docstring). gpu_memory(pids) is NVML's
+    memory by pid (bench/gpu_fleet.py's)."""
     started = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     unsplit = gpu_check.serve_once(str(cpu_engine), model, out, "rpc-unsplit", [], n_probs=2)
@@ -194,6 +202,9 @@ def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model
                                      rpc_relay.main_flags(main.endpoints(), layers), held,
                                      n_probs=2)
         alive = proc.poll() is None
+        gpu_main = None if main_engine is None else _gpu_main(
+            gpu_check, main_engine, model, out, main.endpoints(), [layers, n_layer - layers],
+            unsplit)
     finally:
         main.stop()
         worker.stop()
@@ -230,9 +241,29 @@ def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model
         "split_tokens_per_s": split.get("tokens_per_s"),
         "split_unsplit": round(split["tokens_per_s"] / unsplit["tokens_per_s"], 3)
         if unsplit.get("tokens_per_s") and split.get("tokens_per_s") else None,
+        "gpu_main": gpu_main,
         "rpc_server": str(rpc_server), "main_engine": str(cpu_engine),
         "s": round(time.monotonic() - started, 1),
     }
+
+
+def _gpu_main(gpu_check: ModuleType, engine: Path, model: Path, out: Path, endpoints: str,
+              split: list[int], unsplit: dict[str, Any]) -> dict[str, Any]:
+    """The split served once more with engine as a GPU main (rpc_relay.gpu_main_flags, the
+    worker's layers then its own); what it found, or why it failed (the rest stands)."""
+    flags = rpc_relay.gpu_main_flags(endpoints, split)
+    try:
+        served = gpu_check.serve_once(str(engine), model, out, "rpc-split-gpu-main", flags,
+                                      n_probs=2)
+    except Exception as e:  # noqa: BLE001 - said in the result; the CPU main's case stands
+        return {"failed": f"{type(e).__name__}: {e}"[:800], "flags": flags}
+    a, b = unsplit.get("content") or "", served.get("content") or ""
+    return {"answer_equal": a == b and bool(a), "parted_at": parted_at(a, b),
+            "tokens": compare(unsplit.get("probs", []), served.get("probs", [])),
+            "layers_offloaded": served.get("layers_offloaded"),
+            "buffers_mib": served.get("buffers_mib"),
+            "tokens_per_s": served.get("tokens_per_s"), "flags": flags,
+            "engine": str(engine)}
 
 
 def find_rpc_server(roots: list[Path]) -> Path | None:

@@ -51,3 +51,33 @@ os.execv({real!r}, [{real!r}, *kept])
 """)
     engine.chmod(0o755)
     return engine, starts
+
+
+def standin_rpc_server(directory: Path, *, real: str) -> tuple[Path, Path]:
+    """DIR/rpc-server standing for the CUDA build's, and the file it logs starts to
+    (DIR/rpc-starts.jsonl: its command line and CUDA_VISIBLE_DEVICES, one JSON line each).
+    It then runs real (a CPU build's rpc-server) without --device, which names CUDA
+    devices a CPU build does not have; as the CUDA build does for a device it cannot see,
+    it exits 1 where --device names more CUDA devices than CUDA_VISIBLE_DEVICES holds."""
+    directory.mkdir(parents=True, exist_ok=True)
+    binary, starts = directory / "rpc-server", directory / "rpc-starts.jsonl"
+    binary.write_text(f"""#!{sys.executable}
+import json, os, sys
+argv = sys.argv[1:]
+visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+with open({str(starts)!r}, "a") as log:
+    log.write(json.dumps({{"argv": argv, "cuda": visible}}) + "\\n")
+kept, words = [], iter(argv)
+for word in words:
+    if word in ("-d", "--device"):
+        named = next(words).split(",")
+        have = [v for v in (visible or "").split(",") if v]
+        if len(named) > len(have):
+            sys.stderr.write("error: unknown device: CUDA%d\\n" % len(have))
+            sys.exit(1)
+        continue
+    kept.append(word)
+os.execv({real!r}, [{real!r}, *kept])
+""")
+    binary.chmod(0o755)
+    return binary, starts

@@ -13,6 +13,7 @@ import pytest
 from llmgw.contract.catalog import CATALOG_MODEL
 from llmgw.contract.records import RecordError
 from llmgw.control.agent_api import AgentAPI
+from llmgw.control.scheduler import Scheduler
 from llmgw.store import Store
 
 SPEC = {"name": "big", "source": "http://mirror/big.gguf", "sha256": "",
@@ -119,8 +120,6 @@ def test_the_scheduler_splits_fails_and_places_again_through_the_store(tmp_path:
     silent past the node timeout: the replica is stopped saying so and a new one placed
     over a + c; b, back, gets nothing of the old one. The control: before the timeout the
     tick changes nothing."""
-    from llmgw.control.scheduler import Scheduler
-
     clock = Clock()
     store = Store(tmp_path / "control.db", clock=clock)
     store.add_model(CATALOG_MODEL.validate_python({**SPEC, "size_bytes": 20 * 1024**3,
@@ -156,4 +155,74 @@ def test_the_scheduler_splits_fails_and_places_again_through_the_store(tmp_path:
     assert again["id"] != rid and [w["node"] for w in again["workers"]] == ["c"]
     assert beat("b", {"id": rid, "state": "ready", "relay_port": 7001}) == []
     assert [r["id"] for r in beat("c")] == [again["id"]]
+    store.close()
+
+
+GPU_SPEC = {**SPEC, "name": "big-gpu", "geometry": GEOMETRY, "size_bytes": 70 * 10**9,
+            "profiles": [{"name": "gpu", "engine": "llamacpp", "gpu_class": "rtx-4090",
+                          "args": ["--threads", "6", "--ctx-size", "4096"], "nodes": "auto",
+                          "gpus": 2}]}
+GPU_SPLIT: dict[str, Any] = {
+    "id": "r2", "model": "big-gpu", "node": "a", "profile": "gpu", "state": "pending",
+    "gpus": ["GPU-a-0", "GPU-a-1"],
+    "workers": [{"node": "b", "layers": 20, "addr": "", "port": 0,
+                 "gpus": ["GPU-b-0", "GPU-b-1"]},
+                {"node": "c", "layers": 4, "addr": "", "port": 0}]}
+
+
+def test_a_gpu_split_gives_each_worker_its_cards_and_the_cuda_engine(tmp_path: Path) -> None:
+    """A GPU profile split over a, b and c: b's share carries b's two cards and the CUDA
+    engine (its rpc-server is the CUDA build's); once both relays are known a's answer
+    carries a's cards and the 16 layers they keep (40 less the workers' 24). The
+    control: c's entry names no cards, and c gets none (a worker is never handed the
+    main's cards); a CPU split's main answer has no layers (test above)."""
+    store = Store(tmp_path / "control.db")
+    store.add_model(CATALOG_MODEL.validate_python(GPU_SPEC))
+    store.put_replica(GPU_SPLIT)  # type: ignore[arg-type]
+    api = AgentAPI(store)
+    (share,) = _beat(api, "b", {"id": "r2", "state": "ready", "relay_port": 7001})
+    assert (share["engine"], share["gpus"], share["args"]) == (
+        "llamacpp-cuda", ["GPU-b-0", "GPU-b-1"], ["--threads", "6"])
+    assert share["split"] == {"role": "worker", "main": "a", "layers": 20}
+    (other,) = _beat(api, "c", {"id": "r2", "state": "ready", "relay_port": 7002})
+    assert other["gpus"] == []
+    (main,) = _beat(api, "a")
+    assert (main["engine"], main["gpus"], main["split"]["layers"]) == (
+        "llamacpp-cuda", ["GPU-a-0", "GPU-a-1"], 16)
+    assert main["split"]["workers"][0]["gpus"] == ["GPU-b-0", "GPU-b-1"]
+    store.close()
+
+
+def test_the_scheduler_places_a_gpu_split_and_the_store_keeps_each_workers_cards(
+        tmp_path: Path) -> None:
+    """Nodes a and b beat with two 24 GB cards each, the CUDA engine and the RPC backend;
+    a tick splits the 70 GB model over them, the store keeps b's cards in its entry, and
+    b's answer carries them. The control: a third node c whose two cards are 48 GB takes
+    it alone, with no workers."""
+    def cards(node: str, mb: int) -> list[dict[str, Any]]:
+        return [{"index": i, "class": "rtx-4090", "memory_mb": mb, "memory_free_mb": mb - 512,
+                 "uuid": f"GPU-{node}-{i}", "name": "NVIDIA GeForce RTX 4090"}
+                for i in range(2)]
+
+    def placed(nodes: dict[str, int]) -> tuple[Store, AgentAPI, dict[str, Any]]:
+        store = Store(tmp_path / f"control-{len(nodes)}.db")
+        store.add_model(CATALOG_MODEL.validate_python(GPU_SPEC))
+        api = AgentAPI(store)
+        for n, mb in nodes.items():
+            body = {"engines": ["llamacpp", "llamacpp-cuda"], "rpc": True,
+                    "memory_mb": 64_000, "addr": f"10.0.0.{ord(n) - 96}",
+                    "gpus": cards(n, mb), "replicas": []}
+            api.heartbeat(n, body)  # type: ignore[arg-type]
+        Scheduler(store, 30).tick()
+        (replica,) = store.replicas()
+        return store, api, dict(replica)
+
+    store, api, r = placed({"a": 24_576, "b": 24_576})
+    assert (r["node"], r["gpus"]) == ("a", ["GPU-a-0", "GPU-a-1"])
+    assert [(w["node"], w["gpus"]) for w in r["workers"]] == [("b", ["GPU-b-0", "GPU-b-1"])]
+    (share,) = _beat(api, "b")
+    assert (share["engine"], share["gpus"]) == ("llamacpp-cuda", ["GPU-b-0", "GPU-b-1"])
+    store.close()
+    store, _, r = placed({"a": 24_576, "b": 24_576, "c": 49_152})
+    assert (r["node"], r["gpus"], r.get("workers") or []) == ("c", ["GPU-c-0", "GPU-c-1"], [])
     store.close()

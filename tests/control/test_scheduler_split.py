@@ -165,9 +165,9 @@ def test_a_worker_that_comes_back_never_rejoins_the_old_replica() -> None:
     assert not (back.add or back.stop or back.place or back.split)
 
 
-def test_the_catalog_takes_nodes_for_a_cpu_profile_and_refuses_it_elsewhere() -> None:
-    """nodes: 1 to 8 or auto on a CPU profile; 0, 9, a word, or a GPU profile refused
-    saying why. The control: the default is 1."""
+def test_the_catalog_takes_nodes_from_1_to_8_or_auto() -> None:
+    """nodes: 1 to 8 or auto; 0, 9, a word refused saying why. The control: the default
+    is 1."""
     def spec(**profile: Any) -> dict[str, Any]:
         return {"name": "m", "source": "https://mirror/m.gguf",
                 "profiles": [{"name": "p", "engine": "llamacpp", **profile}]}
@@ -179,8 +179,9 @@ def test_the_catalog_takes_nodes_for_a_cpu_profile_and_refuses_it_elsewhere() ->
         with pytest.raises(ValidationError, match="nodes must be a number of nodes from 1 "
                                                   "to 8"):
             CATALOG_MODEL.validate_python(spec(nodes=bad))
-    with pytest.raises(ValidationError, match="for CPU profiles only"):
-        CATALOG_MODEL.validate_python(spec(nodes=2, gpu_class="h100"))
+    # A GPU profile takes it too (tests/control/test_scheduler_split_gpu.py).
+    assert CATALOG_MODEL.validate_python(spec(nodes=2, gpu_class="h100"))["profiles"][0][
+        "nodes"] == 2
 
 
 def test_the_need_is_the_weights_the_kv_cache_and_a_compute_buffer() -> None:

@@ -158,13 +158,16 @@ def _split_rules(v: ProfileSpec) -> ProfileSpec:
         raise ValueError(f"profile {name!r} asks gpus: {wanted} but names no gpu_class; a "
                          "CPU profile runs on the node's CPU: set gpu_class or drop gpus")
     over = v.get("nodes", 1)
-    if over != 1 and v["gpu_class"]:
-        raise ValueError(f"profile {name!r} asks nodes: {over} with gpu_class "
-                         f"{v['gpu_class']!r}; a split over nodes is placed for CPU profiles "
-                         "only in this release: drop nodes here, or add a CPU profile with "
-                         "nodes beside it (a GPU profile takes several cards of one node "
-                         "with gpus)")
     mode = arg_value(v["args"], SPLIT_MODE_FLAGS)
+    if over != 1 and v["gpu_class"] and mode and mode != "layer":
+        raise ValueError(f"profile {name!r} asks nodes: {over} with --split-mode {mode}; "
+                         "llama.cpp's RPC backend shares a model over nodes layer by layer "
+                         "only: drop --split-mode or write --split-mode layer")
+    if over != 1 and v["gpu_class"] and arg_value(v["args"], TENSOR_SPLIT_FLAGS):
+        raise ValueError(f"profile {name!r} asks nodes: {over} with its own --tensor-split; "
+                         "split over nodes, llmgw shares the layers out over every node's "
+                         "cards by what each gives: drop --tensor-split (it still applies "
+                         "to a replica on one node's cards without nodes)")
     if wanted != 1 and mode and mode != "layer":
         raise ValueError(f"profile {name!r} asks gpus: {wanted} with --split-mode {mode}; "
                          "llmgw fits and runs a split layer by layer: drop --split-mode or "

@@ -144,12 +144,15 @@ class SplitWorker(TypedDict):
     it holds, and once it reported its relay (agent/rpc_relay.py), where the main node
     reaches it. addr is the worker's management address (its inventory's `addr`), port its
     relay's: '' and 0 until the worker has reported. state and err are the worker's last
-    report on its share ('' before any)."""
+    report on its share ('' before any). gpus: for a GPU profile, the worker's cards (NVML
+    UUIDs, in its order) that its rpc-server serves and the replica holds; its layers are
+    shared evenly over them. Absent or empty: a CPU share."""
 
     node: str
     layers: int
     addr: str
     port: int
+    gpus: NotRequired[list[str]]
     state: NotRequired[str]
     err: NotRequired[str]
 
@@ -291,6 +294,9 @@ class SplitMain(TypedDict):
 
     role: Literal["main"]
     workers: list[SplitWorker]
+    # The model's layers the main node keeps (its own cards share them evenly, after the
+    # workers' devices in --tensor-split); absent from an older control plane.
+    layers: NotRequired[int]
 
 
 class SplitShare(TypedDict):

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from llmgw.contract.catalog import MAX_NODES
 
 GIB = 1024**3
+# The most devices one split engine is given: llama.cpp's --tensor-split takes fewer values
+# than its llama_max_devices() (16), and a GPU split names one value a card of every node.
+MAX_DEVICES = 15
 # What a node keeps for itself beside a share of a split model: the OS, the agent, and
 # rpc-server's or llama-server's own buffers.
 RESERVE_BYTES = 1 * GIB
@@ -70,15 +73,16 @@ def parse_nodes(value: str | int) -> int:
 
 
 def place_split(need_bytes: int, layers: int, candidates: list[Candidate],
-                max_nodes: int) -> SplitPlacement:
-    """The fewest nodes, largest free first, whose free memory (less RESERVE_BYTES each)
-    holds need_bytes, with each node's layers in proportion to what it gives; or why none."""
+                max_nodes: int, reserve: int = RESERVE_BYTES) -> SplitPlacement:
+    """The fewest nodes, largest free first, whose free memory (less reserve each: a GPU
+    node's candidates are given with their cards' reserve already taken) holds need_bytes,
+    with each node's layers in proportion to what it gives; or why none."""
     if max_nodes < 2:
         return SplitPlacement(why="the profile does not allow a split (nodes: 1)")
     if layers < 2:
         return SplitPlacement(why=f"the model has {layers} layer(s): nothing to split")
-    usable = sorted((Candidate(c.node, c.free_bytes - RESERVE_BYTES) for c in candidates
-                     if c.free_bytes > RESERVE_BYTES), key=lambda c: (-c.free_bytes, c.node))
+    usable = sorted((Candidate(c.node, c.free_bytes - reserve) for c in candidates
+                     if c.free_bytes > reserve), key=lambda c: (-c.free_bytes, c.node))
     chosen: list[Candidate] = []
     for c in usable[:min(max_nodes, layers)]:
         chosen.append(c)
@@ -86,10 +90,10 @@ def place_split(need_bytes: int, layers: int, candidates: list[Candidate],
             return _layers(chosen, layers)
     have = sum(c.free_bytes for c in usable[:max_nodes])
     said = ", ".join(f"{c.node} {c.free_bytes / GIB:.1f} GiB" for c in usable[:max_nodes])
+    kept = f", each less {reserve / GIB:.0f} GiB kept for itself" if reserve else ""
     return SplitPlacement(why=(
         f"split over at most {max_nodes} nodes it needs {need_bytes / GIB:.1f} GiB and they "
-        f"give {have / GIB:.1f} GiB ({said or 'no node has memory free'}, each less "
-        f"{RESERVE_BYTES / GIB:.0f} GiB kept for itself)"))
+        f"give {have / GIB:.1f} GiB ({said or 'no node has memory free'}{kept})"))
 
 
 def _layers(chosen: list[Candidate], layers: int) -> SplitPlacement:

@@ -343,12 +343,19 @@ def _assignments(rows: list[NodeReplica]) -> list[Assignment]:
             "gpus": list(r.get("gpus") or []),
         }
         if share is not None:
-            # rpc-server takes the profile's threads alone (engine_args.RPC_SERVER_FLAGS).
-            assignment["args"], assignment["gpus"] = rpc_server_args(profile["args"]), []
+            # rpc-server takes the profile's threads alone (engine_args.RPC_SERVER_FLAGS),
+            # and the worker's own cards where the profile is a GPU one (none: its CPU).
+            assignment["args"] = rpc_server_args(profile["args"])
+            assignment["gpus"] = list(share.get("gpus") or []) if profile["gpu_class"] else []
             assignment["split"] = {"role": "worker", "main": r["node"],
                                    "layers": share["layers"]}
         elif workers:
             assignment["split"] = {"role": "main", "workers": [{**w} for w in workers]}
+            if profile["gpu_class"]:
+                # The layers its own cards share (the rest are the workers').
+                held = sum(w["layers"] for w in workers)
+                assignment["split"]["layers"] = max(
+                    model["geometry"].get("block_count", 0) - held, 0)
         result.append(assignment)
     return result
 

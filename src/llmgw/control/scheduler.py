@@ -287,7 +287,12 @@ def _usage(node_id: str, replicas: list[ReplicaRecord], models: dict[str, ModelS
         profile = _profile(model, r["profile"])
         if profile is None or model is None:
             continue
-        if workers:
+        if workers and profile["gpu_class"]:
+            # A GPU split holds every card it lists, on its main node and on each worker.
+            cards = split_cards(r, node_id)
+            used.uuids.update(cards)
+            used.holders.update({u: f"split replica {r['id']} of {r['model']}" for u in cards})
+        elif workers:
             # A split replica holds its share on each node it uses, main and workers.
             used.memory_mb += _split_shares(r, model, profile).get(node_id, 0) / MIB
         elif profile["gpu_class"] and r.get("gpus"):
@@ -348,10 +353,10 @@ def place(
 
 
 def split_need(model: ModelSpec, profile: ProfileSpec) -> int:
-    """The bytes a CPU replica split over nodes takes in all: its weights, the KV cache of
-    its whole context (the profile's --ctx-size, else the model's) and a batch's compute
-    buffer; at least the profile's min_memory_gb. Each node keeps _split.RESERVE_BYTES
-    besides."""
+    """The bytes a replica split over nodes takes in all (on CPU or cards): its weights,
+    the KV cache of its whole context (the profile's --ctx-size, else the model's) and a
+    batch's compute buffer; at least the profile's min_memory_gb. Each node keeps
+    _split.RESERVE_BYTES besides (a GPU node, each of its cards)."""
     floor = int(profile["min_memory_gb"] * GIB)
     geometry, args = model["geometry"], profile["args"]
     given = kv_sizing.arg_value(args, kv_sizing.CTX_FLAGS)
@@ -375,6 +380,15 @@ def _split_shares(replica: ReplicaRecord, model: ModelSpec,
     return shares
 
 
+def split_cards(replica: ReplicaRecord, node_id: str) -> list[str]:
+    """The cards (UUIDs) a split replica holds on node_id: its own gpus on its main node,
+    the worker's entry's on a worker; none on another node."""
+    if replica["node"] == node_id:
+        return list(replica.get("gpus") or [])
+    return [u for w in replica.get("workers") or [] if w["node"] == node_id
+            for u in w.get("gpus") or []]
+
+
 def split_nodes(replica: ReplicaRecord) -> list[str]:
     """The nodes a replica runs on: its node (a split one's main) and then its workers."""
     return [replica["node"], *(w["node"] for w in replica.get("workers") or [])]
@@ -387,7 +401,7 @@ def _place_split(model: ModelSpec, nodes: list[NodeView], replicas: list[Replica
     a model none of whose profiles does."""
     reasons: list[str] = []
     for profile in sorted(model["profiles"], key=lambda p: -p["priority"]):
-        if nodes_wanted(profile) < 2 or profile["gpu_class"]:
+        if nodes_wanted(profile) < 2:
             continue
         where, why = _split_on(model, profile, nodes, replicas, models)
         if where is not None:
@@ -408,22 +422,88 @@ def _split_on(model: ModelSpec, profile: ProfileSpec, nodes: list[NodeView],
         return None, ("no ready node has llama.cpp's RPC backend (a node says rpc: true once "
                       "its engine is the source build with GGML_RPC=ON: engine.prebuilt: off "
                       "in its agent.yaml)")
+    gpu = bool(profile["gpu_class"])
     candidates: list[_split.Candidate] = []
+    cards: dict[str, list[Gpu]] = {}
+    said: list[str] = []
+    others: dict[str, list[str]] = {}
     for node in able:
         used = _usage(node["id"], replicas, models)
-        if _why_not({**profile, "min_memory_gb": 0}, node, used):
+        others[node["id"]] = [_card_state(g, used) for g in node["gpus"]
+                              if g.get("class") == profile["gpu_class"]
+                              and str(g.get("uuid")) in used.uuids]
+        if (why := _why_not({**profile, "min_memory_gb": 0}, node, used)):
+            said.append(why)
+            continue
+        if gpu:
+            cards[node["id"]], why = _split_cards(model, profile, node, used)
+            if why:
+                said.append(why)
+                continue
+            candidates.append(_split.Candidate(node["id"], _cards_give(cards[node["id"]])))
             continue
         free = int((node.get("memory_mb", 0) - used.memory_mb) * MIB)
         candidates.append(_split.Candidate(node["id"], free))
     if len(candidates) < 2:
         return None, (f"{len(candidates)} ready node(s) with llama.cpp's RPC backend take "
-                      f"{profile['name']} (its engine, its node_selector); a split needs 2")
+                      f"{profile['name']} (its engine, its node_selector"
+                      f"{', a free ' + profile['gpu_class'] + ' GPU' if gpu else ''}); a "
+                      f"split needs 2" + (f" ({'; '.join(said)})" if said else ""))
     found = _split.place_split(split_need(model, profile), layers, candidates,
-                               nodes_wanted(profile))
+                               nodes_wanted(profile), 0 if gpu else _split.RESERVE_BYTES)
     if not found.main:
-        return None, found.why
-    return Placement(found.main, profile["name"], [], workers=[
-        {"node": n, "layers": k, "addr": "", "port": 0} for n, k in found.workers]), ""
+        if gpu:
+            said += [_cards_said(node, cards[node], others[node]) for node in sorted(cards)]
+        return None, found.why + (f" ({'; '.join(said)})" if gpu else "")
+    mine = {n: [str(g.get("uuid", "")) for g in c] for n, c in cards.items()}
+    devices = sum(len(mine[n]) if gpu else 1 for n in found.nodes)
+    if devices > _split.MAX_DEVICES:
+        return None, (f"over {len(found.nodes)} nodes it takes {devices} cards, and llama.cpp "
+                      f"splits one model over at most {_split.MAX_DEVICES} devices (its "
+                      "--tensor-split): give the profile fewer gpus a node, or larger cards")
+    workers: list[SplitWorker] = []
+    for n, k in found.workers:
+        worker: SplitWorker = {"node": n, "layers": k, "addr": "", "port": 0}
+        if gpu:
+            worker["gpus"] = mine[n]
+        workers.append(worker)
+    return Placement(found.main, profile["name"], mine.get(found.main, []),
+                     workers=workers), ""
+
+
+def _split_cards(model: ModelSpec, profile: ProfileSpec, node: NodeView,
+                 used: _Used) -> tuple[list[Gpu], str]:
+    """(the cards node gives a GPU replica split over nodes, '') or ([], why none): its
+    free cards of the profile's class, less those held back (the GPU engine's check, a
+    give-up) and those under min_memory_gb, the roomiest up to the profile's gpus
+    (control._cards' rules)."""
+    held = _held_back(model, profile, node)
+    free = _free_cards(profile, node, _Used(used.uuids | set(held), used.by_class,
+                                            used.memory_mb, used.holders))
+    big = [g for g in free if g.get("memory_mb", 0) >= profile["min_memory_gb"] * 1024]
+    if not big:
+        why = _no_free_card(profile, node, used) if not free else (
+            f"{node['id']}'s free {profile['gpu_class']} GPUs have under "
+            f"{profile['min_memory_gb']} GB")
+        return [], why + (" (" + "; ".join(held.values()) + ")" if held else "")
+    return _cards.roomiest(big, min(cards_wanted(profile), len(big))), ""
+
+
+def _cards_give(cards: list[Gpu]) -> int:
+    """What a node's cards give a replica split over nodes: the node's layers are shared
+    evenly over its cards, so each gives what the least free of them has, less
+    _split.RESERVE_BYTES (CUDA's context and the card's compute buffer)."""
+    least = min(_free_bytes(g) for g in cards)
+    return len(cards) * max(least - _split.RESERVE_BYTES, 0)
+
+
+def _cards_said(node_id: str, cards: list[Gpu], others: list[str]) -> str:
+    """A node's cards as a split weighed them: each card's free memory, what they give, and
+    its cards of the class a replica holds."""
+    each = ", ".join(f"{_card_name(g)} {_gib(_free_bytes(g))} free" for g in cards)
+    held = f"; not free: {', '.join(others)}" if others else ""
+    return (f"{node_id}: {each}; {len(cards)} card(s) give {_gib(_cards_give(cards))} "
+            f"(the least free of them each, less {_gib(_split.RESERVE_BYTES)} a card){held}")
 
 
 def held_back(replica: ReplicaRecord, models: dict[str, ModelSpec], nodes: list[NodeView],
@@ -558,7 +638,7 @@ def plan(
                     result.split[rid] = where.workers
                     taken.append({**next(r for r in mine if r["id"] == rid),
                                   "node": where.node, "profile": where.profile,
-                                  "workers": where.workers})
+                                  "gpus": where.gpus, "workers": where.workers})
             elif rid:
                 result.waiting[rid] = where.why
             else:

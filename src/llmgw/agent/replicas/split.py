@@ -47,12 +47,14 @@ class WorkerShare:
 
     def __init__(self, rpc_server: Path, tls: TLSFiles, *, host: str, main_node: str,
                  profile_args: list[str], log_path: Path, relay_port: int = 0,
-                 env: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None, cards: int = 0,
                  revocations: Revocations | None = None) -> None:
         self.rpc_server = rpc_server
         # rpc-server's environment: this process's unless given (CUDA_VISIBLE_DEVICES holds
         # it to the cards placed, or to none for a CPU share).
         self.env = env
+        # How many cards it serves (the CUDA build's rpc-server, named by --device): 0 on CPU.
+        self.cards = cards
         self.profile_args = profile_args
         self.log_path = log_path
         self.port = free_port(rpc_relay.LOOPBACK)
@@ -61,7 +63,8 @@ class WorkerShare:
                                  port=relay_port, revocations=revocations)
 
     def start(self) -> int:
-        argv = rpc_relay.rpc_server_command(str(self.rpc_server), self.port, self.profile_args)
+        argv = rpc_relay.rpc_server_command(str(self.rpc_server), self.port, self.profile_args,
+                                            self.cards)
         self.proc = process.spawn(argv, dict(os.environ) if self.env is None else self.env,
                                   self.log_path, log)
         deadline = time.monotonic() + LISTEN_WAIT_S
@@ -95,19 +98,25 @@ class WorkerShare:
 class MainShare:
     """This node as the main node of a split replica: one loopback relay port per worker,
     and the engine's flags for them (worker_layers of the model's layers on the workers,
-    shared as tensor_split says)."""
+    shared as tensor_split says). On cards, device_layers instead: the layers of each
+    device the engine sees, the workers' first and then its own cards
+    (rpc_relay.gpu_main_flags)."""
 
     def __init__(self, tls: TLSFiles, workers: list[Worker], worker_layers: int,
                  tensor_split: str = "",
                  on_lost: Callable[[Worker, str], None] | None = None,
-                 revocations: Revocations | None = None) -> None:
+                 revocations: Revocations | None = None,
+                 device_layers: list[int] | None = None) -> None:
         self.relay = MainRelay(tls, workers, on_lost, revocations=revocations)
         self.worker_layers = worker_layers
         self.tensor_split = tensor_split
+        self.device_layers = device_layers
 
     def start(self) -> list[str]:
         """The relays started; the flags the main engine gets (after the profile's)."""
         self.relay.start()
+        if self.device_layers:
+            return rpc_relay.gpu_main_flags(self.relay.endpoints(), self.device_layers)
         flags = rpc_relay.main_flags(self.relay.endpoints(), self.worker_layers)
         if self.tensor_split and len(self.relay.workers) > 1:
             flags += ["--tensor-split", self.tensor_split]

@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 from llmgw import httpclient
-from llmgw.agent import sizing
+from llmgw.agent import rpc_relay, sizing
 from llmgw.agent.replicas import _probe, _weights
 from llmgw.agent.replicas import log as engine_log
 from llmgw.agent.replicas._giveups import GIVE_UP_FOR_S, GiveUps, given_up
@@ -376,6 +376,8 @@ class ReplicaSupervisor:
             raise RuntimeError(NO_RPC_BACKEND.format(engine=record.engine,
                                                      path=self.engine(record.engine)))
         check_engine_args(record.args)
+        # Its cards alone visible (none on CPU): rpc-server serves every device it sees. A
+        # share on cards is the CUDA engine's whatever the assignment named (engine_for).
         _, devices = placement(record.gpus, self.gpus, record.args)
         main = str(record.split.get("main", ""))
         self.set_state(replica, ReplicaState.STARTING, f"starting rpc-server for main node "
@@ -384,7 +386,7 @@ class ReplicaSupervisor:
                             profile_args=record.args, log_path=self.dir / f"{record.id}.log",
                             relay_port=record.relay_port,
                             env=environment(devices, self.interface),
-                            revocations=self.revocations())
+                            cards=len(record.gpus), revocations=self.revocations())
         replica.share = share
         record.relay_port = share.start()
         assert share.proc is not None
@@ -398,12 +400,11 @@ class ReplicaSupervisor:
 
     def start_main_share(self, replica: Replica) -> tuple[list[str], dict[str, str]]:
         """The relays to a split replica's workers; the engine's flags for them and its
-        environment (its own layers on this node's CPU: --rpc, the workers' layers on
-        their devices, shared by their layers where there are several)."""
+        environment: on CPU its own layers on this node's CPU (--rpc, the workers' layers
+        on their devices, shared by their layers where there are several); on cards, its
+        cards alone visible and every layer on a device, the workers' and its own
+        (_device_layers)."""
         record = replica.record
-        if record.gpus:
-            raise RuntimeError("this agent runs a split replica's main part on the CPU only, "
-                               f"and the control plane placed it on GPU {', '.join(record.gpus)}")
         workers = list(record.split.get("workers") or [])
         if not workers or any(not w.get("port") for w in workers):
             raise RuntimeError(f"the assignment names workers without their relay's port: "
@@ -412,13 +413,18 @@ class ReplicaSupervisor:
         # A lost worker makes the engine abort (llama.cpp's RPC has no failover): no
         # debugger attached for a backtrace of that, which holds the stream in flight open.
         env = {"CUDA_VISIBLE_DEVICES": "", "GGML_NO_BACKTRACE": "1"}
+        if record.gpus:
+            # Its cards by UUID (refused where this node's NVML does not have them); no
+            # --device: that would leave the workers' RPC devices out.
+            env.update(placement(record.gpus, self.gpus, record.args)[1])
         share = MainShare(self._tls(),
                           [Worker(str(w["node"]), str(w["addr"]), int(w["port"]))
                            for w in workers],
                           sum(int(w["layers"]) for w in workers),
                           ",".join(str(int(w["layers"])) for w in workers),
                           on_lost=lambda w, why: self._worker_lost(replica, w, why),
-                          revocations=self.revocations())
+                          revocations=self.revocations(),
+                          device_layers=_device_layers(record) if record.gpus else None)
         replica.share = share
         return share.start(), env
 
@@ -453,9 +459,14 @@ class ReplicaSupervisor:
     def sized(self, record: Record) -> sizing.Sized:
         """A GPU replica's args with its slots sized for its cards' free memory now (its
         engine is not running, so that memory is all it may take); a CPU replica's as they
-        are (llama-server's default slots: CPU generation does not gain from more)."""
+        are (llama-server's default slots: CPU generation does not gain from more), and so
+        are a split main's on cards: its cards hold only their share, which the control
+        plane fitted with the workers'."""
         if not record.gpus:
             return sizing.Sized(list(record.args), "")
+        if record.role == "main":
+            return sizing.Sized(list(record.args), f"split over nodes: its layers on GPU "
+                                                   f"{', '.join(record.gpus)} and its workers'")
         return sizing.gpu_args(record.args, Path(record.weights), record.gpus, self.cards())
 
     def _failed(self, replica: Replica, why: str) -> None:
@@ -584,3 +595,17 @@ class ReplicaSupervisor:
 
     def _wait_idle(self, record: Record) -> str:
         return _probe.wait_idle(self.http, self.endpoint(record), record.api_key)
+
+
+def _device_layers(record: Record) -> list[int]:
+    """A GPU main's layers a device, in llama.cpp's order of them: each worker's cards (a
+    CPU worker is one device), then this node's; each node's layers shared evenly over its
+    cards, as the scheduler fitted them (control.scheduler._cards_give)."""
+    if "layers" not in record.split:
+        raise RuntimeError("the assignment does not say how many layers the main node keeps "
+                           "(its control plane is older than GPU splits over nodes); update "
+                           "the control plane")
+    split: list[int] = []
+    for w in record.split.get("workers") or []:
+        split += rpc_relay.even(int(w["layers"]), max(len(w.get("gpus") or []), 1))
+    return split + rpc_relay.even(int(record.split["layers"]), len(record.gpus))
