@@ -14,10 +14,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE
-from llmgw.contract.records import Assignment, Gpu
+from llmgw.contract.records import Assignment, Gpu, SplitMain, SplitShare, SplitWorker
 
 ENGINE_NAME = "llama-server"
 RPC_SERVER_NAME = "rpc-server"
@@ -45,13 +44,32 @@ class Record:
     # A replica split over nodes: this node's part as the assignment said it (SplitMain or
     # SplitShare; empty for a replica on one node). On a worker, pid and port are
     # rpc-server's (port on 127.0.0.1) and relay_port its relay's on the management address.
-    split: dict[str, Any] = field(default_factory=dict)
+    split: SplitMain | SplitShare | None = None
     relay_port: int = 0
 
     @property
     def role(self) -> str:
         """main, worker, or '' for a replica on one node."""
-        return str(self.split.get("role", ""))
+        return self.split["role"] if self.split else ""
+
+    @property
+    def main_node(self) -> str:
+        """A worker's main node (the one its relay admits); '' elsewhere."""
+        return self.split["main"] if self.split and self.split["role"] == "worker" else ""
+
+    @property
+    def workers(self) -> list[SplitWorker]:
+        """A main's workers, in the order its engine numbers them; [] elsewhere."""
+        return list(self.split["workers"]) if self.split and self.split["role"] == "main" \
+            else []
+
+    @property
+    def main_layers(self) -> int | None:
+        """The layers a GPU main keeps on its own cards; None where not said (a CPU main,
+        or a control plane older than GPU splits over nodes)."""
+        if self.split and self.split["role"] == "main" and "layers" in self.split:
+            return self.split["layers"]
+        return None
 
     @property
     def process_name(self) -> str:

@@ -237,7 +237,7 @@ class ReplicaSupervisor:
                                     args=list(a.get("args", [])),
                                     engine=engine_for(a),
                                     gpus=list(a.get("gpus") or []),
-                                    split=dict(a.get("split") or {}))
+                                    split=a.get("split"))
                     self.replicas[rid] = Replica(record)
                     self._launch(self.replicas[rid])
 
@@ -379,7 +379,7 @@ class ReplicaSupervisor:
         # Its cards alone visible (none on CPU): rpc-server serves every device it sees. A
         # share on cards is the CUDA engine's whatever the assignment named (engine_for).
         _, devices = placement(record.gpus, self.gpus, record.args)
-        main = str(record.split.get("main", ""))
+        main = record.main_node
         self.set_state(replica, ReplicaState.STARTING, f"starting rpc-server for main node "
                        f"{main}")
         share = WorkerShare(Path(rpc), self._tls(), host=self.bind_host, main_node=main,
@@ -405,7 +405,7 @@ class ReplicaSupervisor:
         cards alone visible and every layer on a device, the workers' and its own
         (_device_layers)."""
         record = replica.record
-        workers = list(record.split.get("workers") or [])
+        workers = record.workers
         if not workers or any(not w.get("port") for w in workers):
             raise RuntimeError(f"the assignment names workers without their relay's port: "
                                f"{workers}; the control plane sends the main's part once "
@@ -601,11 +601,12 @@ def _device_layers(record: Record) -> list[int]:
     """A GPU main's layers a device, in llama.cpp's order of them: each worker's cards (a
     CPU worker is one device), then this node's; each node's layers shared evenly over its
     cards, as the scheduler fitted them (control.scheduler._cards_give)."""
-    if "layers" not in record.split:
+    layers = record.main_layers
+    if layers is None:
         raise RuntimeError("the assignment does not say how many layers the main node keeps "
                            "(its control plane is older than GPU splits over nodes); update "
                            "the control plane")
     split: list[int] = []
-    for w in record.split.get("workers") or []:
+    for w in record.workers:
         split += rpc_relay.even(int(w["layers"]), max(len(w.get("gpus") or []), 1))
-    return split + rpc_relay.even(int(record.split["layers"]), len(record.gpus))
+    return split + rpc_relay.even(layers, len(record.gpus))
