@@ -251,6 +251,8 @@ def test_the_heartbeat_says_rpc_where_the_ready_engine_has_rpc_server_beside_it(
     assert agent.inventory()["rpc"] is False, "the engine is not ready yet"
     agent.engine._status = engine_status(CPU_ENGINE, "v", EngineState.READY)
     assert agent.inventory()["rpc"] is True
+    # Which engine has it: the CPU one here, not the GPU engine (none on this node).
+    assert agent.inventory()["rpc_engines"] == [CPU_ENGINE]
     assert agent.rpc_server(CPU_ENGINE) == Path(rpc_engine[1])
 
     launcher = tmp_path / "prebuilt" / "llama-server"
@@ -259,7 +261,7 @@ def test_the_heartbeat_says_rpc_where_the_ready_engine_has_rpc_server_beside_it(
         binary.write_text("#!/bin/sh\n")
         binary.chmod(0o755)
     agent.engine.found = Found(launcher, "v", "prebuilt cache")
-    assert agent.inventory()["rpc"] is False
+    assert agent.inventory()["rpc"] is False and agent.inventory()["rpc_engines"] == []
     agent.engine.found = Found(Path(rpc_engine[0]), "v", "configured")
     assert agent.inventory()["rpc"] is False, "llmgw cannot know what a configured one has"
     agent.engine.found = Found(Path(rpc_engine[0]), "v", "cache")

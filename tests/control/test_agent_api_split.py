@@ -210,6 +210,7 @@ def test_the_scheduler_places_a_gpu_split_and_the_store_keeps_each_workers_cards
         api = AgentAPI(store)
         for n, mb in nodes.items():
             body = {"engines": ["llamacpp", "llamacpp-cuda"], "rpc": True,
+                    "rpc_engines": ["llamacpp", "llamacpp-cuda"],
                     "memory_mb": 64_000, "addr": f"10.0.0.{ord(n) - 96}",
                     "gpus": cards(n, mb), "replicas": []}
             api.heartbeat(n, body)  # type: ignore[arg-type]

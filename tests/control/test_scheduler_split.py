@@ -30,7 +30,8 @@ def big(nodes: int | str = "auto", size_gib: float = 20, name: str = "big") -> d
 
 def rpc(id: str, memory_gib: float = 16, state: str = "ready", able: bool = True) -> dict:
     """A ready CPU node of memory_gib whose engine has the RPC backend (unless able=False)."""
-    return {**node(id, state=state, memory_mb=int(memory_gib * 1024)), "rpc": able}
+    return {**node(id, state=state, memory_mb=int(memory_gib * 1024)), "rpc": able,
+            "rpc_engines": ["llamacpp"] if able else []}
 
 
 def split(id: str = "r1", main: str = "a", workers: tuple[str, ...] = ("b",),
@@ -73,7 +74,8 @@ def test_only_nodes_with_the_rpc_backend_take_part_and_the_reason_says_how_to_ge
     names the source build (engine.prebuilt: off). The control: with it, placed."""
     (r,) = plan([big()], [rpc("a", able=False), rpc("b", able=False)], []).add
     assert r["node"] == "" and "engine.prebuilt: off" in r["err"], r["err"]
-    assert "split over nodes: cpu: no ready node has llama.cpp's RPC backend" in r["err"]
+    assert "split over nodes: cpu: no ready node's CPU engine (llamacpp) has llama.cpp's RPC " \
+        "backend" in r["err"]
     (r,) = plan([big()], [rpc("a"), rpc("b", able=False), rpc("c")], []).add
     assert (r["node"], [w["node"] for w in r["workers"]]) == ("a", ["c"])
 

@@ -30,11 +30,13 @@ def card(node_id: str, i: int, cls: str = CLASS, memory_mb: int = CARD_MB,
 
 
 def gpu_node(id: str, cards: list[dict[str, Any]] | None = None, able: bool = True,
-             engines: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """A ready node with two 24 GB cards (unless cards says), its GPU engine ready and
-    llama.cpp's RPC backend (unless able=False)."""
+             engines: tuple[str, ...] | None = None,
+             rpc_engines: tuple[str, ...] = ("llamacpp", "llamacpp-cuda")) -> dict[str, Any]:
+    """A ready node with two 24 GB cards (unless cards says), its GPU engine ready and both
+    engines with llama.cpp's RPC backend (unless able=False, or rpc_engines says which)."""
     cards = cards if cards is not None else [card(id, 0), card(id, 1)]
-    return {**node(id, gpus=cards, memory_mb=64_000, engines=engines), "rpc": able}
+    return {**node(id, gpus=cards, memory_mb=64_000, engines=engines), "rpc": able,
+            "rpc_engines": list(rpc_engines) if able else []}
 
 
 def seventy(nodes: int | str = "auto", gpus: int | str = 2, size_gb: float = 70,
@@ -103,6 +105,20 @@ def test_only_rpc_nodes_whose_gpu_engine_is_ready_take_part() -> None:
     (r,) = plan([seventy()], nodes[1:3], []).add
     assert r["node"] == "" and "c's GPU engine (llamacpp-cuda) is not ready" in r["err"], \
         r["err"]
+
+
+def test_a_node_whose_gpu_engine_lacks_the_rpc_backend_takes_no_part_in_a_gpu_split() -> None:
+    """b's CPU build has rpc-server and its GPU build (made before GGML_RPC) has none: a
+    GPU split goes over a and d, never b, and without a and d it waits saying no node's
+    GPU engine has the backend. The control: with its GPU engine's backend, b takes part."""
+    nodes = [gpu_node("a"), gpu_node("b", rpc_engines=("llamacpp",)), gpu_node("d")]
+    (r,) = plan([seventy()], nodes, []).add
+    assert "b" not in cards_of(r) and sorted(cards_of(r)) == ["a", "d"]
+    (r,) = plan([seventy()], nodes[1:2], []).add
+    assert r["node"] == "" and "no ready node's GPU engine (llamacpp-cuda) has" in r["err"], \
+        r["err"]
+    (r,) = plan([seventy()], [gpu_node("b"), gpu_node("d")], []).add
+    assert sorted(cards_of(r)) == ["b", "d"]
 
 
 def test_a_split_replica_holds_every_card_it_lists_on_every_node() -> None:

@@ -109,6 +109,7 @@ class Agent:
                                                      self.config.interface)
         statuses = [self.engine.status, self.cuda.status]
         cards = self.cards()
+        rpc_engines = [k for k in (CPU_ENGINE, CUDA_ENGINE) if self.rpc_server(k) is not None]
         return {
             "node_id": self.config.node_id,
             "gpus": cards,
@@ -119,8 +120,8 @@ class Agent:
             "provision": statuses,
             "interface": interface,
             "addr": addr,
-            "rpc": self.rpc_server(CPU_ENGINE) is not None
-            or self.rpc_server(CUDA_ENGINE) is not None,
+            "rpc": bool(rpc_engines),
+            "rpc_engines": rpc_engines,
             "warnings": [*self.warnings(), *gpu_discovery.lost_card_warnings(cards)],
             "replicas": self._sent(self.workload.report()),
             **self.workload.facts(),

@@ -105,6 +105,9 @@ class Inventory(TypedDict, total=False):
     # Whether this node's ready engine has llama.cpp's RPC backend (rpc-server beside
     # llama-server, and --rpc): only such nodes take part in a replica split over nodes.
     rpc: bool
+    # Which of its ready engines have it (llamacpp, llamacpp-cuda): a GPU split takes only
+    # nodes whose GPU engine has it. An older agent sends `rpc` alone, for its CPU engine.
+    rpc_engines: list[str]
 
 
 class NodeRecord(TypedDict):
@@ -136,6 +139,9 @@ class NodeView(TypedDict):
     given_up: NotRequired[list[GivenUp]]
     # Its inventory's `rpc`: whether it may take part in a replica split over nodes.
     rpc: NotRequired[bool]
+    # Its inventory's `rpc_engines`: the engines of it that may (a GPU split needs the GPU
+    # engine's).
+    rpc_engines: NotRequired[list[str]]
 
 
 @with_config(_CLOSED)

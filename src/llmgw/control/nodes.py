@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
-from llmgw.contract import CUDA_ENGINE, EngineState, NodeState
+from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState, NodeState
 from llmgw.contract.records import NodeRecord, NodeView
 
 # Kept by the store (which counts silence from it); said here with the rest of a node's state.
@@ -67,6 +67,9 @@ def _inventory_view(node_id: str, inv: Mapping[str, Any]) -> Mapping[str, object
         "control_plane": inv.get("control_plane", ""),
         "given_up": list(inv.get("given_up", [])),
         "rpc": inv.get("rpc") is True,
+        # An older agent says `rpc` alone, of its CPU engine.
+        "rpc_engines": list(inv.get("rpc_engines") or
+                            ([CPU_ENGINE] if inv.get("rpc") is True else [])),
     }
     if len(_VIEWS) > 2 * _MOST_VIEWS:  # nodes removed long ago: start again
         _VIEWS.clear()

@@ -417,12 +417,15 @@ def _split_on(model: ModelSpec, profile: ProfileSpec, nodes: list[NodeView],
     if not model["size_bytes"] or not layers:
         return None, (f"{model['name']}'s size and layer count were not read from its GGUF "
                       "header, so its layers cannot be shared out")
-    able = [n for n in nodes if n.get("rpc") and n["state"] == NodeState.READY]
-    if not able:
-        return None, ("no ready node has llama.cpp's RPC backend (a node says rpc: true once "
-                      "its engine is the source build with GGML_RPC=ON: engine.prebuilt: off "
-                      "in its agent.yaml)")
     gpu = bool(profile["gpu_class"])
+    engine = CUDA_ENGINE if gpu else CPU_ENGINE
+    able = [n for n in nodes if engine in (n.get("rpc_engines") or [])
+            and n["state"] == NodeState.READY]
+    if not able:
+        return None, (f"no ready node's {'GPU' if gpu else 'CPU'} engine ({engine}) has "
+                      "llama.cpp's RPC backend (the source build has it, GGML_RPC=ON: "
+                      "engine.prebuilt: off in its agent.yaml; a GPU engine built before it "
+                      "had it is rebuilt once its cache folder is removed)")
     candidates: list[_split.Candidate] = []
     cards: dict[str, list[Gpu]] = {}
     said: list[str] = []
