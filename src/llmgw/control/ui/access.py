@@ -120,9 +120,16 @@ def expired(name: str, expires: float | None, now: float) -> str:
 
 async def signed_in(credentials: Credentials, sessions: Sessions,
                     token: str) -> tuple[Principal | None, str]:
-    """The principal of the session whose cookie is token, or None and why not. A session
-    refused for any reason is forgotten in the store there and then, on every control
-    plane: nothing revives it. StoreError when the store is away."""
+    """The principal of the session whose cookie is token, or None and why not. StoreError
+    when the store is away.
+
+    A session of an admin token that has changed is forgotten in the store there and then,
+    on every control plane, so putting the old token's hash back revives none. A session
+    refused for what cannot be undone (its viewer key revoked or expired, its lifetime
+    over) is kept until its lifetime ends: every page and control plane that asks reads the
+    same reason from the store (two tabs, each on its own control plane, both say the key
+    was revoked, not the one that asks second "the session has ended"), and the sweep at a
+    sign-in removes it with the other expired ones."""
     found = sessions.cached(token)
     if found is None:
         found = await anyio.to_thread.run_sync(sessions.find, token)
@@ -133,7 +140,8 @@ async def signed_in(credentials: Credentials, sessions: Sessions,
                       "credential); sign in again")
     why = credentials.refusal(found)
     if why:
-        await anyio.to_thread.run_sync(sessions.forget, token)
+        if found.principal.role == "admin":
+            await anyio.to_thread.run_sync(sessions.forget, token)
         return None, f"the session has ended: {why}"
     return found.principal, ""
 
