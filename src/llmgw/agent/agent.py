@@ -21,6 +21,7 @@ from llmgw.agent.join import needs_renewal, renewal_request
 from llmgw.agent.replicas.process import memlock_for_engines, preset_socket_ifnames
 from llmgw.agent.replicas.supervisor import GPU_START_ATTEMPTS, ReplicaSupervisor
 from llmgw.agent.revocation import Revocations, kept_fresh
+from llmgw.agent.watch import Watch
 from llmgw.agent.workload import NoReplicas, Workload
 from llmgw.config import AgentConfig
 from llmgw.contract import CPU_ENGINE, CUDA_ENGINE, EngineState
@@ -41,9 +42,6 @@ LOADING_BEAT_S = 0.5
 # While a replica downloads or starts, its state is looked at this often between beats (a
 # health probe of its engine on this host): a replica that became ready is reported at once.
 LOADING_LOOK_S = 0.1
-# A watch that got no answer (the control plane restarts, say) is held again after this;
-# while the control plane is away no watch is held at all (the beats' backoff rules).
-WATCH_RETRY_S = 2.0
 
 
 def backoff_s(heartbeat_s: float, failures: int,
@@ -93,14 +91,19 @@ class Agent:
         self._renew_checked = float("-inf")
         # The cluster's revocation list, for the RPC relays of split replicas (run_agent's).
         self.revocations: Revocations | None = None
-        # The watch (AgentPaths.WATCH): held on a client of its own while the control
-        # plane answers beats; off with watch=False, or for good after a 404 (a control
-        # plane older than it), when the agent only beats.
-        self.watching = watch
-        self.revision = ""  # the last heartbeat answer's ("" when it had none)
-        self._revised = threading.Condition()
-        self._wake = threading.Event()  # set by the watch: beat now
+        # The watch (llmgw.agent.watch): off with watch=False, or for good after a 404.
+        self.watch = Watch(lambda: self.config, lambda: self.control_planes.current,
+                           lambda: self.failures > 0, lambda: bool(self.removed), on=watch)
         self._sent_replicas: dict[str, str] = {}  # the replicas' states the last beat sent
+
+    @property
+    def watching(self) -> bool:
+        """Whether this agent holds a watch (off with watch=False, or after a 404)."""
+        return self.watch.on
+
+    @watching.setter
+    def watching(self, on: bool) -> None:
+        self.watch.on = on
 
     def inventory(self) -> Heartbeat:
         """The heartbeat body (contract.records.Heartbeat); the control plane names the node
@@ -168,7 +171,7 @@ class Agent:
 
     def beat(self) -> float:
         """One heartbeat; returns how long to wait before the next."""
-        self._wake.clear()  # this beat brings whatever the watch saw
+        self.watch.woken.clear()  # this beat brings whatever the watch saw
         try:
             if self.registered:
                 self.renew_if_due()
@@ -193,7 +196,7 @@ class Agent:
         self.registered = True
         self.failures = 0
         self.control_planes.learn(answer)
-        self._revised_to(answer.get("revision", ""))
+        self.watch.revised_to(answer.get("revision", ""))
         self.workload.reconcile(list(answer.get("replicas") or []))
         self.cuda.retry_if_cache_changed()
         return self.config.heartbeat_s
@@ -246,72 +249,15 @@ class Agent:
             if self.failures:  # away: the backoff alone decides (no watch is held)
                 stop.wait(min(left, 0.25))
                 continue
-            self._wake.wait(min(left, LOADING_LOOK_S if self.workload.loading() else 0.25))
+            self.watch.woken.wait(min(left, LOADING_LOOK_S if self.workload.loading() else 0.25))
 
     def _news(self, sent: tuple[str, str]) -> bool:
         """Whether to beat now: the watch woke this agent, an engine's state moved, or a
         replica that loads changed state (its engine's health probed here)."""
-        if self._wake.is_set() or self._states() != sent:
+        if self.watch.woken.is_set() or self._states() != sent:
             return True
         return self.workload.loading() and \
             _replica_states(self.workload.report()) != self._sent_replicas
-
-    def _revised_to(self, revision: str) -> None:
-        with self._revised:
-            self.revision = revision
-            self._revised.notify_all()
-
-    def _watch(self, stop: threading.Event) -> None:
-        """Hold a watch on the current control plane while it answers beats, on a client
-        of this thread's own (a held request never delays a beat); when it says the
-        assignments changed, wake the heartbeat loop and wait for the beat that brings
-        them. A 404 (a control plane older than the watch) turns the watch off."""
-        client: AgentClient | None = None
-        try:
-            while self.watching and not stop.is_set() and not self.removed:
-                with self._revised:
-                    self._revised.wait_for(lambda: stop.is_set() or bool(
-                        self.revision and not self.failures), timeout=1.0)
-                    since = "" if self.failures else self.revision
-                if not since or stop.is_set():
-                    continue
-                client = self._watch_client(client)
-                try:
-                    answer = client.watch(since)
-                except APIError as e:
-                    if e.status == 404:
-                        self.watching = False
-                        log.info("the control plane at %s has no watch (an older version): "
-                                 "this node learns its assignments at each heartbeat", client.shown)
-                        return
-                    log.debug("the watch got no answer (%s); holding one again in %.0f s",
-                              e, WATCH_RETRY_S)
-                    stop.wait(WATCH_RETRY_S)
-                    continue
-                if answer.get("changed"):
-                    self._wake.set()
-                    self._until_revised_from(since, stop)
-        finally:
-            if client is not None:
-                client.close()
-
-    def _until_revised_from(self, since: str, stop: threading.Event) -> None:
-        """Until a beat brought a revision other than since (or a heartbeat passed)."""
-        with self._revised:
-            self._revised.wait_for(lambda: stop.is_set() or self.revision != since,
-                                   timeout=self.config.heartbeat_s)
-
-    def _watch_client(self, client: AgentClient | None) -> AgentClient:
-        """The watch's client, moved to the control plane the beats go to now."""
-        server = self.control_planes.current
-        if client is None:
-            # The beats' timeout for the connect (a frozen control plane is left as fast);
-            # the answer itself is waited for as long as the control plane holds it.
-            return AgentClient(server, self.config.tls,
-                               timeout=self.config.failover_timeout_s)
-        if client.server != server.rstrip("/"):
-            client.move_to(server)
-        return client
 
     def _sooner_while_loading(self, delay_s: float) -> float:
         """The wait before the next heartbeat: at most LOADING_BEAT_S while a replica loads
@@ -330,15 +276,14 @@ class Agent:
             log.warning("%s", warning)
         self.engine.start()
         self.cuda.start()
-        watcher = threading.Thread(target=self._watch, args=(stop,), name="agent-watch",
+        watcher = threading.Thread(target=self.watch.run, args=(stop,), name="agent-watch",
                                    daemon=True)
         watcher.start()
         try:
             while not stop.is_set() and not self.removed:
                 self._pause(stop, self._sooner_while_loading(self.beat()))
         finally:
-            with self._revised:
-                self._revised.notify_all()
+            self.watch.release()
             self.cuda.stop()
             self.engine.stop()
             self.client.close()
