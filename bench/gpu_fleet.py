@@ -37,7 +37,7 @@ In one call of at most ten minutes, on a machine that reaches no network:
    temperature 0 against the unsplit one's, what the rpc-server holds, tokens/s split
    against unsplit (goal: the same answer). Then, where the CUDA build's llama-server is
    beside its rpc-server, the same split with it as the main on this card, as an agent
-   runs a GPU profile's split over nodes (rpc_relay.gpu_main_flags): its answer, offload
+   runs a GPU profile's split over nodes (rpc_argv.gpu_main_flags): its answer, offload
    and buffers by device (`rpc_gpu_main_*`).
 
 Each step is written to OUT/fleet.json as it ends (a run cut off still says how far it

@@ -12,7 +12,7 @@ agents' TLS relay, against the same model unsplit.
 The certificates (a cluster CA, main-1's and worker-1's) and an empty revocation list are
 made at run time; the worker's relay checks that list in its handshake, as an agent's does.
 The model's last half of its layers go to the rpc-server (its output layer stays on the
-main engine, as rpc_relay.main_flags keeps it). One
+main engine, as rpc_argv.main_flags keeps it). One
 question at temperature 0 to each engine in turn: the unsplit one (the CPU engine alone),
 then the split one. What is recorded: whether the answers are the same text (and the first
 character where they part), the layers the main engine offloaded and each buffer's MiB by
@@ -24,7 +24,7 @@ against unsplit.
 
 With main_engine (the CUDA build's llama-server beside its rpc-server), the same split once
 more with that engine as the main, on this machine's card, as an agent runs the main of a
-GPU profile split over nodes (rpc_relay.gpu_main_flags: every layer offloaded, the RPC
+GPU profile split over nodes (rpc_argv.gpu_main_flags: every layer offloaded, the RPC
 device first, then CUDA0, whose share keeps the output layer): its answer against the
 unsplit one's, its offload and buffers by device (`CUDA0` the main's share, `RPC0[...]`
 the worker's; the output off the CPU), tokens/s.
@@ -44,6 +44,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 
 from llmgw.agent import rpc_relay
+from llmgw.agent.replicas import rpc_argv
 from llmgw.agent.revocation import Revocations
 from llmgw.agent.rpc_relay import MainRelay, Worker, WorkerRelay
 from llmgw.config import TLSFiles
@@ -98,7 +99,7 @@ def start_rpc_server(binary: Path, out: Path) -> tuple[subprocess.Popen[bytes], 
     port = free_port(rpc_relay.LOOPBACK)
     log = out / "rpc-server.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen(rpc_relay.rpc_server_command(str(binary), port, []),
+        proc = subprocess.Popen(rpc_argv.rpc_server_command(str(binary), port, []),
                                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + LISTEN_WAIT_S
     while True:
@@ -199,7 +200,7 @@ def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model
             return {"rpc_server_gpu_mib": None if memory is None else memory.get(str(proc.pid))}
 
         split = gpu_check.serve_once(str(cpu_engine), model, out, "rpc-split",
-                                     rpc_relay.main_flags(main.endpoints(), layers), held,
+                                     rpc_argv.main_flags(main.endpoints(), layers), held,
                                      n_probs=2)
         alive = proc.poll() is None
         gpu_main = None if main_engine is None else _gpu_main(
@@ -249,9 +250,9 @@ def rpc_case(gpu_check: ModuleType, *, rpc_server: Path, cpu_engine: Path, model
 
 def _gpu_main(gpu_check: ModuleType, engine: Path, model: Path, out: Path, endpoints: str,
               split: list[int], unsplit: dict[str, Any]) -> dict[str, Any]:
-    """The split served once more with engine as a GPU main (rpc_relay.gpu_main_flags, the
+    """The split served once more with engine as a GPU main (rpc_argv.gpu_main_flags, the
     worker's layers then its own); what it found, or why it failed (the rest stands)."""
-    flags = rpc_relay.gpu_main_flags(endpoints, split)
+    flags = rpc_argv.gpu_main_flags(endpoints, split)
     try:
         served = gpu_check.serve_once(str(engine), model, out, "rpc-split-gpu-main", flags,
                                       n_probs=2)

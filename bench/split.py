@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._engine import default_model, wait_ok  # noqa: E402
 from llmgw.agent import rpc_relay  # noqa: E402
 from llmgw.agent.engines.cpu import LlamaCpp  # noqa: E402
+from llmgw.agent.replicas import rpc_argv  # noqa: E402
 from llmgw.agent.rpc_relay import MainRelay, Worker, WorkerRelay  # noqa: E402
 from llmgw.config import EngineConfig, TLSFiles  # noqa: E402
 from llmgw.host import pki  # noqa: E402
@@ -240,15 +241,15 @@ def main() -> None:
     layers = args.worker_layers or max(1, layers_of(model) // 2)
     files = certificates(work)
     rpc_port = free_port("127.0.0.1")
-    rpc = subprocess.Popen(rpc_relay.rpc_server_command(rpc_bin, rpc_port, ["-t", "1"]),
+    rpc = subprocess.Popen(rpc_argv.rpc_server_command(rpc_bin, rpc_port, ["-t", "1"]),
                            stdout=open(work / "rpc-server.log", "ab"), stderr=subprocess.STDOUT)
     worker = WorkerRelay(files["worker-1"], host=WORKER_ADDR, upstream_port=rpc_port,
                          main_node="main-1")
     relay = MainRelay(files["main-1"], [Worker("worker-1", WORKER_ADDR, worker.start())])
     relay.start()
     ends: dict[str, tuple[Any, Any]] = {"tls relay": (relay, worker)}
-    sides = {"tls relay": rpc_relay.main_flags(relay.endpoints(), layers),
-             "plain tcp": rpc_relay.main_flags(f"127.0.0.1:{rpc_port}", layers),
+    sides = {"tls relay": rpc_argv.main_flags(relay.endpoints(), layers),
+             "plain tcp": rpc_argv.main_flags(f"127.0.0.1:{rpc_port}", layers),
              "one node": []}
     if args.old_src:
         old = old_relay(args.old_src)
@@ -258,7 +259,7 @@ def main() -> None:
                                                               old_worker.start())])
         old_main.start()
         ends["old relay"] = (old_main, old_worker)
-        sides["old relay"] = rpc_relay.main_flags(old_main.endpoints(), layers)
+        sides["old relay"] = rpc_argv.main_flags(old_main.endpoints(), layers)
     time.sleep(1)
     rates: dict[str, dict[int, list[float]]] = {s: {n: [] for n in streams} for s in sides}
     relay_cpu = {s: 0.0 for s in ends}

@@ -23,6 +23,7 @@ import pytest
 
 from llmgw.agent import rpc_relay
 from llmgw.agent.client import AgentClient
+from llmgw.agent.replicas import rpc_argv
 from llmgw.agent.replicas.split import MainShare, WorkerShare
 from llmgw.agent.revocation import RevocationError, Revocations, kept_fresh
 from llmgw.agent.rpc_relay import MainRelay, Worker, WorkerRelay
@@ -362,7 +363,7 @@ def _serves(port: int) -> bool:
 def test_rpc_server_gets_only_the_threads_flag_of_a_profile() -> None:
     """The profile's args reach rpc-server only through engine_args' list (its threads);
     its address is the agent's: loopback. The control: the same args' --threads reaches it."""
-    argv = rpc_relay.rpc_server_command("/x/rpc-server", 5000,
+    argv = rpc_argv.rpc_server_command("/x/rpc-server", 5000,
                                         ["-c", "4096", "--threads", "3", "-ngl", "9"])
     assert argv[argv.index("/x/rpc-server"):] == [
         "/x/rpc-server", "--host", "127.0.0.1", "--port", "5000", "--threads", "3"]
@@ -547,7 +548,7 @@ def control_plane(cluster: Cluster, tmp_path: Path) -> Iterator[ControlPlane]:
 def rpc_server(rpc_engine: tuple[str, str], tmp_path: Path) -> Iterator[Proc]:
     """Function: the real rpc-server on a free loopback port, its log in tmp_path."""
     port = _free_port()
-    p = _spawn(rpc_relay.rpc_server_command(rpc_engine[1], port, ["--threads", "1"]),
+    p = _spawn(rpc_argv.rpc_server_command(rpc_engine[1], port, ["--threads", "1"]),
                tmp_path / "rpc-server.log", port)
     try:
         _wait("rpc-server to listen", lambda: _port_open(port) or p.proc.poll() is not None,

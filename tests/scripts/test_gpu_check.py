@@ -366,7 +366,7 @@ def test_the_rpc_case_answers_as_the_unsplit_model_through_the_tls_relay(
     assert step["relay"]["carried"] >= 1 and step["relay"]["refused"] == []
     assert step["relay"]["bytes_to_worker"] > 0 and step["rpc_server_connections"] >= 1
     assert "Accepted client connection" in (tmp_path / "out" / "rpc-server.log").read_text()
-    # The GPU main's flags (rpc_relay.gpu_main_flags), rehearsed with the dry-run engine
+    # The GPU main's flags (rpc_argv.gpu_main_flags), rehearsed with the dry-run engine
     # beside the rpc-server: taken, every layer offloaded, the same answer.
     assert line["rpc_gpu_main_failed"] is None and line["rpc_gpu_main_answer_equal"] is True
     assert line["rpc_gpu_main_layers_offloaded"] == "3/3", line

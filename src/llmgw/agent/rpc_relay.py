@@ -50,7 +50,6 @@ import datetime as dt
 import functools
 import hashlib
 import logging
-import shutil
 import socket
 import ssl
 import threading
@@ -65,13 +64,10 @@ from llmgw.agent.revocation import Revocations
 from llmgw.config import TLSFiles
 from llmgw.errors import Error
 from llmgw.host import pki
-from llmgw.model.engine_args import rpc_server_args
 
 log = logging.getLogger("llmgw.agent.rpc_relay")
 
 LOOPBACK = "127.0.0.1"
-# --n-gpu-layers for every layer (llmgw.agent.replicas.process uses the same).
-ALL_LAYERS = "999"
 # One read's worth (a buffer per direction of each connection): set_tensor carries whole
 # weight tensors and get_tensor the logits, so large reads mean fewer system calls.
 CHUNK = 256 * 1024
@@ -83,49 +79,6 @@ KEEPALIVE_COUNT = 3
 # How long sent bytes may stay unacknowledged before the kernel ends the connection (ms).
 USER_TIMEOUT_MS = (KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S) * 1000
 START_TIMEOUT_S = 10.0
-
-
-def rpc_server_command(binary: str, port: int, profile_args: list[str],
-                       cards: int = 0) -> list[str]:
-    """A worker's rpc-server: on 127.0.0.1:port only (the relay is its one way in), with
-    the profile's rpc-server flags that engine_args allows (its threads), nothing else.
-    On cards (its CUDA_VISIBLE_DEVICES holds it to them): --device names each, CUDA0..,
-    since without it an rpc-server whose CUDA does not come up serves the CPU instead and
-    the share would run there unseen; with it, it exits. Line-buffered where stdbuf is
-    found, so its log says each connection as it comes."""
-    stdbuf = shutil.which("stdbuf")
-    devices = ["--device", ",".join(f"CUDA{i}" for i in range(cards))] if cards else []
-    return [*([stdbuf, "-oL"] if stdbuf else []), binary, "--host", LOOPBACK,
-            "--port", str(port), *devices, *rpc_server_args(profile_args)]
-
-
-# The output layer's weights (token_embd's where the model ties them) stay on the main node.
-OUTPUT_ON_MAIN = r"^(output|token_embd)\.weight$=CPU"
-
-
-def main_flags(endpoints: str, worker_layers: int) -> list[str]:
-    """The main engine's flags for its workers: their relayed endpoints, and the model's
-    last worker_layers repeating layers on them (the rest stay on the main node).
-    llama.cpp counts the output layer as the last of --n-gpu-layers (1 would offload only
-    it), so it is asked for one more and the output's weights are kept on the main node,
-    which the placement counts them against (control/_split.py)."""
-    return ["--rpc", endpoints, "--n-gpu-layers", str(worker_layers + 1),
-            "--override-tensor", OUTPUT_ON_MAIN]
-
-
-def gpu_main_flags(endpoints: str, split: list[int]) -> list[str]:
-    """A main engine on cards: every layer offloaded, layer by layer over its devices as
-    llama.cpp lists them (the workers' RPC devices first, each worker's cards in order, then
-    the main's own cards), split holding one count of layers a device. The output layer
-    goes with the last layers, to the main's last card: kept off its CPU (no
-    --override-tensor as main_flags has, which would put it there)."""
-    return ["--rpc", endpoints, "--n-gpu-layers", ALL_LAYERS, "--split-mode", "layer",
-            "--tensor-split", ",".join(str(n) for n in split)]
-
-
-def even(layers: int, cards: int) -> list[int]:
-    """layers shared over cards as evenly as whole layers go (the first take the rest)."""
-    return [layers // cards + (i < layers % cards) for i in range(cards)]
 
 
 class RelayError(Error):

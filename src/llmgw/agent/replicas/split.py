@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmgw.agent import rpc_relay
-from llmgw.agent.replicas import process
+from llmgw.agent.replicas import process, rpc_argv
 from llmgw.agent.revocation import Revocations
 from llmgw.agent.rpc_relay import MainRelay, RelayError, Worker, WorkerRelay
 from llmgw.config import TLSFiles
@@ -63,7 +63,7 @@ class WorkerShare:
                                  port=relay_port, revocations=revocations)
 
     def start(self) -> int:
-        argv = rpc_relay.rpc_server_command(str(self.rpc_server), self.port, self.profile_args,
+        argv = rpc_argv.rpc_server_command(str(self.rpc_server), self.port, self.profile_args,
                                             self.cards)
         self.proc = process.spawn(argv, dict(os.environ) if self.env is None else self.env,
                                   self.log_path, log)
@@ -100,7 +100,7 @@ class MainShare:
     and the engine's flags for them (worker_layers of the model's layers on the workers,
     shared as tensor_split says). On cards, device_layers instead: the layers of each
     device the engine sees, the workers' first and then its own cards
-    (rpc_relay.gpu_main_flags)."""
+    (rpc_argv.gpu_main_flags)."""
 
     def __init__(self, tls: TLSFiles, workers: list[Worker], worker_layers: int,
                  tensor_split: str = "",
@@ -116,8 +116,8 @@ class MainShare:
         """The relays started; the flags the main engine gets (after the profile's)."""
         self.relay.start()
         if self.device_layers:
-            return rpc_relay.gpu_main_flags(self.relay.endpoints(), self.device_layers)
-        flags = rpc_relay.main_flags(self.relay.endpoints(), self.worker_layers)
+            return rpc_argv.gpu_main_flags(self.relay.endpoints(), self.device_layers)
+        flags = rpc_argv.main_flags(self.relay.endpoints(), self.worker_layers)
         if self.tensor_split and len(self.relay.workers) > 1:
             flags += ["--tensor-split", self.tensor_split]
         return flags

@@ -41,8 +41,8 @@ from pathlib import Path
 import httpx
 
 from llmgw import httpclient
-from llmgw.agent import rpc_relay, sizing
-from llmgw.agent.replicas import _probe, _weights
+from llmgw.agent import sizing
+from llmgw.agent.replicas import _probe, _weights, rpc_argv
 from llmgw.agent.replicas import log as engine_log
 from llmgw.agent.replicas._giveups import GIVE_UP_FOR_S, GiveUps, given_up
 from llmgw.agent.replicas.process import (
@@ -608,5 +608,5 @@ def _device_layers(record: Record) -> list[int]:
                            "the control plane")
     split: list[int] = []
     for w in record.workers:
-        split += rpc_relay.even(int(w["layers"]), max(len(w.get("gpus") or []), 1))
-    return split + rpc_relay.even(layers, len(record.gpus))
+        split += rpc_argv.even(int(w["layers"]), max(len(w.get("gpus") or []), 1))
+    return split + rpc_argv.even(layers, len(record.gpus))
